@@ -1,0 +1,238 @@
+"""``fedpart client``: one process hosting one or more clients on one device.
+
+The process connects out to the coordinator, joins, loads its clients' data, then long-polls for
+tasks until the run is over. It keeps one cache of global tensors (with their versions) for all
+of its clients, so that an unchanged tensor crosses the wire once per process, and each client's
+personal parts in its :class:`ClientStore`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import torch
+
+from fedpart.client.evaluation import evaluate_and_personalize
+from fedpart.client.local_data import ClientData, load_client_data
+from fedpart.client.store import ClientStore
+from fedpart.client.training import train_local
+from fedpart.common.algorithms import build_algorithm
+from fedpart.common.config import config_from_dict
+from fedpart.common.experiment import build_run_model, dataset_dims
+from fedpart.common.losses import build_loss
+from fedpart.common.models import unit_forward_flops
+from fedpart.common.split_model import tensor_part
+from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
+from fedpart.proto import fedpart_pb2 as pb
+from fedpart.proto import fedpart_pb2_grpc as pb_grpc
+
+POLL_SECONDS = 20.0
+TRANSFER_SECONDS = 600.0   # deadline for moving one task or result, on top of the poll
+CONNECT_SECONDS = 120.0    # how long to wait for the server to come up or come back
+HEARTBEAT_SECONDS = 5.0
+
+
+class ClientError(RuntimeError):
+    """The client process cannot go on (message says why)."""
+
+
+def parse_client_ids(spec: str) -> list[int]:
+    """``"0-9"``, ``"3,5,7"`` or ``"0-3,8"`` -> sorted unique ids."""
+    ids: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                low, high = (int(x) for x in part.split("-", 1))
+                if high < low:
+                    raise ValueError
+                ids.update(range(low, high + 1))
+            else:
+                ids.add(int(part))
+        except ValueError as error:
+            raise ValueError(f"--clients: cannot read {part!r} (use e.g. 0-9 or 3,5,7)") from error
+    if not ids or min(ids) < 0:
+        raise ValueError(f"--clients {spec!r} names no valid client ids")
+    return sorted(ids)
+
+
+class ClientProcess:
+    """The loop of one client process."""
+
+    def __init__(self, server: str, client_ids: list[int], device: str = "cpu", data_root: str | None = None,
+                 state_dir: str | Path = "fedpart-state", threads: int | None = None) -> None:
+        self.server = server
+        self.client_ids = client_ids
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ClientError(f"--device {device}: CUDA is not available on this machine")
+        self.data_root = data_root
+        self.state_dir = Path(state_dir)
+        if threads:
+            torch.set_num_threads(threads)
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.cache: dict[str, torch.Tensor] = {}
+        self.versions: dict[str, int] = {}
+        self._stop = threading.Event()
+
+    def log(self, message: str) -> None:
+        print(f"[client {self.name}] {message}", flush=True)
+
+    # ------------------------------------------------------------------ connection
+
+    def _connect(self) -> None:
+        self.channel = grpc.insecure_channel(self.server, options=[
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ])
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=CONNECT_SECONDS)
+        except grpc.FutureTimeoutError as error:
+            raise ClientError(f"no server answered at {self.server} within {CONNECT_SECONDS:.0f} s") from error
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+
+    def _join(self) -> pb.JoinReply:
+        """Join, announcing the personal state an earlier process of the same run left on disk."""
+        previous = ClientStore.latest_run(self.state_dir)
+        earlier = ClientStore(self.state_dir, previous) if previous else None
+        hosted = [pb.HostedClient(id=c, personal_parts=earlier.personal_parts(c) if earlier else [])
+                  for c in self.client_ids]
+        request = pb.JoinRequest(protocol=1, process_name=self.name, clients=hosted, state_run_id=previous)
+        try:
+            return self.stub.Join(request, timeout=60)
+        except grpc.RpcError as error:
+            raise ClientError(f"join refused: {error.details()}") from error
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            try:
+                self.stub.Heartbeat(pb.HeartbeatRequest(session=self.session), timeout=HEARTBEAT_SECONDS)
+            except grpc.RpcError:
+                continue
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self, reply: pb.JoinReply) -> None:
+        self.session = reply.session
+        self.config = config_from_dict(json.loads(reply.run_config_json))
+        self.algorithm = build_algorithm(self.config.algorithm.name, self.config.algorithm.options)
+        self.model = build_run_model(self.config).to(self.device)
+        input_shape, num_classes = dataset_dims(self.config)
+        self.classification = num_classes > 0
+        self.loss_fn = build_loss(self.config.train.loss, self.classification)
+        self.unit_flops = unit_forward_flops(self.model, input_shape)
+        self.data: dict[int, ClientData] = load_client_data(self.config, self.client_ids, self.data_root, self.device)
+        sizes = ", ".join(f"{c}: {d.train_size}/{d.test_size}" for c, d in self.data.items())
+        self.log(f"run {reply.run_id}: {self.config.algorithm.name}, data (train/test) {sizes}")
+
+    def run(self) -> int:
+        """Serve tasks until the server says the run is over. Returns the exit code."""
+        self._connect()
+        reply = self._join()
+        self.store = ClientStore(self.state_dir, reply.run_id)
+        self.store.mark_latest()
+        self._setup(reply)
+        beat = threading.Thread(target=self._heartbeats, daemon=True)
+        beat.start()
+        try:
+            return self._serve()
+        finally:
+            self._stop.set()
+            beat.join(timeout=HEARTBEAT_SECONDS + 1)
+            self.channel.close()
+
+    def _serve(self) -> int:
+        lost_since: float | None = None
+        while True:
+            request = pb.TaskRequest(session=self.session, held_versions=self.versions, wait_seconds=POLL_SECONDS)
+            try:
+                header, tensors = decode_chunks(self.stub.GetTask(request, timeout=POLL_SECONDS + TRANSFER_SECONDS))
+                lost_since = None
+            except grpc.RpcError as error:
+                if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    lost_since = lost_since or time.monotonic()
+                    if time.monotonic() - lost_since > CONNECT_SECONDS:
+                        raise ClientError(f"lost the server at {self.server} for {CONNECT_SECONDS:.0f} s") from error
+                    self._stop.wait(1.0)
+                    continue
+                raise ClientError(f"server refused the task request: {error.details()}") from error
+            if header.kind == pb.IDLE:
+                continue
+            if header.kind == pb.DONE:
+                self.log("run finished")
+                return 0
+            self._absorb(header, tensors)
+            result_header, uploads = self._execute(header)
+            self._submit(result_header, uploads)
+
+    def _absorb(self, header: pb.TaskHeader, tensors: dict[str, torch.Tensor]) -> None:
+        """Store the received global tensors in the process cache."""
+        for spec in header.tensors:
+            self.cache[spec.name] = tensors[spec.name]
+            self.versions[spec.name] = spec.version
+
+    # ------------------------------------------------------------------ one task
+
+    def _load_client_model(self, client: int, header: pb.TaskHeader) -> dict[str, torch.Tensor]:
+        """Put global + personal tensors into the model; returns the client's personal tensors."""
+        personal = dict(self.store.personal(client))
+        init_parts = set(header.personal_init)
+        for name in self.algorithm.personal_names(self.model.state_dict()):
+            if name not in personal and tensor_part(name) in init_parts:
+                if name not in self.cache:
+                    raise ClientError(f"the server asked to initialise {name!r} but did not send it")
+                personal[name] = self.cache[name]
+        state = {name: self.cache[name] for name in self.algorithm.shared_names(self.cache)}
+        state.update(personal)
+        missing = set(self.model.state_dict()) - set(state)
+        if missing:
+            raise ClientError(f"client {client}: no value for {sorted(missing)[:5]} (server sent too little)")
+        self.model.load_state_dict(state)
+        return personal
+
+    def _execute(self, header: pb.TaskHeader) -> tuple[pb.ResultHeader, dict[str, torch.Tensor]]:
+        client = header.client_id
+        if client not in self.data:
+            raise ClientError(f"the server sent a task for client {client}, which this process does not host")
+        data = self.data[client]
+        personal = self._load_client_model(client, header)
+        result = pb.ResultHeader(session=self.session, task_id=header.task_id, client_id=client, round=header.round)
+        if header.kind == pb.EVALUATE:
+            metrics = evaluate_and_personalize(self.model, data, header.evaluate, self.loss_fn, self.classification)
+            self.store.save_personalized(client, self.model.state_dict())
+            result.metrics.update(metrics)
+            return result, {}
+        plan = header.train
+        reference = {n: self.cache[n] for n in plan.upload_deltas}
+        outcome = train_local(self.model, data, plan, self.loss_fn, reference, self.unit_flops)
+        trained = {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+        uploads = {n: trained[n] - self.cache[n] for n in plan.upload_deltas}
+        uploads.update({n: trained[n] for n in plan.upload_values})
+        if personal:
+            self.store.save_personal(client, {n: trained[n] for n in personal})
+        result.num_samples = outcome.samples
+        result.metrics.update({
+            "loss": outcome.loss, "steps": outcome.steps, "compute_seconds": outcome.compute_seconds,
+            "trainable_parameters": outcome.trainable_parameters, "train_flops": outcome.flops,
+        })
+        return result, uploads
+
+    def _submit(self, header: pb.ResultHeader, uploads: dict[str, torch.Tensor]) -> None:
+        header.tensors.extend(make_spec(name, tensor) for name, tensor in uploads.items())
+        chunks: Iterator[pb.ResultChunk] = encode_chunks(pb.ResultChunk, header, list(uploads.values()),
+                                                         self.config.server.chunk_bytes)
+        try:
+            self.stub.SubmitResult(chunks, timeout=TRANSFER_SECONDS)
+        except grpc.RpcError as error:
+            self.log(f"warning: result for client {header.client_id} round {header.round} not taken: "
+                     f"{error.details()}")

@@ -1,0 +1,59 @@
+"""Per-client state on the device: personal parts and personalized models, under the state dir.
+
+Layout: ``<state_dir>/<run_id>/client_<id>/personal.safetensors`` (tensors of the parts the
+algorithm keeps on the client) and ``personalized.safetensors`` (the fine-tuned model after
+evaluation); ``<state_dir>/latest_run`` names the run last served. The state survives a client
+process restart within a run; nothing here is ever sent unless the algorithm uploads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from fedpart.common.checkpoint import load_tensors, save_tensors
+from fedpart.common.split_model import tensor_part
+
+
+class ClientStore:
+    """Personal tensors of the hosted clients, cached in memory and mirrored to disk."""
+
+    def __init__(self, state_dir: str | Path, run_id: str) -> None:
+        self.root = Path(state_dir) / run_id
+        self._personal: dict[int, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def latest_run(state_dir: str | Path) -> str:
+        """The run this state dir served last ('' if none)."""
+        marker = Path(state_dir) / "latest_run"
+        return marker.read_text().strip() if marker.is_file() else ""
+
+    def mark_latest(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root.parent / "latest_run").write_text(self.root.name)
+
+    def _dir(self, client: int) -> Path:
+        return self.root / f"client_{client}"
+
+    def personal(self, client: int) -> dict[str, torch.Tensor]:
+        """The client's personal tensors (empty if it has none yet)."""
+        if client not in self._personal:
+            path = self._dir(client) / "personal.safetensors"
+            self._personal[client] = load_tensors(path) if path.is_file() else {}
+        return self._personal[client]
+
+    def personal_parts(self, client: int) -> list[str]:
+        """Parts (``body``/``head``) the client holds a personal copy of."""
+        return sorted({tensor_part(name) for name in self.personal(client)})
+
+    def save_personal(self, client: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        cpu = {k: v.detach().to("cpu").clone() for k, v in tensors.items()}
+        self._personal[client] = cpu
+        save_tensors(self._dir(client) / "personal.safetensors", cpu)
+
+    def save_personalized(self, client: int, state: Mapping[str, torch.Tensor]) -> Path:
+        path = self._dir(client) / "personalized.safetensors"
+        save_tensors(path, state)
+        return path

@@ -1,0 +1,271 @@
+"""Run configuration: a YAML file, validated into typed sections, with ``key=value`` overrides.
+
+Every setting has a default here; an unknown key or a value of the wrong type is an error that
+names the key. Model, partition and algorithm sections carry a name plus free options that the
+component they select validates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be run, with the offending key in the message."""
+
+
+@dataclass
+class PartitionConfig:
+    """How the dataset is split across clients (see ``fedpart.common.partition``)."""
+
+    scheme: str = "shards"
+    options: dict[str, Any] = field(default_factory=lambda: {"shards_per_client": 2})
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "digits"
+    root: str | None = None
+    input_shape: list[int] | None = None  # required for custom datasets only
+    num_classes: int | None = None        # required for custom datasets only (0 = regression)
+    options: dict[str, Any] = field(default_factory=dict)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"
+    options: dict[str, Any] = field(default_factory=dict)
+    init_checkpoint: str | None = None  # start from these weights (safetensors) instead of the seed
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "fedavg"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SamplingConfig:
+    """Per-round participation: a fraction of the clients, or (when set) an independent
+    probability per client (FedBug's setting)."""
+
+    fraction: float = 1.0
+    probability: float | None = None
+
+
+@dataclass
+class TrainConfig:
+    """Local training and server update (FedBABU's step decay: ``lr_milestones`` x ``lr_gamma``)."""
+
+    epochs: int = 1
+    batch_size: int = 10
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    lr_milestones: list[float] = field(default_factory=list)  # fractions of the rounds
+    lr_gamma: float = 0.1
+    grad_clip: float = 0.0
+    weighting: str = "samples"  # "samples" (n_i) or "uniform"
+    server_lr: float = 1.0
+    loss: str | None = None     # "package.module:function"; default cross-entropy (MSE for regression)
+
+
+@dataclass
+class EvaluateConfig:
+    """FedBABU's personalization protocol: fine-tune on the client's train split, then test."""
+
+    finetune_epochs: list[int] = field(default_factory=lambda: [1, 5])
+    part: str = "full"
+    lr: float = 1e-3
+    momentum: float = 0.9
+    batch_size: int = 50
+    headless: bool = False
+
+
+@dataclass
+class ServerConfig:
+    join_timeout: float = 300.0     # seconds to wait for every client to be hosted
+    round_timeout: float = 600.0    # a round closes with the results in hand after this
+    heartbeat_timeout: float = 60.0  # a process silent this long is considered gone
+    chunk_bytes: int = 1 << 20
+    max_message_bytes: int = 1 << 33  # largest tensor payload one result may declare
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    seed: int = 0
+    rounds: int = 10
+    clients: int = 10
+    processes: int = 2  # client processes ``fedpart run`` starts
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+# Sections whose extra keys are free options for the selected component.
+_OPEN_SECTIONS: dict[type, str] = {
+    PartitionConfig: "scheme",
+    ModelConfig: "name",
+    AlgorithmConfig: "name",
+    DataConfig: "dataset",
+}
+
+
+def _check_type(value: Any, annotation: Any, key: str) -> Any:
+    """Validate (and lightly coerce) one scalar or list value against its annotation."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        args = typing.get_args(annotation)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(value, inner[0], key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(annotation)
+        return [_check_type(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported setting type {annotation}")
+
+
+def _build(cls: type, raw: Any, prefix: str):
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys (except open sections)."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            if cls in _OPEN_SECTIONS and cls is not DataConfig:
+                extra[key] = value
+                continue
+            raise ConfigError(f"unknown setting {full!r}; known: {sorted(names)}")
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[key] = _build(annotation, value, f"{full}.")
+        else:
+            kwargs[key] = _check_type(value, annotation, full)
+    if extra:
+        kwargs["options"] = {**kwargs.get("options", {}), **extra}
+    return cls(**kwargs)
+
+
+def _validate(config: RunConfig) -> None:
+    checks = [
+        (config.rounds >= 1, "rounds must be at least 1"),
+        (config.clients >= 1, "clients must be at least 1"),
+        (config.processes >= 1, "processes must be at least 1"),
+        (config.train.epochs >= 0, "train.epochs must be >= 0"),
+        (config.train.batch_size >= 1, "train.batch_size must be >= 1"),
+        (config.train.lr >= 0, "train.lr must be >= 0"),
+        (config.train.weighting in ("samples", "uniform"), "train.weighting must be 'samples' or 'uniform'"),
+        (all(0 < m < 1 for m in config.train.lr_milestones), "train.lr_milestones are fractions of the rounds in (0, 1)"),
+        (config.evaluate.part in ("full", "body", "head"), "evaluate.part must be 'full', 'body' or 'head'"),
+        (all(e >= 0 for e in config.evaluate.finetune_epochs), "evaluate.finetune_epochs must be >= 0"),
+        (config.evaluate.batch_size >= 1, "evaluate.batch_size must be >= 1"),
+        (config.server.chunk_bytes >= 1024, "server.chunk_bytes must be at least 1024"),
+        (config.server.round_timeout > 0 and config.server.join_timeout > 0, "server timeouts must be positive"),
+    ]
+    sampling = config.sampling
+    checks.append((0 < sampling.fraction <= 1, "sampling.fraction must be in (0, 1]"))
+    if sampling.probability is not None:
+        checks.append((0 < sampling.probability <= 1, "sampling.probability must be in (0, 1]"))
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Validated config from a plain mapping."""
+    config = _build(RunConfig, raw, "")
+    _validate(config)
+    return config
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value")
+    key, value = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"override {text!r} has an empty key")
+    return key.strip().split("."), yaml.safe_load(value)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set dotted keys in a raw config mapping (before validation)."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (or the defaults when ``path`` is None) and apply overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}: not valid YAML: {error}") from error
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        root = (raw.get("data") or {}).get("root")
+        if isinstance(root, str) and not Path(root).is_absolute():
+            raw["data"]["root"] = str((Path.cwd() / root).resolve())
+    return config_from_dict(apply_overrides(raw, overrides or []))

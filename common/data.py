@@ -1,0 +1,354 @@
+"""Dataset loaders: the embedded digits set and real datasets in their standard on-disk formats.
+
+Every loader returns an :class:`~fedpart.common.dataset_types.ArrayDataset` whose images keep their
+stored dtype (``uint8`` stays ``uint8``); scaling and per-channel normalisation happen in
+``ArrayDataset.features`` when a client slices its partition.
+
+Supported names (:data:`DATASET_NAMES`) and the files read under the data root (``data.root``):
+
+- ``digits``: scikit-learn's bundled 8x8 digits (no root needed).
+- ``mnist``: ``MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz`` (gzipped IDX).
+- ``cifar10``: ``cifar-10-batches-py/data_batch_1..5`` and ``test_batch`` (python pickles).
+- ``cifar100``: ``cifar-100-python/train`` and ``test`` (python pickles, fine labels).
+- ``tiny-imagenet``: ``tiny-imagenet-200/`` (JPEG folders; the ``val`` split is the test split).
+- ``package.module:function``: a custom loader called as ``function(root=root, **options)``.
+
+CIFAR pickles are read with :class:`RestrictedUnpickler`, which only resolves the globals numpy
+arrays need, so a tampered file cannot run code.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import os
+import pickle
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedpart.common.importing import import_callable
+from fedpart.common.dataset_types import ArrayDataset
+
+try:
+    from numpy._core.multiarray import _reconstruct
+except ImportError:  # numpy < 2
+    from numpy.core.multiarray import _reconstruct
+
+DATASET_NAMES: tuple[str, ...] = ("digits", "mnist", "cifar10", "cifar100", "tiny-imagenet")
+
+DIGITS_TEST_FRACTION = 0.2
+# Fixed seed of the digits train/test split: the split is part of the dataset, not of a run.
+DIGITS_SPLIT_SEED = 0
+
+# Per-channel statistics of the training images (after scaling to [0, 1]).
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
+CIFAR100_STD = (0.2673, 0.2564, 0.2762)
+# Tiny-ImageNet is conventionally normalised with the ImageNet statistics.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+MNIST_MEAN = (0.1307,)
+MNIST_STD = (0.3081,)
+
+_IDX_UINT8 = 0x08
+
+Root = str | os.PathLike[str]
+
+
+def load_dataset(name: str, root: Root | None, **options: Any) -> ArrayDataset:
+    """Load dataset ``name`` (see :data:`DATASET_NAMES`, or ``package.module:function``).
+
+    ``root`` is the data root (the ``data.root`` setting); ``options`` are loader options:
+    ``normalize`` (bool) for ``mnist`` (default False), ``cifar10``/``cifar100`` and
+    ``tiny-imagenet`` (default True); anything for a custom loader.
+    """
+    if ":" in name:
+        return _load_custom(name, root, options)
+    if name == "digits":
+        _check_options(name, options, ())
+        return _load_digits()
+    if name not in DATASET_NAMES:
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)} "
+                         "or a custom 'package.module:function'")
+    _check_options(name, options, ("normalize",))
+    if root is None:
+        raise ValueError(f"data.root must be set to load dataset {name!r}")
+    base = Path(root).expanduser()
+    normalize = options.get("normalize", name != "mnist")
+    if not isinstance(normalize, bool):
+        raise ValueError(f"option normalize of dataset {name!r} must be true or false, "
+                         f"got {normalize!r}")
+    if name == "mnist":
+        return _load_mnist(base, root, normalize)
+    if name == "cifar10":
+        return _load_cifar10(base, root, normalize)
+    if name == "cifar100":
+        return _load_cifar100(base, root, normalize)
+    return _load_tiny_imagenet(base, root, normalize)
+
+
+def _check_options(name: str, options: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        accepted = ", ".join(allowed) if allowed else "none"
+        raise ValueError(f"unknown option(s) {', '.join(unknown)} for dataset {name!r} "
+                         f"(accepted: {accepted})")
+
+
+def _require(path: Path, root: Root) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {path} not found (data.root = {str(root)!r})")
+    return path
+
+
+# ----------------------------------------------------------------------------------------- digits
+
+
+def _load_digits() -> ArrayDataset:
+    """scikit-learn's digits (1,797 samples, 8x8, values 0..16) as float32 ``(N, 1, 8, 8)``.
+
+    There is no official test split: 20% of every class goes to the test set, chosen by a
+    permutation with the fixed seed :data:`DIGITS_SPLIT_SEED` (independent of any run seed), so
+    every run and every process sees the same split. Both splits keep file order.
+    """
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = np.asarray(bunch.images, dtype=np.float32).reshape(-1, 1, 8, 8)
+    y = np.asarray(bunch.target, dtype=np.int64)
+    rng = np.random.default_rng(DIGITS_SPLIT_SEED)
+    test_mask = np.zeros(len(y), dtype=bool)
+    for c in np.unique(y):
+        members = rng.permutation(np.flatnonzero(y == c))
+        test_mask[members[: int(round(DIGITS_TEST_FRACTION * len(members)))]] = True
+    return ArrayDataset(name="digits", x_train=x[~test_mask], y_train=y[~test_mask],
+                        x_test=x[test_mask], y_test=y[test_mask], num_classes=10, scale=1.0 / 16)
+
+
+# ------------------------------------------------------------------------------------------ MNIST
+
+
+def _read_idx(path: Path, ndim: int) -> np.ndarray:
+    """Parse a gzipped IDX file of unsigned bytes with ``ndim`` dimensions (LeCun's format)."""
+    try:
+        with gzip.open(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError, zlib.error) as exc:
+        raise ValueError(f"{path}: not a readable gzip file ({exc})") from exc
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise ValueError(f"{path}: truncated IDX header ({len(data)} bytes)")
+    if data[0] != 0 or data[1] != 0:
+        raise ValueError(f"{path}: bad IDX magic number {data[:4].hex()}")
+    if data[2] != _IDX_UINT8:
+        raise ValueError(f"{path}: IDX dtype code 0x{data[2]:02x}, expected 0x08 (unsigned byte)")
+    if data[3] != ndim:
+        raise ValueError(f"{path}: IDX file has {data[3]} dimensions, expected {ndim}")
+    dims = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
+    expected = header + int(np.prod(dims))
+    if len(data) != expected:
+        raise ValueError(f"{path}: IDX size mismatch: header dims {dims} need {expected} bytes, "
+                         f"file has {len(data)}")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims).copy()  # writable
+
+
+def _mnist_split(base: Path, root: Root, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    raw = base / "MNIST" / "raw"
+    images_path = _require(raw / f"{prefix}-images-idx3-ubyte.gz", root)
+    labels_path = _require(raw / f"{prefix}-labels-idx1-ubyte.gz", root)
+    images = _read_idx(images_path, 3)
+    labels = _read_idx(labels_path, 1)
+    if len(images) != len(labels):
+        raise ValueError(f"{images_path} holds {len(images)} images but {labels_path} holds "
+                         f"{len(labels)} labels")
+    if labels.size and labels.max() > 9:
+        raise ValueError(f"{labels_path}: label {labels.max()} out of range 0..9")
+    return images[:, None, :, :], labels.astype(np.int64)
+
+
+def _load_mnist(base: Path, root: Root, normalize: bool) -> ArrayDataset:
+    """MNIST from the gzipped IDX files: uint8 ``(N, 1, 28, 28)``, scale 1/255."""
+    x_train, y_train = _mnist_split(base, root, "train")
+    x_test, y_test = _mnist_split(base, root, "t10k")
+    return ArrayDataset(name="mnist", x_train=x_train, y_train=y_train, x_test=x_test,
+                        y_test=y_test, num_classes=10, scale=1.0 / 255,
+                        mean=MNIST_MEAN if normalize else None,
+                        std=MNIST_STD if normalize else None)
+
+
+# ------------------------------------------------------------------------------------------ CIFAR
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickler that only resolves the globals the CIFAR python pickles need.
+
+    Those pickles hold dicts of bytes, lists and numpy arrays; reconstructing the arrays needs
+    ``numpy.core.multiarray._reconstruct`` (``numpy._core`` in numpy 2), ``numpy.ndarray``,
+    ``numpy.dtype`` and, for pickles written by Python 3 at protocol 2, ``_codecs.encode``. Any
+    other global raises :class:`pickle.UnpicklingError` before it is resolved.
+    """
+
+    _ALLOWED: dict[tuple[str, str], Any] = {
+        ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+        ("_codecs", "encode"): codecs.encode,
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._ALLOWED[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(
+                f"global {module}.{name} is not allowed in a dataset pickle") from None
+
+
+def _unpickle(path: Path) -> dict[Any, Any]:
+    """Load a CIFAR pickle with :class:`RestrictedUnpickler`; ``ValueError`` naming a bad file."""
+    try:
+        with open(path, "rb") as f:
+            obj = RestrictedUnpickler(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
+            KeyError, OverflowError, MemoryError) as exc:
+        raise ValueError(f"{path}: not a valid dataset pickle ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a dict, got {type(obj).__name__}")
+    return obj
+
+
+def _field(batch: dict[Any, Any], key: str, path: Path) -> Any:
+    for k in (key.encode(), key):
+        if k in batch:
+            return batch[k]
+    raise ValueError(f"{path}: missing field {key!r}")
+
+
+def _cifar_batch(path: Path, label_key: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    batch = _unpickle(path)
+    data = _field(batch, "data", path)
+    labels = np.asarray(_field(batch, label_key, path))
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 \
+            or data.shape[1] != 3 * 32 * 32:
+        raise ValueError(f"{path}: 'data' must be a uint8 array of shape (n, 3072)")
+    if labels.shape != (len(data),) or labels.dtype.kind not in "iu":
+        raise ValueError(f"{path}: {label_key!r} must hold {len(data)} integer labels")
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ValueError(f"{path}: labels out of range 0..{num_classes - 1}")
+    return data.reshape(-1, 3, 32, 32), labels.astype(np.int64)
+
+
+def _cifar(name: str, root: Root, train_files: list[Path], test_file: Path,
+           label_key: str, num_classes: int,
+           stats: tuple[tuple[float, ...], tuple[float, ...]] | None) -> ArrayDataset:
+    for path in [*train_files, test_file]:
+        _require(path, root)
+    parts = [_cifar_batch(p, label_key, num_classes) for p in train_files]
+    x_test, y_test = _cifar_batch(test_file, label_key, num_classes)
+    return ArrayDataset(name=name, x_train=np.concatenate([x for x, _ in parts]),
+                        y_train=np.concatenate([y for _, y in parts]), x_test=x_test,
+                        y_test=y_test, num_classes=num_classes, scale=1.0 / 255,
+                        mean=stats[0] if stats else None, std=stats[1] if stats else None)
+
+
+def _load_cifar10(base: Path, root: Root, normalize: bool) -> ArrayDataset:
+    """CIFAR-10 python pickles: uint8 ``(N, 3, 32, 32)``, scale 1/255, per-channel mean/std."""
+    folder = base / "cifar-10-batches-py"
+    return _cifar("cifar10", root, [folder / f"data_batch_{i}" for i in range(1, 6)],
+                  folder / "test_batch", "labels", 10,
+                  (CIFAR10_MEAN, CIFAR10_STD) if normalize else None)
+
+
+def _load_cifar100(base: Path, root: Root, normalize: bool) -> ArrayDataset:
+    """CIFAR-100 python pickles (fine labels): uint8 ``(N, 3, 32, 32)``, scale 1/255."""
+    folder = base / "cifar-100-python"
+    return _cifar("cifar100", root, [folder / "train"], folder / "test", "fine_labels", 100,
+                  (CIFAR100_MEAN, CIFAR100_STD) if normalize else None)
+
+
+# ---------------------------------------------------------------------------------- Tiny-ImageNet
+
+
+def _load_tiny_imagenet(base: Path, root: Root, normalize: bool) -> ArrayDataset:
+    """Tiny-ImageNet-200 as uint8 ``(N, 3, 64, 64)``; the labelled ``val`` split is the test set.
+
+    Class ``k`` is the ``k``-th wnid of ``wnids.txt`` in sorted order (the order torchvision's
+    ``ImageFolder`` uses). JPEGs are decoded with Pillow in a thread pool.
+    """
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise ImportError("loading tiny-imagenet needs Pillow: pip install pillow") from exc
+
+    folder = base / "tiny-imagenet-200"
+    wnids_path = _require(folder / "wnids.txt", root)
+    wnids = sorted({line.strip() for line in wnids_path.read_text().splitlines() if line.strip()})
+    index = {w: k for k, w in enumerate(wnids)}
+
+    train_paths: list[Path] = []
+    train_labels: list[int] = []
+    for wnid in wnids:
+        images_dir = folder / "train" / wnid / "images"
+        if not images_dir.is_dir():
+            raise FileNotFoundError(f"dataset folder {images_dir} not found "
+                                    f"(data.root = {str(root)!r})")
+        files = sorted(images_dir.glob("*.JPEG"))
+        train_paths += files
+        train_labels += [index[wnid]] * len(files)
+
+    annotations = _require(folder / "val" / "val_annotations.txt", root)
+    test_paths: list[Path] = []
+    test_labels: list[int] = []
+    for lineno, line in enumerate(annotations.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) < 2 or fields[1] not in index:
+            raise ValueError(f"{annotations}:{lineno}: expected '<file>\\t<wnid>...' with a known "
+                             f"wnid, got {line!r}")
+        test_paths.append(_require(folder / "val" / "images" / fields[0], root))
+        test_labels.append(index[fields[1]])
+
+    def decode(path: Path) -> np.ndarray:
+        try:
+            with Image.open(path) as img:
+                pixels = np.asarray(img.convert("RGB"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: cannot decode image ({exc})") from exc
+        if pixels.shape != (64, 64, 3):
+            raise ValueError(f"{path}: image is {pixels.shape[1]}x{pixels.shape[0]}, "
+                             "expected 64x64")
+        return pixels.transpose(2, 0, 1)
+
+    def decode_all(paths: list[Path]) -> np.ndarray:
+        out = np.empty((len(paths), 3, 64, 64), dtype=np.uint8)
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            for i, pixels in enumerate(pool.map(decode, paths, chunksize=256)):
+                out[i] = pixels
+        return out
+
+    return ArrayDataset(name="tiny-imagenet", x_train=decode_all(train_paths),
+                        y_train=np.asarray(train_labels, dtype=np.int64),
+                        x_test=decode_all(test_paths),
+                        y_test=np.asarray(test_labels, dtype=np.int64),
+                        num_classes=len(wnids), scale=1.0 / 255,
+                        mean=IMAGENET_MEAN if normalize else None,
+                        std=IMAGENET_STD if normalize else None)
+
+
+# ----------------------------------------------------------------------------------------- custom
+
+
+def _load_custom(path: str, root: Root | None, options: dict[str, Any]) -> ArrayDataset:
+    """Call the loader ``package.module:function`` as ``function(root=root, **options)``."""
+    loader = import_callable(path, "data.dataset")
+    dataset = loader(root=root, **options)
+    if not isinstance(dataset, ArrayDataset):
+        raise TypeError(f"custom dataset {path!r} returned {type(dataset).__name__}, "
+                        "expected an ArrayDataset")
+    return dataset

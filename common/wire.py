@@ -1,0 +1,226 @@
+"""Tensors on the wire: raw little-endian buffers described by name, dtype and shape.
+
+A message that carries tensors is a stream of chunks: the first chunk holds the header (with one
+:class:`TensorSpec` per tensor), and every chunk holds :class:`TensorPiece` byte ranges, filled up
+to ``chunk_bytes`` so that no gRPC message comes near the default 4 MiB limit. Encoding takes
+byte views of the tensors (one copy per piece into the protobuf message); decoding copies each
+piece once into a preallocated buffer per tensor. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from fedpart.proto import fedpart_pb2 as pb
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+# Protobuf field numbers of the chunk messages (TaskChunk and ResultChunk share the layout).
+_PIECES_FIELD_TAG_BYTES = 1
+
+
+class WireError(ValueError):
+    """A message whose tensors do not match their declared names, dtypes or shapes."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of a torch dtype."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError as error:
+        raise WireError(f"dtype {dtype} cannot travel on the wire") from error
+
+
+def spec_nbytes(spec: pb.TensorSpec) -> int:
+    """Number of bytes the tensor described by ``spec`` occupies."""
+    if spec.dtype not in DTYPES:
+        raise WireError(f"tensor {spec.name!r}: unknown dtype {spec.dtype!r}")
+    count = 1
+    for dim in spec.shape:
+        if dim < 0:
+            raise WireError(f"tensor {spec.name!r}: negative dimension in shape {list(spec.shape)}")
+        count *= dim
+    return count * DTYPES[spec.dtype].itemsize
+
+
+def make_spec(name: str, tensor: torch.Tensor, version: int = 0) -> pb.TensorSpec:
+    """The spec of ``tensor`` under ``name``."""
+    return pb.TensorSpec(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), version=version)
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in little-endian order, without copying on little-endian hosts."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if not _LITTLE_ENDIAN and flat.element_size() > 1:
+        flat = _swap_bytes(flat)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _swap_bytes(flat: torch.Tensor) -> torch.Tensor:
+    """Reverse the byte order of each element (big-endian hosts only)."""
+    size = flat.element_size()
+    return flat.view(torch.uint8).view(-1, size).flip(1).reshape(-1).view(flat.dtype)
+
+
+def varint_size(value: int) -> int:
+    """Bytes a protobuf varint of ``value`` takes."""
+    size = 1
+    while value >= 0x80:
+        value >>= 7
+        size += 1
+    return size
+
+
+def piece_wire_bytes(piece: pb.TensorPiece) -> int:
+    """Bytes one piece adds to its chunk message: field tag, length prefix and body."""
+    body = len(piece.data)
+    size = 1 + varint_size(body) + body
+    if piece.index:
+        size += 1 + varint_size(piece.index)
+    return _PIECES_FIELD_TAG_BYTES + varint_size(size) + size
+
+
+def iter_piece_groups(tensors: Iterable[torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[list[pb.TensorPiece]]:
+    """Cut the tensors' bytes into pieces and group them into chunks of at most ``chunk_bytes``."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    group: list[pb.TensorPiece] = []
+    room = chunk_bytes
+    for index, tensor in enumerate(tensors):
+        view = _byte_view(tensor)
+        offset = 0
+        while offset < len(view):
+            take = min(room, len(view) - offset)
+            group.append(pb.TensorPiece(index=index, data=view[offset:offset + take].tobytes()))
+            offset += take
+            room -= take
+            if room == 0:
+                yield group
+                group, room = [], chunk_bytes
+    if group:
+        yield group
+
+
+def encode_chunks(chunk_type: type, header, tensors: Iterable[torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator:
+    """A chunk stream: the header in the first chunk, the tensors' pieces spread over all chunks.
+
+    ``header`` must already list the specs of ``tensors`` in the same order.
+    """
+    first = True
+    for pieces in iter_piece_groups(tensors, chunk_bytes):
+        chunk = chunk_type(pieces=pieces)
+        if first:
+            chunk.header.CopyFrom(header)
+            first = False
+        yield chunk
+    if first:
+        yield chunk_type(header=header)
+
+
+@dataclass
+class ChunkBytes:
+    """Serialized size of one chunk split into tensor bytes (per tensor index) and the rest."""
+
+    total: int
+    by_tensor: dict[int, int]
+
+    @property
+    def control(self) -> int:
+        return self.total - sum(self.by_tensor.values())
+
+
+def measure_chunk(chunk) -> ChunkBytes:
+    """Exact serialized size of a chunk message, attributing each piece to its tensor."""
+    by_tensor: dict[int, int] = {}
+    for piece in chunk.pieces:
+        by_tensor[piece.index] = by_tensor.get(piece.index, 0) + piece_wire_bytes(piece)
+    return ChunkBytes(total=chunk.ByteSize(), by_tensor=by_tensor)
+
+
+class TensorAssembler:
+    """Rebuilds tensors from a header's specs and the pieces that follow, validating sizes."""
+
+    def __init__(self, specs: Iterable[pb.TensorSpec], max_total_bytes: int | None = None) -> None:
+        self.specs = list(specs)
+        names = [spec.name for spec in self.specs]
+        if len(set(names)) != len(names):
+            raise WireError("duplicate tensor names in one message")
+        self._expected = [spec_nbytes(spec) for spec in self.specs]
+        if max_total_bytes is not None and sum(self._expected) > max_total_bytes:
+            raise WireError(f"message declares {sum(self._expected)} tensor bytes, more than the {max_total_bytes} allowed")
+        self._buffers = [bytearray(n) for n in self._expected]
+        self._filled = [0] * len(self.specs)
+
+    def add(self, pieces: Iterable[pb.TensorPiece]) -> None:
+        """Append the pieces' bytes to their tensors."""
+        for piece in pieces:
+            if piece.index >= len(self.specs):
+                raise WireError(f"piece for tensor index {piece.index}, but only {len(self.specs)} tensors declared")
+            start = self._filled[piece.index]
+            end = start + len(piece.data)
+            if end > self._expected[piece.index]:
+                spec = self.specs[piece.index]
+                raise WireError(f"tensor {spec.name!r}: more bytes than its dtype {spec.dtype} and shape {list(spec.shape)} hold")
+            self._buffers[piece.index][start:end] = piece.data
+            self._filled[piece.index] = end
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The complete tensors by name; raises if any is short of bytes."""
+        out: dict[str, torch.Tensor] = {}
+        for spec, buffer, filled, expected in zip(self.specs, self._buffers, self._filled, self._expected):
+            if filled != expected:
+                raise WireError(f"tensor {spec.name!r}: got {filled} of {expected} bytes")
+            dtype = DTYPES[spec.dtype]
+            if expected == 0:
+                tensor = torch.empty(tuple(spec.shape), dtype=dtype)
+            else:
+                tensor = torch.frombuffer(buffer, dtype=dtype)
+                if not _LITTLE_ENDIAN and dtype.itemsize > 1:
+                    tensor = _swap_bytes(tensor)
+                tensor = tensor.reshape(tuple(spec.shape))
+            out[spec.name] = tensor
+        return out
+
+
+def decode_chunks(chunks: Iterable, max_total_bytes: int | None = None):
+    """Read a whole chunk stream: returns ``(header, tensors by name)``."""
+    iterator = iter(chunks)
+    try:
+        first = next(iterator)
+    except StopIteration as error:
+        raise WireError("empty message stream") from error
+    if not first.HasField("header"):
+        raise WireError("the first chunk carries no header")
+    header = first.header
+    assembler = TensorAssembler(header.tensors, max_total_bytes)
+    assembler.add(first.pieces)
+    for chunk in iterator:
+        if chunk.HasField("header"):
+            raise WireError("a second header inside one message stream")
+        assembler.add(chunk.pieces)
+    return header, assembler.tensors()
+
+
+def named_specs(tensors: Mapping[str, torch.Tensor], versions: Mapping[str, int] | None = None) -> list[pb.TensorSpec]:
+    """Specs for a name -> tensor mapping, in its order."""
+    versions = versions or {}
+    return [make_spec(name, tensor, versions.get(name, 0)) for name, tensor in tensors.items()]

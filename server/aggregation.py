@@ -1,0 +1,88 @@
+"""Streaming, order-independent aggregation on the server.
+
+Results are folded into running sums as they arrive, so server memory is O(model), not
+O(clients x model). Each running sum is a double-double (float64 value plus float64 error term,
+Knuth's TwoSum): the products ``weight * delta`` of float32 deltas and integer weights are exact
+in float64 and the compensated sum keeps about 106 bits, so the float32 result does not depend on
+the order in which results arrived: same seed, same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+
+class CompensatedSum:
+    """Sum of float64 tensors in double-double precision."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.value = torch.zeros(like.shape, dtype=torch.float64)
+        self.error = torch.zeros(like.shape, dtype=torch.float64)
+
+    def add(self, term: torch.Tensor) -> None:
+        total = self.value + term
+        back = total - self.value
+        self.error += (self.value - (total - back)) + (term - back)
+        self.value = total
+
+    def result(self) -> torch.Tensor:
+        return self.value + self.error
+
+
+class WeightedMean:
+    """Per-tensor weighted mean over the clients that sent that tensor."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, CompensatedSum] = {}
+        self._weights: dict[str, float] = {}
+
+    def add(self, tensors: Mapping[str, torch.Tensor], weight: float) -> None:
+        """Fold one client's tensors in with aggregation weight ``weight`` (> 0)."""
+        if weight <= 0:
+            raise ValueError("aggregation weight must be positive")
+        for name, tensor in tensors.items():
+            if name not in self._sums:
+                self._sums[name] = CompensatedSum(tensor)
+                self._weights[name] = 0.0
+            self._sums[name].add(tensor.to(torch.float64) * weight)
+            self._weights[name] += weight
+
+    def __len__(self) -> int:
+        return len(self._sums)
+
+    def means(self) -> dict[str, torch.Tensor]:
+        """Weighted mean of every tensor received, in float64."""
+        return {name: s.result() / self._weights[name] for name, s in self._sums.items()}
+
+
+def apply_deltas(global_state: Mapping[str, torch.Tensor], mean_deltas: Mapping[str, torch.Tensor],
+                 server_lr: float) -> dict[str, torch.Tensor]:
+    """``new = old + server_lr * mean delta`` for the tensors that have a delta (new tensors)."""
+    updated = {}
+    for name, delta in mean_deltas.items():
+        old = global_state[name]
+        updated[name] = (old.to(torch.float64) + server_lr * delta).to(old.dtype)
+    return updated
+
+
+class HeadDictionary:
+    """FedHA's head dictionary: the latest uploaded copy per client; the global copy is their mean."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[dict[str, torch.Tensor], float]] = {}
+
+    def store(self, client_id: int, tensors: Mapping[str, torch.Tensor], weight: float) -> None:
+        self._entries[client_id] = ({k: v.clone() for k, v in tensors.items()}, weight)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        """Weighted mean over the stored clients, summed in client-id order."""
+        mean = WeightedMean()
+        for client_id in sorted(self._entries):
+            tensors, weight = self._entries[client_id]
+            mean.add(tensors, weight)
+        return mean.means()

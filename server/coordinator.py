@@ -1,0 +1,461 @@
+"""The round engine: sampling, task delivery, result validation, aggregation, evaluation.
+
+One :class:`Coordinator` owns the global model and every piece of run state. The gRPC service
+(``fedpart.server.service``) only translates calls into the methods below; the round loop
+(:meth:`Coordinator.run`) runs in the server's main thread and waits on a condition variable that
+the service threads notify, with a deadline on every wait.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from fedpart.common.algorithms import Algorithm, Role, RoundContext, build_algorithm, learning_rate
+from fedpart.common.config import RunConfig
+from fedpart.common.experiment import build_run_model
+from fedpart.common.split_model import SplitModel, tensor_part
+from fedpart.proto import fedpart_pb2 as pb
+from fedpart.server.accounting import PROCESS, ByteLedger
+from fedpart.server.aggregation import HeadDictionary, WeightedMean, apply_deltas
+from fedpart.server.sampling import sample_clients
+
+
+class Rejected(Exception):
+    """A call the coordinator refuses; the message says why (sent back as the gRPC status)."""
+
+
+@dataclass
+class Task:
+    """Work for one client in one round (training) or at the end (evaluation)."""
+
+    task_id: int
+    kind: int
+    round: int
+    client_id: int
+    session: str
+    train: pb.TrainPlan | None = None
+    evaluate: pb.EvalPlan | None = None
+    personal_init: tuple[str, ...] = ()
+
+
+@dataclass
+class ProcessState:
+    """One connected client process."""
+
+    session: str
+    name: str
+    clients: list[int]
+    last_seen: float
+    pending: deque = field(default_factory=deque)
+    alive: bool = True
+    released: bool = False  # has been told the run is over
+
+
+@dataclass
+class RoundResults:
+    """What one round has collected so far."""
+
+    deltas: WeightedMean = field(default_factory=WeightedMean)
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    samples: dict[int, int] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Owns the global model and runs the rounds."""
+
+    def __init__(self, config: RunConfig, log: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.log = log
+        self.algorithm: Algorithm = build_algorithm(config.algorithm.name, config.algorithm.options)
+        self.model: SplitModel = build_run_model(config)
+        self.global_state: dict[str, torch.Tensor] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.versions: dict[str, int] = {name: 0 for name in self.global_state}
+        self.shared_names = self.algorithm.shared_names(self.global_state)
+        self.personal_names = self.algorithm.personal_names(self.global_state)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.ledger = ByteLedger()
+        self.heads = HeadDictionary()
+
+        self._cond = threading.Condition()
+        self._processes: dict[str, ProcessState] = {}
+        self._host: dict[int, str] = {}
+        self._personal: dict[int, set[str]] = {}
+        self._outstanding: dict[int, Task] = {}
+        self._task_ids = itertools.count(1)
+        self._round = 0
+        self._results: RoundResults | None = None
+        self._evaluations: dict[int, dict[str, float]] = {}
+        self._failures: list[str] = []
+        self.done = False
+
+    # ------------------------------------------------------------------ service-side calls
+
+    def join(self, request: pb.JoinRequest) -> pb.JoinReply:
+        """Register a client process and the clients it hosts."""
+        if request.protocol != 1:
+            raise Rejected(f"protocol version {request.protocol} is not supported (server speaks 1)")
+        ids = [c.id for c in request.clients]
+        if not ids:
+            raise Rejected("a client process must host at least one client")
+        if len(set(ids)) != len(ids):
+            raise Rejected(f"duplicate client ids in one process: {ids}")
+        bad = [i for i in ids if i >= self.config.clients]
+        if bad:
+            raise Rejected(f"client ids {bad} out of range: the run has clients 0..{self.config.clients - 1}")
+        with self._cond:
+            if self.done:
+                raise Rejected("the run is over")
+            self._reap_silent()
+            taken = [i for i in ids if i in self._host and self._processes[self._host[i]].alive]
+            if taken:
+                raise Rejected(f"clients {taken} are already hosted by another live process")
+            session = uuid.uuid4().hex
+            self._processes[session] = ProcessState(session, request.process_name, ids, time.monotonic())
+            for hosted in request.clients:
+                self._host[hosted.id] = session
+                if request.state_run_id == self.run_id:
+                    self._personal[hosted.id] = set(hosted.personal_parts)
+            self._cond.notify_all()
+        self.log(f"joined: {request.process_name} hosts clients {_id_ranges(ids)}")
+        return pb.JoinReply(session=session, run_config_json=self.config.to_json(), run_id=self.run_id)
+
+    def heartbeat(self, session: str) -> bool:
+        with self._cond:
+            process = self._processes.get(session)
+            if process is None or not process.alive:
+                return False
+            process.last_seen = time.monotonic()
+            return True
+
+    def next_task(self, session: str, wait_seconds: float) -> Task | None:
+        """Block up to ``wait_seconds`` for this process's next task; None means poll again.
+
+        Raises :class:`Rejected` for an unknown session and returns a DONE task at the end.
+        """
+        deadline = time.monotonic() + max(0.0, min(wait_seconds, 60.0))
+        with self._cond:
+            while True:
+                process = self._processes.get(session)
+                if process is None or not process.alive:
+                    raise Rejected("unknown or expired session: join again")
+                process.last_seen = time.monotonic()
+                if process.pending:
+                    task = process.pending.popleft()
+                    self._outstanding[task.task_id] = task
+                    return task
+                if self.done:
+                    process.released = True
+                    self._cond.notify_all()
+                    return Task(task_id=0, kind=pb.DONE, round=self._round, client_id=0, session=session)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def task_tensors(self, task: Task, held: Mapping[str, int]) -> tuple[list[pb.TensorSpec], list[torch.Tensor]]:
+        """Global tensors a task carries: shared ones newer than what the process holds, plus
+        the parts the client initialises its personal copy from."""
+        names = [n for n in self.shared_names if held.get(n, -1) < self.versions[n]]
+        if task.personal_init:
+            names += [n for n in self.personal_names
+                      if tensor_part(n) in task.personal_init and held.get(n, -1) < self.versions[n]]
+        with self._cond:
+            state = {n: self.global_state[n] for n in names}
+            specs = [pb.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
+                                   version=self.versions[n]) for n, t in state.items()]
+        return specs, list(state.values())
+
+    def expected_uploads(self, task_id: int, session: str, header: pb.ResultHeader) -> Task:
+        """The outstanding task a result header answers; raises Rejected if it answers none."""
+        with self._cond:
+            task = self._outstanding.get(task_id)
+            if task is None or task.session != session:
+                raise Rejected(f"task {task_id} is not outstanding for this process (late or unknown)")
+            if header.client_id != task.client_id or header.round != task.round:
+                raise Rejected(f"result names client {header.client_id} round {header.round}, "
+                               f"task {task_id} is client {task.client_id} round {task.round}")
+            return task
+
+    def accept(self, task: Task, header: pb.ResultHeader, tensors: dict[str, torch.Tensor]) -> None:
+        """Validate a complete result and fold it in; raises Rejected and changes nothing if bad."""
+        metrics = dict(header.metrics)
+        bad_metrics = [k for k, v in metrics.items() if not math.isfinite(v)]
+        if bad_metrics:
+            raise Rejected(f"non-finite metrics {bad_metrics}")
+        if task.kind == pb.EVALUATE:
+            if tensors:
+                raise Rejected("an evaluation result carries no tensors")
+            with self._cond:
+                self._check_current(task)
+                self._evaluations[task.client_id] = metrics
+                self._finish(task)
+            return
+        expected = set(task.train.upload_deltas) | set(task.train.upload_values)
+        if set(tensors) != expected:
+            raise Rejected(f"uploaded tensors {sorted(tensors)} differ from the expected {sorted(expected)}")
+        for name, tensor in tensors.items():
+            reference = self.global_state[name]
+            if tensor.dtype != reference.dtype or tensor.shape != reference.shape:
+                raise Rejected(f"tensor {name!r}: got {tensor.dtype} {list(tensor.shape)}, "
+                               f"expected {reference.dtype} {list(reference.shape)}")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise Rejected(f"tensor {name!r} holds NaN or infinite values")
+        if header.num_samples == 0 and expected:
+            raise Rejected("a result with uploads must report at least one training sample")
+        weight = float(header.num_samples) if self.config.train.weighting == "samples" else 1.0
+        deltas = {n: tensors[n] for n in task.train.upload_deltas}
+        values = {n: tensors[n] for n in task.train.upload_values}
+        with self._cond:
+            self._check_current(task)
+            if deltas:
+                self._results.deltas.add(deltas, weight)
+            if values:
+                self.heads.store(task.client_id, values, weight)
+            self._results.metrics[task.client_id] = metrics
+            self._results.samples[task.client_id] = int(header.num_samples)
+            self._finish(task)
+
+    def fail_task(self, task: Task, reason: str) -> None:
+        """Drop a task whose delivery or result failed; the round goes on without it."""
+        with self._cond:
+            if self._outstanding.pop(task.task_id, None) is not None:
+                self._failures.append(f"round {task.round} client {task.client_id}: {reason}")
+                self._cond.notify_all()
+        self.log(f"warning: round {task.round} client {task.client_id} dropped: {reason}")
+
+    # ------------------------------------------------------------------ helpers (hold the lock)
+
+    def _check_current(self, task: Task) -> None:
+        if task.task_id not in self._outstanding:
+            raise Rejected(f"task {task.task_id} was closed before its result arrived")
+
+    def _finish(self, task: Task) -> None:
+        del self._outstanding[task.task_id]
+        if task.personal_init:
+            self._personal.setdefault(task.client_id, set()).update(task.personal_init)
+        self._cond.notify_all()
+
+    def _reap_silent(self) -> None:
+        """Mark processes silent for longer than the heartbeat timeout as gone."""
+        now = time.monotonic()
+        for process in self._processes.values():
+            if process.alive and now - process.last_seen > self.config.server.heartbeat_timeout:
+                process.alive = False
+                self.log(f"warning: process {process.name} went silent; its clients are unavailable")
+
+    def _available(self, client_id: int) -> bool:
+        session = self._host.get(client_id)
+        return session is not None and self._processes[session].alive
+
+    def _waiting_on(self, task_ids: set[int]) -> set[int]:
+        """Task ids still open whose process is alive (queued or outstanding)."""
+        open_ids = set()
+        for process in self._processes.values():
+            if process.alive:
+                open_ids.update(t.task_id for t in process.pending if t.task_id in task_ids)
+        open_ids.update(t for t, task in self._outstanding.items()
+                        if t in task_ids and self._processes[task.session].alive)
+        return open_ids
+
+    def _dispatch(self, tasks: list[Task]) -> set[int]:
+        """Queue tasks to their hosting processes; returns their ids."""
+        with self._cond:
+            for task in tasks:
+                self._processes[task.session].pending.append(task)
+            self._cond.notify_all()
+        return {t.task_id for t in tasks}
+
+    def _await(self, task_ids: set[int], timeout: float) -> set[int]:
+        """Wait until every task is answered, dropped or its process gone, or the deadline; then
+        close the leftovers. Returns the ids that did not finish."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._reap_silent()
+                waiting = self._waiting_on(task_ids)
+                remaining = deadline - time.monotonic()
+                if not waiting or remaining <= 0:
+                    break
+                self._cond.wait(min(remaining, 1.0))
+            unfinished = {t for t in task_ids if t in self._outstanding} | {
+                t.task_id for p in self._processes.values() for t in p.pending if t.task_id in task_ids}
+            for process in self._processes.values():
+                process.pending = deque(t for t in process.pending if t.task_id not in task_ids)
+            for task_id in task_ids:
+                self._outstanding.pop(task_id, None)
+        return unfinished
+
+    # ------------------------------------------------------------------ the run
+
+    def wait_for_clients(self) -> None:
+        """Block until every client id is hosted by a live process (``join_timeout``)."""
+        deadline = time.monotonic() + self.config.server.join_timeout
+        with self._cond:
+            while True:
+                self._reap_silent()
+                missing = [c for c in range(self.config.clients) if not self._available(c)]
+                if not missing:
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"after {self.config.server.join_timeout:.0f} s clients "
+                                       f"{_id_ranges(missing)} are still not hosted by any client process")
+                self._cond.wait(min(remaining, 1.0))
+
+    def round_plan(self, round_number: int, client_id: int) -> pb.TrainPlan:
+        """The training plan of one client in one round."""
+        train = self.config.train
+        ctx = RoundContext(round=round_number, rounds=self.config.rounds,
+                           units=tuple(self.model.unit_names), epochs=train.epochs)
+        phases = self.algorithm.schedule(ctx)
+        deltas, values = self.algorithm.uploads(self.global_state, phases)
+        return pb.TrainPlan(
+            phases=[pb.Phase(epochs=p.epochs, trainable=list(p.trainable), unfreeze_fraction=p.unfreeze_fraction)
+                    for p in phases],
+            lr=learning_rate(train.lr, round_number - 1, self.config.rounds, train.lr_milestones, train.lr_gamma),
+            momentum=train.momentum, weight_decay=train.weight_decay, batch_size=train.batch_size,
+            proximal_mu=self.algorithm.proximal_mu, grad_clip=train.grad_clip,
+            upload_deltas=deltas, upload_values=values,
+            seed=(self.config.seed * 1_000_003 + round_number) * 1_000_003 + client_id,
+        )
+
+    def _personal_init(self, client_id: int) -> tuple[str, ...]:
+        have = self._personal.get(client_id, set())
+        return tuple(p for p in self.algorithm.personal_parts if p not in have)
+
+    def run_round(self, round_number: int) -> dict:
+        """Sample, dispatch, collect and aggregate one round; returns its metrics record."""
+        started = time.monotonic()
+        sampling = self.config.sampling
+        sampled = sample_clients(self.config.clients, round_number, self.config.seed,
+                                 sampling.fraction, sampling.probability)
+        with self._cond:
+            self._round = round_number
+            self._results = RoundResults()
+            tasks = [Task(task_id=next(self._task_ids), kind=pb.TRAIN, round=round_number, client_id=c,
+                          session=self._host[c], train=self.round_plan(round_number, c),
+                          personal_init=self._personal_init(c))
+                     for c in sampled if self._available(c)]
+        self._await(self._dispatch(tasks), self.config.server.round_timeout)
+        with self._cond:
+            results = self._results
+            self._results = None
+        updated = apply_deltas(self.global_state, results.deltas.means(), self.config.train.server_lr)
+        if self.algorithm.head is Role.COLLECTED and len(self.heads):
+            updated.update({n: v.to(self.global_state[n].dtype) for n, v in self.heads.mean().items()})
+        with self._cond:
+            for name, tensor in updated.items():
+                if not torch.equal(tensor, self.global_state[name]):
+                    self.versions[name] = round_number
+                self.global_state[name] = tensor
+        completed = sorted(results.metrics)
+        return self._round_record(round_number, sampled, completed, results, time.monotonic() - started)
+
+    def _round_record(self, round_number: int, sampled: list[int], completed: list[int],
+                      results: RoundResults, seconds: float) -> dict:
+        metrics = results.metrics
+        samples = results.samples
+        total = sum(samples.values())
+
+        def weighted(key: str) -> float | None:
+            keyed = [(metrics[c][key], samples[c]) for c in completed if key in metrics[c]]
+            weight = sum(n for _, n in keyed)
+            return sum(v * n for v, n in keyed) / weight if weight else None
+
+        def summed(key: str) -> float:
+            return sum(metrics[c].get(key, 0.0) for c in completed)
+
+        totals = self.ledger.totals(round_number)
+        return {
+            "round": round_number,
+            "sampled": sampled,
+            "completed": completed,
+            "train_loss": weighted("loss"),
+            "lr": self.round_plan(round_number, 0).lr if completed or sampled else None,
+            "seconds": round(seconds, 4),
+            "train_samples": total,
+            "client_compute_seconds": summed("compute_seconds"),
+            "trainable_parameters": weighted("trainable_parameters"),
+            "train_flops": summed("train_flops"),
+            "bytes_down": totals["down"],
+            "bytes_up": totals["up"],
+            "bytes_by_part": self.ledger.by_part(round_number),
+        }
+
+    def evaluate_all(self) -> dict[int, dict[str, float]]:
+        """Every client evaluates and personalises the final model on its own data."""
+        ev = self.config.evaluate
+        plan = pb.EvalPlan(finetune_epochs=sorted(set(ev.finetune_epochs)), finetune_part=ev.part, lr=ev.lr,
+                           momentum=ev.momentum, batch_size=ev.batch_size, headless=ev.headless,
+                           seed=self.config.seed)
+        evaluation_round = self.config.rounds + 1
+        with self._cond:
+            self._round = evaluation_round
+            self._evaluations = {}
+            tasks = [Task(task_id=next(self._task_ids), kind=pb.EVALUATE, round=evaluation_round, client_id=c,
+                          session=self._host[c], evaluate=plan, personal_init=self._personal_init(c))
+                     for c in range(self.config.clients) if self._available(c)]
+        self._await(self._dispatch(tasks), self.config.server.round_timeout)
+        with self._cond:
+            return dict(self._evaluations)
+
+    def finish(self) -> None:
+        """Tell every process the run is over (their next poll returns DONE)."""
+        with self._cond:
+            self.done = True
+            self._cond.notify_all()
+
+    def wait_until_released(self, timeout: float) -> bool:
+        """Wait (bounded) until every live process has been told the run is over."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._reap_silent()
+                if all(p.released or not p.alive for p in self._processes.values()):
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 1.0))
+
+    @property
+    def failures(self) -> list[str]:
+        with self._cond:
+            return list(self._failures)
+
+    def account(self, round_number: int | None, client: int, direction: str, by_part: Mapping[str, int]) -> None:
+        """Record bytes; ``round_number`` None means the current round."""
+        self.ledger.add(self._round if round_number is None else round_number, client, direction, by_part)
+
+    def process_clients(self, session: str) -> list[int]:
+        with self._cond:
+            process = self._processes.get(session)
+            return list(process.clients) if process else []
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """``[0,1,2,5]`` -> ``"0-2,5"``."""
+    ids = sorted(ids)
+    parts = []
+    start = prev = None
+    for i in ids + [None]:
+        if start is None:
+            start = prev = i
+        elif i is not None and i == prev + 1:
+            prev = i
+        else:
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = i
+    return ",".join(parts)
+
+
+__all__ = ["Coordinator", "Rejected", "Task", "PROCESS"]

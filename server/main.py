@@ -1,0 +1,83 @@
+"""``fedpart server``: bind the gRPC service, run the rounds, evaluate, write the run directory."""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from fedpart.common.config import RunConfig
+from fedpart.proto import fedpart_pb2_grpc as pb_grpc
+from fedpart.server.coordinator import Coordinator
+from fedpart.server.report import RunDirectory, build_summary, format_round, format_table
+from fedpart.server.service import CoordinatorService
+
+# How long the server keeps answering after the run so that every process hears DONE.
+SHUTDOWN_GRACE_SECONDS = 10.0
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def start_grpc(coordinator: Coordinator, address: str) -> tuple[grpc.Server, str]:
+    """Start the gRPC server; returns it and the address it is listening on (port 0 = free port)."""
+    workers = min(512, 2 * coordinator.config.clients + 16)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
+                         options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator), server)
+    host, _, port = address.rpartition(":")
+    bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}")
+    server.start()
+    return server, f"{host}:{bound}"
+
+
+def serve(config: RunConfig, address: str, out_dir: str | Path) -> int:
+    """Run a whole federated experiment as the coordinator; returns the exit code."""
+    started = time.monotonic()
+    coordinator = Coordinator(config, log=_log)
+    run_dir = RunDirectory(out_dir)
+    run_dir.write_config(config)
+    run_dir.checkpoint(0, coordinator.global_state)
+    server, bound = start_grpc(coordinator, address)
+    _log(f"fedpart server listening on {bound} (run {coordinator.run_id}, out {run_dir.path})")
+    try:
+        _log(f"waiting for {config.clients} clients to be hosted ...")
+        coordinator.wait_for_clients()
+        records = []
+        for round_number in range(1, config.rounds + 1):
+            record = coordinator.run_round(round_number)
+            records.append(record)
+            run_dir.append_round(record)
+            run_dir.checkpoint(round_number, coordinator.global_state)
+            _log(format_round(record, config.rounds))
+        _log("evaluating and personalising on every client ...")
+        evaluations = coordinator.evaluate_all()
+        summary = build_summary(config, coordinator.model, records, evaluations, coordinator.ledger,
+                                coordinator.failures, time.monotonic() - started)
+        run_dir.write_summary(summary)
+        _log(format_table(summary))
+        missing = config.clients - len(evaluations)
+        if missing:
+            _log(f"error: {missing} clients did not report an evaluation")
+        return 0 if not summary["failures"] and not missing else 3
+    except TimeoutError as error:
+        _log(f"error: {error}")
+        return 2
+    finally:
+        coordinator.finish()
+        coordinator.wait_until_released(SHUTDOWN_GRACE_SECONDS)
+        server.stop(grace=2.0).wait()
+
+
+def main_server(config: RunConfig, address: str, out_dir: str) -> int:
+    try:
+        return serve(config, address, out_dir)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

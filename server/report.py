@@ -1,0 +1,154 @@
+"""The run directory: resolved config, per-round metrics, checkpoints, summary and the table."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from fedpart.common.checkpoint import save_tensors
+from fedpart.common.config import RunConfig
+from fedpart.common.split_model import count_parameters
+from fedpart.server.accounting import ByteLedger
+
+
+class RunDirectory:
+    """Writes everything a run leaves behind in its out dir."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.path = Path(out_dir)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.metrics_path.write_text("")
+
+    def write_config(self, config: RunConfig) -> None:
+        (self.path / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+    def append_round(self, record: Mapping[str, Any]) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def checkpoint(self, round_number: int, state: Mapping[str, torch.Tensor]) -> Path:
+        path = self.path / "checkpoints" / f"round_{round_number:04d}.safetensors"
+        save_tensors(path, state)
+        return path
+
+    def write_summary(self, summary: Mapping[str, Any]) -> None:
+        tmp = self.path / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1))
+        tmp.replace(self.path / "summary.json")
+
+
+def _stats(values: list[float], weights: list[float]) -> dict[str, float | None]:
+    """Mean and std over clients (unweighted) and the sample-weighted mean."""
+    if not values:
+        return {"mean": None, "std": None, "weighted_mean": None, "clients": 0}
+    total = sum(weights)
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.pstdev(values) if len(values) > 1 else 0.0,
+        "weighted_mean": sum(v * w for v, w in zip(values, weights)) / total if total else None,
+        "clients": len(values),
+    }
+
+
+def _metric_summary(evaluations: Mapping[int, Mapping[str, float]], key: str) -> dict[str, float | None]:
+    clients = sorted(c for c, m in evaluations.items() if key in m)
+    return _stats([evaluations[c][key] for c in clients], [evaluations[c]["test_samples"] for c in clients])
+
+
+def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
+                  evaluations: Mapping[int, Mapping[str, float]], ledger: ByteLedger,
+                  failures: list[str], seconds: float) -> dict[str, Any]:
+    """The run's summary.json content."""
+    names = dict(model.named_parameters())
+    body = [n for n in names if n.startswith("body.")]
+    head = [n for n in names if n.startswith("head.")]
+    epochs = sorted(set(config.evaluate.finetune_epochs))
+    metric = "acc" if any("initial_acc" in m for m in evaluations.values()) else "loss"
+    accuracy = {
+        "metric": metric,
+        "initial": _metric_summary(evaluations, f"initial_{metric}"),
+        "personalized": {str(e): _metric_summary(evaluations, f"finetune_{e}_{metric}") for e in epochs},
+    }
+    if any("headless_acc" in m for m in evaluations.values()):
+        accuracy["headless"] = _metric_summary(evaluations, "headless_acc")
+    per_client = []
+    for client in range(config.clients):
+        m = evaluations.get(client, {})
+        per_client.append({
+            "id": client,
+            "train_samples": int(m["train_samples"]) if "train_samples" in m else None,
+            "test_samples": int(m["test_samples"]) if "test_samples" in m else None,
+            "initial": m.get(f"initial_{metric}"),
+            "personalized": {str(e): m.get(f"finetune_{e}_{metric}") for e in epochs},
+            "bytes": ledger.totals(client=client),
+        })
+    totals = ledger.totals()
+    return {
+        "algorithm": config.algorithm.name,
+        "model": config.model.name,
+        "dataset": config.data.dataset,
+        "rounds": config.rounds,
+        "clients": config.clients,
+        "parameters": {"total": count_parameters(model), "body": count_parameters(model, body),
+                       "head": count_parameters(model, head)},
+        "accuracy": accuracy,
+        "bytes": {"down": totals["down"], "up": totals["up"], "by_part": ledger.by_part(),
+                  "per_round_mean": {d: totals[d] / config.rounds for d in totals}},
+        "compute": {
+            "client_seconds": sum(r["client_compute_seconds"] for r in rounds),
+            "train_flops": sum(r["train_flops"] for r in rounds),
+            "round_seconds_mean": statistics.fmean(r["seconds"] for r in rounds) if rounds else None,
+        },
+        "seconds": round(seconds, 3),
+        "failures": failures,
+        "per_client": per_client,
+    }
+
+
+def _fmt(value: float | None, scale: float = 100.0) -> str:
+    return "-" if value is None else f"{value * scale:6.2f}"
+
+
+def format_round(record: Mapping[str, Any], rounds: int) -> str:
+    """One readable progress line."""
+    loss = record["train_loss"]
+    return (f"round {record['round']:>4}/{rounds}  clients {len(record['completed'])}/{len(record['sampled'])}  "
+            f"loss {'-' if loss is None else f'{loss:.4f}'}  lr {record['lr']:.4g}  "
+            f"down {record['bytes_down'] / 1e6:.3f} MB  up {record['bytes_up'] / 1e6:.3f} MB  "
+            f"{record['seconds']:.2f} s")
+
+
+def format_table(summary: Mapping[str, Any]) -> str:
+    """The final result table printed on stdout."""
+    acc = summary["accuracy"]
+    metric = acc["metric"]
+    scale = 100.0 if metric == "acc" else 1.0
+    unit = "accuracy %" if metric == "acc" else "loss"
+    rows = [("initial (global model)", acc["initial"])]
+    rows += [(f"personalized, {e} epochs", s) for e, s in acc["personalized"].items()]
+    if "headless" in acc:
+        rows.append(("head-less (class templates)", acc["headless"]))
+    lines = [
+        f"{summary['algorithm']} | {summary['model']} on {summary['dataset']} | {summary['clients']} clients | "
+        f"{summary['rounds']} rounds | {summary['parameters']['total']:,} parameters "
+        f"(body {summary['parameters']['body']:,}, head {summary['parameters']['head']:,})",
+        f"{'evaluation':<30}{unit + ' mean':>18}{'std':>9}{'weighted':>10}{'clients':>9}",
+    ]
+    for name, s in rows:
+        lines.append(f"{name:<30}{_fmt(s['mean'], scale):>18}{_fmt(s['std'], scale):>9}"
+                     f"{_fmt(s['weighted_mean'], scale):>10}{s['clients']:>9}")
+    b = summary["bytes"]
+    lines.append(f"bytes down {b['down']:,}  up {b['up']:,}  (per round: down {b['per_round_mean']['down']:,.0f}, "
+                 f"up {b['per_round_mean']['up']:,.0f})")
+    parts = ", ".join(f"{p} {v['down']:,}/{v['up']:,}" for p, v in b["by_part"].items())
+    lines.append(f"by part (down/up): {parts}")
+    if summary["failures"]:
+        lines.append(f"FAILURES ({len(summary['failures'])}): " + "; ".join(summary["failures"][:5]))
+    return "\n".join(lines)
