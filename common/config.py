@@ -16,6 +16,9 @@ from typing import Any
 
 import yaml
 
+from fedpart.common.data import DATASET_NAMES
+from fedpart.common.partition import check_partition_options
+
 
 class ConfigError(ValueError):
     """A configuration that cannot be run, with the offending key in the message."""
@@ -25,8 +28,8 @@ class ConfigError(ValueError):
 class PartitionConfig:
     """How the dataset is split across clients (see ``fedpart.common.partition``)."""
 
-    scheme: str = "shards"
-    options: dict[str, Any] = field(default_factory=lambda: {"shards_per_client": 2})
+    scheme: str = "iid"
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -217,6 +220,13 @@ def _validate(config: RunConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if ":" not in config.data.dataset and config.data.dataset not in DATASET_NAMES:
+        raise ConfigError(f"data.dataset {config.data.dataset!r} is not one of {', '.join(DATASET_NAMES)} "
+                          "nor a 'package.module:function' path")
+    try:
+        check_partition_options(config.data.partition.scheme, config.data.partition.options)
+    except ValueError as error:
+        raise ConfigError(f"data.partition: {error}") from error
 
 
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:

@@ -39,13 +39,8 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 _LABEL_SCHEMES = ("shards", "dirichlet", "dirichlet_prior")
 
 
-def make_partition(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, scheme: str,
-                   seed: int, num_classes: int, **options: Any) -> list[ClientSplit]:
-    """Split the train and test sets of a dataset with labels ``y_train`` / ``y_test`` over clients.
-
-    Deterministic for ``seed`` (``np.random.default_rng(seed)``). Raises ``ValueError`` for an
-    unknown scheme, an unknown or missing option, or settings the data cannot satisfy.
-    """
+def check_partition_options(scheme: str, options: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for an unknown scheme or an unknown or missing option (no data needed)."""
     if scheme not in _OPTIONS:
         raise ValueError(f"unknown partition scheme {scheme!r}; "
                          f"known: {', '.join(PARTITION_SCHEMES)}")
@@ -58,6 +53,16 @@ def make_partition(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, sc
     missing = [k for k in required if k not in options]
     if missing:
         raise ValueError(f"partition scheme {scheme!r} needs option(s) {', '.join(missing)}")
+
+
+def make_partition(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, scheme: str,
+                   seed: int, num_classes: int, **options: Any) -> list[ClientSplit]:
+    """Split the train and test sets of a dataset with labels ``y_train`` / ``y_test`` over clients.
+
+    Deterministic for ``seed`` (``np.random.default_rng(seed)``). Raises ``ValueError`` for an
+    unknown scheme, an unknown or missing option, or settings the data cannot satisfy.
+    """
+    check_partition_options(scheme, options)
     num_clients = _integer("num_clients", num_clients, 1)
     y_train = _labels("y_train", y_train)
     y_test = _labels("y_test", y_test)

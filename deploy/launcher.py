@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -64,6 +65,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_dir: str) -> int:
     """Run the experiment locally; returns 0 when server and every client succeeded."""
+    signal.signal(signal.SIGTERM, _terminated)
     out = Path(out_dir)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -96,6 +98,11 @@ def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_di
         return 130
     finally:
         _stop(clients + [server])
+
+
+def _terminated(signum: int, frame) -> None:
+    """SIGTERM: unwind so that the started processes are stopped by PID."""
+    raise SystemExit(128 + signum)
 
 
 def _await_address(lines: queue.Queue) -> str | None:

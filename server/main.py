@@ -40,7 +40,7 @@ def start_grpc(coordinator: Coordinator, address: str) -> tuple[grpc.Server, str
 def serve(config: RunConfig, address: str, out_dir: str | Path) -> int:
     """Run a whole federated experiment as the coordinator; returns the exit code."""
     started = time.monotonic()
-    coordinator = Coordinator(config, log=_log)
+    coordinator = Coordinator(config, log=_log)  # builds model and algorithm: bad settings fail here
     run_dir = RunDirectory(out_dir)
     run_dir.write_config(config)
     run_dir.checkpoint(0, coordinator.global_state)

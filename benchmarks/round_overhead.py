@@ -1,0 +1,361 @@
+"""Round overhead of fedpart against a plain-PyTorch compute floor, measured in one run.
+
+Workload (fixed): FedAvg, model ``cnn2`` (582,026 float32 parameters) on real MNIST, 10 clients,
+client i holding training samples [600i, 600i+600) and test samples [100i, 100i+100) in file
+order, all 10 clients every round, 1 local epoch of batch 10 (60 SGD steps, lr 0.01, momentum 0)
+over shuffled index batches, sample-weighted mean of the deltas, ``--rounds`` rounds (default 5).
+
+What is measured:
+
+- **fedpart**: ``fedpart run`` (one server, ``--processes`` client processes on 127.0.0.1) with
+  that config. A round's time is the server's ``seconds`` in ``metrics.jsonl``: sampling, task
+  delivery over gRPC, local training, result upload, validation and aggregation, up to the new
+  global model. It excludes the per-round checkpoint and log line written after the round, and
+  the single evaluation after the last round.
+- **floor**: the same work with no framework. P spawn worker processes (P = the number of client
+  processes fedpart starts), the same client -> process assignment
+  (``fedpart.deploy.launcher.split_clients``) and the same torch thread count per process
+  (``max(1, cpu_count // P)``, as fedpart's launcher gives each client process); each worker
+  loads its clients' data once (not timed). A round's time is wall time in the parent from
+  sending the global weights to holding the new global model: every worker, for each of its
+  clients, loads the global weights into the model, trains the epoch (same model builder and
+  seed, same per-client shuffling seeds) and returns the delta over a pipe; the parent takes
+  the sample-weighted mean of the deltas in float64 and adds it. The floor does not evaluate
+  (fedpart's training rounds do not evaluate either).
+
+The floor's final model is compared with fedpart's final checkpoint: both computed the same
+steps, so they agree to float rounding. With ``--repeat`` (default) the floor runs before and
+after fedpart and its median is taken over both runs, which evens out drift of the machine.
+Wire bytes per client-round come from ``metrics.jsonl`` (every message of the round, divided
+by the clients that completed it) next to the raw size of one float32 model copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from fedpart.common.checkpoint import load_tensors
+from fedpart.common.models import build_model
+from fedpart.deploy.launcher import split_clients
+
+MODEL = "cnn2"
+INPUT_SHAPE = (1, 28, 28)
+NUM_CLASSES = 10
+PARAMETERS = 582_026
+SEED = 0
+CLIENTS = 10
+TRAIN_PER_CLIENT = 600
+TEST_PER_CLIENT = 100
+EPOCHS = 1
+BATCH_SIZE = 10
+LR = 0.01
+TARGET_RATIO = 1.10
+RAW_MODEL_BYTES = PARAMETERS * 4
+WORKER_START_SECONDS = 300.0
+FLOOR_ROUND_SECONDS = 600.0
+
+
+def default_data_root() -> Path:
+    """``<checkout>/../shared/data``: the real MNIST copy beside the repository."""
+    return Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def process_threads(processes: int) -> tuple[list[list[int]], int]:
+    """Client ids per process and torch threads per process, exactly as ``fedpart run`` does."""
+    ranges = split_clients(CLIENTS, processes)
+    groups = []
+    for spec in ranges:
+        low, high = (int(x) for x in spec.split("-"))
+        groups.append(list(range(low, high + 1)))
+    return groups, max(1, (os.cpu_count() or 1) // len(groups))
+
+
+def task_seed(round_number: int, client: int) -> int:
+    """The shuffling seed fedpart's coordinator puts in a client's training plan."""
+    return (SEED * 1_000_003 + round_number) * 1_000_003 + client
+
+
+# ------------------------------------------------------------------------------------ the floor
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """A gzipped uint8 IDX file as an array of its declared shape."""
+    data = gzip.decompress(path.read_bytes())
+    ndim = data[3]
+    dims = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def _client_train_data(raw: Path, clients: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each client's training block as float32 ``[600, 1, 28, 28]`` in [0, 1] and int64 labels."""
+    images = _read_idx(raw / "train-images-idx3-ubyte.gz")
+    labels = _read_idx(raw / "train-labels-idx1-ubyte.gz")
+    out = {}
+    for client in clients:
+        block = slice(client * TRAIN_PER_CLIENT, (client + 1) * TRAIN_PER_CLIENT)
+        x = torch.from_numpy(np.ascontiguousarray(images[block, None])).to(torch.float32).mul_(1.0 / 255)
+        out[client] = (x, torch.from_numpy(labels[block].astype(np.int64)))
+    return out
+
+
+def _train_epoch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> None:
+    """One epoch of SGD over shuffled index batches."""
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    model.train()
+    for _ in range(EPOCHS):
+        order = torch.randperm(x.shape[0], generator=generator)
+        for start in range(0, x.shape[0], BATCH_SIZE):
+            index = order[start:start + BATCH_SIZE]
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(x[index]), y[index]).backward()
+            optimizer.step()
+
+
+def floor_worker(conn: Connection, clients: list[int], threads: int, raw: str) -> None:
+    """Worker process: load data once, then per message ``(round, global vector)`` train every
+    hosted client from the global weights and send back ``[(client, samples, delta), ...]``."""
+    torch.set_num_threads(threads)
+    model = build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED)
+    data = _client_train_data(Path(raw), clients)
+    conn.send("ready")
+    while (message := conn.recv()) is not None:
+        round_number, global_vector = message
+        start = torch.from_numpy(global_vector)
+        results = []
+        for client in clients:
+            x, y = data[client]
+            vector_to_parameters(start, model.parameters())
+            _train_epoch(model, x, y, task_seed(round_number, client))
+            delta = parameters_to_vector(model.parameters()).detach() - start
+            results.append((client, x.shape[0], delta.numpy()))
+        conn.send(results)
+    conn.close()
+
+
+@dataclass
+class FloorRun:
+    """Per-round wall times of one floor run and its final global weights."""
+
+    seconds: list[float]
+    final: torch.Tensor
+
+
+def run_floor(processes: int, rounds: int, raw: Path) -> FloorRun:
+    """Run the floor; workers are started and loaded before the first timed round."""
+    groups, threads = process_threads(processes)
+    context = mp.get_context("spawn")
+    pipes: list[Connection] = []
+    workers: list[mp.process.BaseProcess] = []
+    try:
+        for clients in groups:
+            parent, child = context.Pipe()
+            worker = context.Process(target=floor_worker, args=(child, clients, threads, str(raw)), daemon=True)
+            worker.start()
+            child.close()
+            pipes.append(parent)
+            workers.append(worker)
+        for pipe in pipes:
+            _receive(pipe, WORKER_START_SECONDS)
+        global_vector = parameters_to_vector(build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED).parameters()).detach()
+        seconds = []
+        for round_number in range(1, rounds + 1):
+            started = time.perf_counter()
+            payload = (round_number, global_vector.numpy())
+            for pipe in pipes:
+                pipe.send(payload)
+            results = sorted(r for pipe in pipes for r in _receive(pipe, FLOOR_ROUND_SECONDS))
+            total = torch.zeros(PARAMETERS, dtype=torch.float64)
+            for _, samples, delta in results:
+                total += torch.from_numpy(delta).to(torch.float64) * samples
+            mean = total / sum(samples for _, samples, _ in results)
+            global_vector = (global_vector.to(torch.float64) + mean).to(torch.float32)
+            seconds.append(time.perf_counter() - started)
+        for pipe in pipes:
+            pipe.send(None)
+        return FloorRun(seconds, global_vector)
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=5)
+
+
+def _receive(pipe: Connection, timeout: float):
+    """One message from a worker, or an error when it takes longer than ``timeout``."""
+    if not pipe.poll(timeout):
+        raise TimeoutError(f"a floor worker sent nothing within {timeout:.0f} s")
+    return pipe.recv()
+
+
+# ------------------------------------------------------------------------------------- fedpart
+
+
+def fedpart_config(rounds: int, processes: int, data_root: Path) -> dict:
+    """The run config of the workload (evaluation reduced to the initial test accuracy)."""
+    return {
+        "name": "round_overhead",
+        "seed": SEED,
+        "rounds": rounds,
+        "clients": CLIENTS,
+        "processes": processes,
+        "sampling": {"fraction": 1.0},
+        "data": {
+            "dataset": "mnist",
+            "root": str(data_root),
+            "partition": {"scheme": "contiguous", "train_per_client": TRAIN_PER_CLIENT,
+                          "test_per_client": TEST_PER_CLIENT},
+        },
+        "model": {"name": MODEL},
+        "algorithm": {"name": "fedavg"},
+        "train": {"epochs": EPOCHS, "batch_size": BATCH_SIZE, "lr": LR, "momentum": 0.0},
+        "evaluate": {"finetune_epochs": []},
+    }
+
+
+@dataclass
+class FedpartRun:
+    """What one ``fedpart run`` left in its run directory."""
+
+    records: list[dict]
+    final: dict[str, torch.Tensor]
+
+
+def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeout: float) -> FedpartRun:
+    """``fedpart run`` as a subprocess (bounded wait, stopped by PID); raises if it fails."""
+    config_path = work / "round_overhead.yaml"
+    config_path.write_text(yaml.safe_dump(fedpart_config(rounds, processes, data_root), sort_keys=False))
+    out = work / "run"
+    log_path = work / "fedpart.log"
+    command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(config_path), "--out", str(out)]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            _stop(process)
+    if code != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        reason = f"exit code {code}" if code is not None else f"no end within {timeout:.0f} s"
+        raise RuntimeError(f"fedpart run failed ({reason}); last lines of its output:\n{tail}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    final = load_tensors(out / "checkpoints" / f"round_{rounds:04d}.safetensors")
+    return FedpartRun(records, final)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop the launcher by PID: SIGINT lets it stop its server and clients; then its group."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+# -------------------------------------------------------------------------------------- report
+
+
+def _max_difference(floor_final: torch.Tensor, fedpart_final: dict[str, torch.Tensor]) -> float:
+    model = build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED)
+    vector_to_parameters(floor_final, model.parameters())
+    return max(float((value - fedpart_final[name]).abs().max()) for name, value in model.state_dict().items())
+
+
+def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
+    """Print the side-by-side table, the medians, the ratio and the byte counts."""
+    rounds = len(fed.records)
+    _, threads = process_threads(processes)
+    print(f"cnn2 / MNIST / FedAvg: {CLIENTS} clients x {TRAIN_PER_CLIENT} samples, {EPOCHS} epoch, batch "
+          f"{BATCH_SIZE}, lr {LR}, all clients every round; {processes} client processes x {threads} torch "
+          f"thread(s) on {os.cpu_count()} CPUs; torch {torch.__version__}")
+    print("fedpart: server's round seconds (sampling -> every result aggregated; gRPC, serialization, "
+          "training, validation; no evaluation, no checkpoint)")
+    print("floor:   plain PyTorch, same processes/threads/steps (send weights -> train -> deltas back -> "
+          "weighted mean; no evaluation)")
+    floor_names = [f"floor#{i + 1} s" for i in range(len(floors))]
+    print()
+    print(f"{'round':>5}  {'fedpart s':>10}" + "".join(f"  {name:>10}" for name in floor_names))
+    for index, record in enumerate(fed.records):
+        print(f"{record['round']:>5}  {record['seconds']:>10.3f}"
+              + "".join(f"  {floor.seconds[index]:>10.3f}" for floor in floors))
+    fed_median = statistics.median(r["seconds"] for r in fed.records)
+    floor_median = statistics.median(s for floor in floors for s in floor.seconds)
+    ratio = fed_median / floor_median
+    print(f"{'median':>5}  {fed_median:>10.3f}"
+          + "".join(f"  {statistics.median(floor.seconds):>10.3f}" for floor in floors))
+    print()
+    print(f"fedpart round median        {fed_median:.3f} s")
+    print(f"floor round median          {floor_median:.3f} s  (over {len(floors) * rounds} rounds of "
+          f"{len(floors)} floor run(s))")
+    verdict = "meets" if ratio <= TARGET_RATIO else "MISSES"
+    print(f"ratio fedpart / floor       {ratio:.3f}  ({verdict} the {TARGET_RATIO:.2f}x target)")
+    print(f"same work check             max |floor - fedpart| over the final weights: "
+          f"{max(_max_difference(f.final, fed.final) for f in floors):.3g}")
+    client_rounds = sum(len(r["completed"]) for r in fed.records)
+    print()
+    print(f"bytes per client-round (all messages of the round / completed clients; raw float32 model "
+          f"{RAW_MODEL_BYTES:,} B)")
+    for direction in ("down", "up"):
+        total = sum(r[f"bytes_{direction}"] for r in fed.records) / client_rounds
+        tensors = sum(v[direction] for r in fed.records for part, v in r["bytes_by_part"].items()
+                      if part != "control") / client_rounds
+        print(f"  {direction:<4} {total:>14,.0f} B = {total / RAW_MODEL_BYTES:.3f} x raw  "
+              f"(tensor bytes {tensors:,.0f}, control {total - tensors:,.0f})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
+    parser.add_argument("--processes", type=int, default=2, help="client processes, and floor workers (default 2)")
+    parser.add_argument("--repeat", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the floor before and after fedpart and take the median of both (default on)")
+    parser.add_argument("--data-root", type=Path, default=default_data_root(),
+                        help="directory holding MNIST/raw/*.gz (default <checkout>/../shared/data)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the fedpart run may take")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or not 1 <= args.processes <= CLIENTS:
+        parser.error(f"--rounds must be >= 1 and --processes in 1..{CLIENTS}")
+    raw = args.data_root.resolve() / "MNIST" / "raw"
+    if not raw.is_dir():
+        parser.error(f"no MNIST/raw under {args.data_root}")
+
+    floors = [run_floor(args.processes, args.rounds, raw)]
+    with tempfile.TemporaryDirectory(prefix="fedpart-round-overhead-") as work:
+        try:
+            fed = run_fedpart(args.rounds, args.processes, args.data_root.resolve(), Path(work), args.timeout)
+        except RuntimeError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+    if args.repeat:
+        floors.append(run_floor(args.processes, args.rounds, raw))
+    report(args.processes, floors, fed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Helpers for tests that start real fedpart server and client processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+PROCESS_TIMEOUT = 240.0
+
+
+def small_config(**overrides: Any) -> dict[str, Any]:
+    """A digits/mlp run that finishes in seconds; ``overrides`` replace whole top-level keys."""
+    config: dict[str, Any] = {
+        "name": "test",
+        "seed": 0,
+        "rounds": 3,
+        "clients": 4,
+        "processes": 2,
+        "data": {"dataset": "digits", "partition": {"scheme": "iid"}},
+        "model": {"name": "mlp", "hidden": 32},
+        "algorithm": {"name": "fedavg"},
+        "train": {"epochs": 1, "batch_size": 20, "lr": 0.05, "momentum": 0.5},
+        "evaluate": {"finetune_epochs": [1, 2], "batch_size": 50},
+        "server": {"round_timeout": 120, "join_timeout": 120, "heartbeat_timeout": 30},
+    }
+    config.update(overrides)
+    return config
+
+
+def write_config(path: Path, config: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def child_env() -> dict[str, str]:
+    """Environment for child processes: unbuffered, with the test fixtures importable."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FIXTURES), env.get("PYTHONPATH")]))
+    return env
+
+
+def fedpart_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fedpart.deploy.cli", *args]
+
+
+class Processes:
+    """Processes a test started; all are stopped by PID when the test ends."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], **kwargs: Any) -> subprocess.Popen:
+        process = subprocess.Popen(args, env=child_env(), **kwargs)
+        self.started.append(process)
+        return process
+
+    def stop_all(self) -> None:
+        for process in self.started:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.started:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+
+
+@pytest.fixture
+def processes():
+    tracker = Processes()
+    yield tracker
+    tracker.stop_all()
+
+
+class LineReader:
+    """Reads a process's stdout on a thread so the test can wait for a line with a deadline."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, args=(process.stdout,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in iter(stream.readline, ""):
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        regex = re.compile(pattern)
+        while True:
+            try:
+                line = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} within {timeout} s; got {self.lines[-10:]}")
+            if line is None:
+                raise AssertionError(f"process ended before printing {pattern!r}; output {self.lines[-20:]}")
+            self.lines.append(line)
+            match = regex.search(line)
+            if match:
+                return match
+
+    def rest(self, timeout: float) -> str:
+        """Everything until the stream closes."""
+        while True:
+            try:
+                line = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"output did not end within {timeout} s")
+            if line is None:
+                return "".join(self.lines)
+            self.lines.append(line)
+
+
+def run_fedpart(config: dict[str, Any], tmp_path: Path, *sets: str, name: str = "run") -> tuple[subprocess.CompletedProcess, Path]:
+    """``fedpart run`` on ``config``; returns the finished process and the run directory."""
+    config_path = write_config(tmp_path / f"{name}.yaml", config)
+    out = tmp_path / name
+    sets_args = [a for s in sets for a in ("--set", s)]
+    args = fedpart_command("run", str(config_path), "--out", str(out), *sets_args)
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                               cwd=tmp_path)
+    try:
+        stdout, stderr = process.communicate(timeout=PROCESS_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.terminate()  # the launcher stops its server and clients on SIGTERM
+        stdout, stderr = process.communicate(timeout=30)
+        raise AssertionError(f"fedpart run did not finish within {PROCESS_TIMEOUT} s:\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr), out
+
+
+def read_metrics(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_summary(out: Path) -> dict[str, Any]:
+    return json.loads((out / "summary.json").read_text())
