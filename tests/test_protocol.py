@@ -1,0 +1,192 @@
+"""The coordinator's gRPC protocol against hand-driven clients: validation, version cache,
+liveness and large models. The server runs in-process on 127.0.0.1; the clients are raw stubs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from conftest import FIXTURES, small_config
+from fedpart.common.config import config_from_dict
+from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
+from fedpart.proto import fedpart_pb2 as pb
+from fedpart.proto import fedpart_pb2_grpc as pb_grpc
+from fedpart.server.coordinator import Coordinator
+from fedpart.server.main import start_grpc
+
+BOUND = 60.0  # seconds: every wait in these tests is bounded
+
+
+class Harness:
+    """An in-process coordinator with its gRPC server, driving rounds on a thread."""
+
+    def __init__(self, **overrides) -> None:
+        overrides.setdefault("server", {"round_timeout": 30, "heartbeat_timeout": 30})
+        config = small_config(clients=1, rounds=2, **overrides)
+        self.config = config_from_dict(config)
+        self.logs: list[str] = []
+        self.coordinator = Coordinator(self.config, log=self.logs.append)
+        self.initial = {k: v.clone() for k, v in self.coordinator.global_state.items()}
+        self.server, address = start_grpc(self.coordinator, "127.0.0.1:0")
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.records: list[dict] = []
+        self._thread: threading.Thread | None = None
+
+    def join(self, clients: list[int]) -> str:
+        reply = self.stub.Join(pb.JoinRequest(protocol=1, process_name="test",
+                                              clients=[pb.HostedClient(id=c) for c in clients]), timeout=BOUND)
+        return reply.session
+
+    def start_rounds(self, rounds: int) -> None:
+        def drive() -> None:
+            self.coordinator.wait_for_clients()
+            for r in range(1, rounds + 1):
+                self.records.append(self.coordinator.run_round(r))
+
+        self._thread = threading.Thread(target=drive, daemon=True)
+        self._thread.start()
+
+    def wait_rounds(self) -> None:
+        self._thread.join(timeout=BOUND)
+        assert not self._thread.is_alive(), "rounds did not finish in time"
+
+    def get_task(self, session: str, held: dict[str, int] | None = None):
+        request = pb.TaskRequest(session=session, held_versions=held or {}, wait_seconds=BOUND / 2)
+        while True:
+            header, tensors = decode_chunks(self.stub.GetTask(request, timeout=BOUND))
+            if header.kind != pb.IDLE:
+                return header, tensors
+
+    def submit(self, session: str, header: pb.TaskHeader, uploads: dict[str, torch.Tensor], samples: int = 10):
+        result = pb.ResultHeader(session=session, task_id=header.task_id, client_id=header.client_id,
+                                 round=header.round, num_samples=samples, metrics={"loss": 1.0},
+                                 tensors=[make_spec(n, t) for n, t in uploads.items()])
+        chunks: Iterator = encode_chunks(pb.ResultChunk, result, list(uploads.values()))
+        return self.stub.SubmitResult(chunks, timeout=BOUND)
+
+    def close(self) -> None:
+        self.coordinator.finish()
+        self.channel.close()
+        self.server.stop(grace=None).wait()
+
+
+@pytest.fixture
+def harness_factory():
+    made: list[Harness] = []
+
+    def make(**overrides) -> Harness:
+        harness = Harness(**overrides)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.close()
+
+
+def _zero_deltas(header: pb.TaskHeader, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros_like(state[n]) for n in header.train.upload_deltas}
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda up: up.update({next(iter(up)): torch.full_like(next(iter(up.values())), float("nan"))}), "NaN"),
+    (lambda up: up.pop(next(iter(up))), "differ from the expected"),
+    (lambda up: up.update({"head.bias": torch.zeros(3)}), "expected torch.float32 [10]"),
+])
+def test_broken_results_are_rejected_and_change_nothing(harness_factory, corrupt, message) -> None:
+    harness = harness_factory()
+    session = harness.join([0])
+    harness.start_rounds(1)
+    header, _ = harness.get_task(session)
+    assert header.kind == pb.TRAIN
+    uploads = _zero_deltas(header, harness.coordinator.global_state)
+    corrupt(uploads)
+    with pytest.raises(grpc.RpcError) as error:
+        harness.submit(session, header, uploads)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in error.value.details()
+    harness.wait_rounds()
+    assert harness.records[0]["completed"] == []
+    assert all(torch.equal(harness.initial[k], v) for k, v in harness.coordinator.global_state.items())
+    assert any(message in f for f in harness.coordinator.failures)
+
+
+def test_results_for_unknown_or_closed_tasks_are_refused(harness_factory) -> None:
+    harness = harness_factory()
+    session = harness.join([0])
+    harness.start_rounds(1)
+    header, _ = harness.get_task(session)
+    uploads = _zero_deltas(header, harness.coordinator.global_state)
+    assert harness.submit(session, header, uploads).accepted
+    harness.wait_rounds()
+    with pytest.raises(grpc.RpcError) as error:
+        harness.submit(session, header, uploads)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as error:
+        harness.stub.GetTask(pb.TaskRequest(session="forged", wait_seconds=1), timeout=BOUND).next()
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_duplicate_hosting_is_refused(harness_factory) -> None:
+    harness = harness_factory()
+    harness.join([0])
+    with pytest.raises(grpc.RpcError) as error:
+        harness.join([0])
+    assert "already hosted" in error.value.details()
+
+
+def test_version_cache_sends_only_changed_tensors(harness_factory) -> None:
+    harness = harness_factory(algorithm={"name": "fedbabu"})
+    session = harness.join([0])
+    harness.start_rounds(2)
+    header, tensors = harness.get_task(session)
+    assert set(tensors) == set(harness.initial), "the first task carries the whole model"
+    held = {spec.name: spec.version for spec in header.tensors}
+    delta = {n: torch.full_like(harness.initial[n], 0.5) for n in header.train.upload_deltas}
+    assert "head.weight" not in delta
+    harness.submit(session, header, delta)
+    header, tensors = harness.get_task(session, held)
+    assert header.round == 2
+    assert set(tensors) == set(header.train.upload_deltas), "only the body changed, only the body is re-sent"
+    assert all(spec.version == 1 for spec in header.tensors)
+    assert torch.allclose(tensors["body.fc1.1.weight"], harness.initial["body.fc1.1.weight"] + 0.5)
+    harness.submit(session, header, _zero_deltas(header, harness.coordinator.global_state))
+    harness.wait_rounds()
+
+
+def test_a_silent_process_does_not_hold_the_round(harness_factory) -> None:
+    harness = harness_factory(server={"round_timeout": 600, "heartbeat_timeout": 1.0})
+    harness.join([0])  # joins, then never polls nor beats
+    harness.start_rounds(1)
+    harness.wait_rounds()
+    assert harness.records[0]["completed"] == []
+    assert harness.records[0]["seconds"] < 20
+
+
+def test_a_100_megabyte_model_moves_with_default_message_limits(harness_factory, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    harness = harness_factory(model={"name": "custom_components:huge_model"})
+    total = sum(t.numel() * t.element_size() for t in harness.initial.values())
+    assert total > 100e6
+    session = harness.join([0])
+    harness.start_rounds(1)
+    request = pb.TaskRequest(session=session, wait_seconds=BOUND / 2)
+    largest = 0
+    chunks = []
+    while not chunks or chunks[0].header.kind == pb.IDLE:
+        chunks = list(harness.stub.GetTask(request, timeout=BOUND))
+    largest = max(c.ByteSize() for c in chunks)
+    assert largest < 4 * 1024 * 1024, "every message stays below gRPC's default 4 MiB limit"
+    header, tensors = decode_chunks(iter(chunks))
+    assert all(torch.equal(tensors[n], harness.initial[n]) for n in harness.initial)
+    uploads = {n: torch.ones_like(harness.initial[n]) * 1e-3 for n in header.train.upload_deltas}
+    assert harness.submit(session, header, uploads).accepted
+    harness.wait_rounds()
+    assert harness.records[0]["completed"] == [0]
+    assert harness.records[0]["bytes_up"] > 100e6
