@@ -111,7 +111,7 @@ def _client_train_data(raw: Path, clients: list[int]) -> dict[int, tuple[torch.T
     out = {}
     for client in clients:
         block = slice(client * TRAIN_PER_CLIENT, (client + 1) * TRAIN_PER_CLIENT)
-        x = torch.from_numpy(np.ascontiguousarray(images[block, None])).to(torch.float32).mul_(1.0 / 255)
+        x = torch.from_numpy(images[block, None].copy()).to(torch.float32).mul_(1.0 / 255)
         out[client] = (x, torch.from_numpy(labels[block].astype(np.int64)))
     return out
 

@@ -12,31 +12,10 @@ import torch
 
 from fedpart.client.local_data import ClientData
 from fedpart.client.training import LossFn, batches
+from fedpart.common.evaluation import EVAL_BATCH, split_metrics
 from fedpart.common.split_model import HEAD, SplitModel
 from fedpart.proto import fedpart_pb2 as pb
 
-EVAL_BATCH = 1000
-
-
-@torch.no_grad()
-def test_metrics(model: SplitModel, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
-                 classification: bool) -> dict[str, float]:
-    """Mean loss (and accuracy for classifiers) on ``(x, y)``."""
-    model.eval()
-    if x.shape[0] == 0:
-        return {}
-    loss_sum = torch.zeros((), device=x.device)
-    correct = torch.zeros((), device=x.device)
-    for start in range(0, x.shape[0], EVAL_BATCH):
-        out = model(x[start:start + EVAL_BATCH])
-        target = y[start:start + EVAL_BATCH]
-        loss_sum += loss_fn(out, target) * target.shape[0]
-        if classification:
-            correct += (out.argmax(dim=1) == target).sum()
-    metrics = {"loss": float(loss_sum) / x.shape[0]}
-    if classification:
-        metrics["acc"] = float(correct) / x.shape[0]
-    return metrics
 
 
 @torch.no_grad()
@@ -72,7 +51,7 @@ def evaluate_and_personalize(model: SplitModel, data: ClientData, plan: pb.EvalP
                              classification: bool) -> dict[str, float]:
     """Report initial and per-epoch personalized metrics; ``model`` ends up personalized."""
     metrics: dict[str, float] = {"train_samples": data.train_size, "test_samples": data.test_size}
-    initial = test_metrics(model, data.x_test, data.y_test, loss_fn, classification)
+    initial = split_metrics(model, data.x_test, data.y_test, loss_fn, classification)
     metrics.update({f"initial_{k}": v for k, v in initial.items()})
     if plan.headless and classification:
         for cosine, key in ((False, "headless_acc"), (True, "headless_cosine_acc")):
@@ -96,7 +75,7 @@ def evaluate_and_personalize(model: SplitModel, data: ClientData, plan: pb.EvalP
                 loss_fn(model(data.x_train[index]), data.y_train[index]).backward()
                 optimizer.step()
             epoch += 1
-        result = test_metrics(model, data.x_test, data.y_test, loss_fn, classification)
+        result = split_metrics(model, data.x_test, data.y_test, loss_fn, classification)
         metrics.update({f"finetune_{target}_{k}": v for k, v in result.items()})
     model.set_trainable(model.schedule_units)
     return metrics

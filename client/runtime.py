@@ -107,7 +107,9 @@ class ClientProcess:
         earlier = ClientStore(self.state_dir, previous) if previous else None
         hosted = [pb.HostedClient(id=c, personal_parts=earlier.personal_parts(c) if earlier else [])
                   for c in self.client_ids]
-        request = pb.JoinRequest(protocol=1, process_name=self.name, clients=hosted, state_run_id=previous)
+        instance = f"{socket.gethostname()}:{self.state_dir.resolve()}:{','.join(map(str, self.client_ids))}"
+        request = pb.JoinRequest(protocol=1, process_name=self.name, clients=hosted, state_run_id=previous,
+                                 instance=instance)
         try:
             return self.stub.Join(request, timeout=60)
         except grpc.RpcError as error:
@@ -141,6 +143,9 @@ class ClientProcess:
         reply = self._join()
         self.store = ClientStore(self.state_dir, reply.run_id)
         self.store.mark_latest()
+        restored = [c for c in self.client_ids if self.store.personal_parts(c)]
+        if restored:
+            self.log(f"restored personal parts of clients {restored} from {self.store.root}")
         self._setup(reply)
         beat = threading.Thread(target=self._heartbeats, daemon=True)
         beat.start()

@@ -91,6 +91,8 @@ class EvaluateConfig:
     momentum: float = 0.9
     batch_size: int = 50
     headless: bool = False
+    global_test: bool = True   # test the global model on the server-held test set (when it has one)
+    global_every: int = 0      # also after every k-th round (0: only at the end)
 
 
 @dataclass
@@ -210,6 +212,7 @@ def _validate(config: RunConfig) -> None:
         (config.evaluate.part in ("full", "body", "head"), "evaluate.part must be 'full', 'body' or 'head'"),
         (all(e >= 0 for e in config.evaluate.finetune_epochs), "evaluate.finetune_epochs must be >= 0"),
         (config.evaluate.batch_size >= 1, "evaluate.batch_size must be >= 1"),
+        (config.evaluate.global_every >= 0, "evaluate.global_every must be >= 0"),
         (config.server.chunk_bytes >= 1024, "server.chunk_bytes must be at least 1024"),
         (config.server.round_timeout > 0 and config.server.join_timeout > 0, "server timeouts must be positive"),
     ]

@@ -90,7 +90,7 @@ def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_di
             with log_path.open("w") as log:
                 clients.append(subprocess.Popen(
                     _cli("client", "--server", address, "--clients", ids, "--threads", str(threads),
-                         "--state-dir", str(out / "state")),
+                         "--state-dir", str(out / "state" / f"process_{index}")),
                     stdout=log, stderr=subprocess.STDOUT, env=env))
         return _follow(server, lines, clients, client_logs)
     except KeyboardInterrupt:

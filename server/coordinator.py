@@ -58,6 +58,7 @@ class ProcessState:
     pending: deque = field(default_factory=deque)
     alive: bool = True
     released: bool = False  # has been told the run is over
+    instance: str = ""
 
 
 @dataclass
@@ -115,11 +116,17 @@ class Coordinator:
             if self.done:
                 raise Rejected("the run is over")
             self._reap_silent()
-            taken = [i for i in ids if i in self._host and self._processes[self._host[i]].alive]
+            replaced = [p for p in self._processes.values()
+                        if p.alive and request.instance and p.instance == request.instance]
+            taken = [i for i in ids if i in self._host and self._processes[self._host[i]].alive
+                     and self._processes[self._host[i]] not in replaced]
             if taken:
                 raise Rejected(f"clients {taken} are already hosted by another live process")
             session = uuid.uuid4().hex
-            self._processes[session] = ProcessState(session, request.process_name, ids, time.monotonic())
+            process = ProcessState(session, request.process_name, ids, time.monotonic(), instance=request.instance)
+            for old in replaced:
+                self._take_over(old, process)
+            self._processes[session] = process
             for hosted in request.clients:
                 self._host[hosted.id] = session
                 if request.state_run_id == self.run_id:
@@ -243,6 +250,21 @@ class Coordinator:
         if task.personal_init:
             self._personal.setdefault(task.client_id, set()).update(task.personal_init)
         self._cond.notify_all()
+
+    def _take_over(self, old: ProcessState, new: ProcessState) -> None:
+        """A restarted process replaces its dead predecessor: queued tasks move over, tasks the
+        old process had taken are lost with it."""
+        old.alive = False
+        for task in old.pending:
+            if task.client_id in new.clients:
+                task.session = new.session
+                new.pending.append(task)
+        old.pending.clear()
+        for task_id, task in list(self._outstanding.items()):
+            if task.session == old.session:
+                del self._outstanding[task_id]
+                self._failures.append(f"round {task.round} client {task.client_id}: its process restarted")
+        self.log(f"process {old.name} was restarted as {new.name}")
 
     def _reap_silent(self) -> None:
         """Mark processes silent for longer than the heartbeat timeout as gone."""

@@ -12,6 +12,7 @@ import grpc
 from fedpart.common.config import RunConfig
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 from fedpart.server.coordinator import Coordinator
+from fedpart.server.global_eval import GlobalEvaluator, has_global_model
 from fedpart.server.report import RunDirectory, build_summary, format_round, format_table
 from fedpart.server.service import CoordinatorService
 
@@ -41,6 +42,9 @@ def serve(config: RunConfig, address: str, out_dir: str | Path) -> int:
     """Run a whole federated experiment as the coordinator; returns the exit code."""
     started = time.monotonic()
     coordinator = Coordinator(config, log=_log)  # builds model and algorithm: bad settings fail here
+    evaluator = None
+    if config.evaluate.global_test and has_global_model(coordinator.algorithm):
+        evaluator = GlobalEvaluator(config)
     run_dir = RunDirectory(out_dir)
     run_dir.write_config(config)
     run_dir.checkpoint(0, coordinator.global_state)
@@ -52,14 +56,18 @@ def serve(config: RunConfig, address: str, out_dir: str | Path) -> int:
         records = []
         for round_number in range(1, config.rounds + 1):
             record = coordinator.run_round(round_number)
+            every = config.evaluate.global_every
+            if evaluator is not None and every and round_number % every == 0:
+                record["global"] = evaluator.evaluate(coordinator.global_state)
             records.append(record)
             run_dir.append_round(record)
             run_dir.checkpoint(round_number, coordinator.global_state)
             _log(format_round(record, config.rounds))
         _log("evaluating and personalising on every client ...")
         evaluations = coordinator.evaluate_all()
-        summary = build_summary(config, coordinator.model, records, evaluations, coordinator.ledger,
-                                coordinator.failures, time.monotonic() - started)
+        global_metrics = evaluator.evaluate(coordinator.global_state) if evaluator is not None else None
+        summary = build_summary(config, coordinator.model, records, evaluations, global_metrics,
+                                coordinator.ledger, coordinator.failures, time.monotonic() - started)
         run_dir.write_summary(summary)
         _log(format_table(summary))
         missing = config.clients - len(evaluations)

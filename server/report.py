@@ -63,8 +63,8 @@ def _metric_summary(evaluations: Mapping[int, Mapping[str, float]], key: str) ->
 
 
 def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
-                  evaluations: Mapping[int, Mapping[str, float]], ledger: ByteLedger,
-                  failures: list[str], seconds: float) -> dict[str, Any]:
+                  evaluations: Mapping[int, Mapping[str, float]], global_metrics: Mapping[str, float] | None,
+                  ledger: ByteLedger, failures: list[str], seconds: float) -> dict[str, Any]:
     """The run's summary.json content."""
     names = dict(model.named_parameters())
     body = [n for n in names if n.startswith("body.")]
@@ -76,8 +76,11 @@ def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
         "initial": _metric_summary(evaluations, f"initial_{metric}"),
         "personalized": {str(e): _metric_summary(evaluations, f"finetune_{e}_{metric}") for e in epochs},
     }
-    if any("headless_acc" in m for m in evaluations.values()):
-        accuracy["headless"] = _metric_summary(evaluations, "headless_acc")
+    for key in ("headless", "headless_cosine"):
+        if any(f"{key}_acc" in m for m in evaluations.values()):
+            accuracy[key] = _metric_summary(evaluations, f"{key}_acc")
+    if global_metrics is not None:
+        accuracy["global"] = dict(global_metrics)
     per_client = []
     for client in range(config.clients):
         m = evaluations.get(client, {})
@@ -134,7 +137,9 @@ def format_table(summary: Mapping[str, Any]) -> str:
     rows = [("initial (global model)", acc["initial"])]
     rows += [(f"personalized, {e} epochs", s) for e, s in acc["personalized"].items()]
     if "headless" in acc:
-        rows.append(("head-less (class templates)", acc["headless"]))
+        rows.append(("head-less, euclidean", acc["headless"]))
+    if "headless_cosine" in acc:
+        rows.append(("head-less, cosine", acc["headless_cosine"]))
     lines = [
         f"{summary['algorithm']} | {summary['model']} on {summary['dataset']} | {summary['clients']} clients | "
         f"{summary['rounds']} rounds | {summary['parameters']['total']:,} parameters "
@@ -144,6 +149,8 @@ def format_table(summary: Mapping[str, Any]) -> str:
     for name, s in rows:
         lines.append(f"{name:<30}{_fmt(s['mean'], scale):>18}{_fmt(s['std'], scale):>9}"
                      f"{_fmt(s['weighted_mean'], scale):>10}{s['clients']:>9}")
+    if "global" in acc and metric in acc["global"]:
+        lines.append(f"{'global model, server test set':<30}{_fmt(acc['global'][metric], scale):>18}")
     b = summary["bytes"]
     lines.append(f"bytes down {b['down']:,}  up {b['up']:,}  (per round: down {b['per_round_mean']['down']:,.0f}, "
                  f"up {b['per_round_mean']['up']:,.0f})")

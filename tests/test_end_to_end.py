@@ -64,7 +64,7 @@ def test_fedavg_runs_end_to_end_and_is_deterministic(tmp_path: Path) -> None:
         assert record["bytes_by_part"]["head"]["up"] > 0  # FedAvg uploads the head
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"round_{r:04d}.safetensors" for r in range(4)]
     assert (out / "config.yaml").is_file()
-    personalized = sorted((out / "state").glob("*/client_*/personalized.safetensors"))
+    personalized = sorted((out / "state").glob("process_*/*/client_*/personalized.safetensors"))
     assert len(personalized) == config["clients"]
 
     second, out2 = run_fedpart(config, tmp_path, name="b")

@@ -1,0 +1,45 @@
+"""Global accuracy: the global model (global body + global head; FedHA: the averaged head) on a
+test set the server holds itself (the dataset's whole test split, never client data)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from fedpart.common.algorithms import Algorithm, Role
+from fedpart.common.config import RunConfig
+from fedpart.common.data import load_dataset
+from fedpart.common.evaluation import split_metrics
+from fedpart.common.experiment import build_run_model, dataset_dims
+from fedpart.common.losses import build_loss
+
+GLOBAL_BODY = (Role.GLOBAL, Role.FIXED)
+GLOBAL_HEAD = (Role.GLOBAL, Role.FIXED, Role.COLLECTED)
+
+
+def has_global_model(algorithm: Algorithm) -> bool:
+    """Whether the server holds a complete model worth testing (body and head both global)."""
+    return algorithm.body in GLOBAL_BODY and algorithm.head in GLOBAL_HEAD
+
+
+class GlobalEvaluator:
+    """Tests global states on the server-held test set."""
+
+    def __init__(self, config: RunConfig) -> None:
+        data = config.data
+        try:
+            dataset = load_dataset(data.dataset, data.root, **data.options)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"evaluate.global_test needs the test set on the server: {error} "
+                             "(set evaluate.global_test: false if the server holds no data)") from error
+        self.x = dataset.features(dataset.x_test)
+        self.y = dataset.targets(dataset.y_test)
+        self.classification = dataset_dims(config)[1] > 0
+        self.loss_fn = build_loss(config.train.loss, self.classification)
+        self.model = build_run_model(config)
+
+    def evaluate(self, state: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """``{"loss": .., "acc": ..}`` of ``state`` on the whole test split."""
+        self.model.load_state_dict(dict(state))
+        return split_metrics(self.model, self.x, self.y, self.loss_fn, self.classification)
