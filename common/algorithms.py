@@ -11,6 +11,7 @@ adding a small factory to :data:`ALGORITHMS`; the round engine stays the same.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -274,7 +275,8 @@ def unfrozen_units(units: tuple[str, ...], fraction: float, step: int, total_ste
     if fraction <= 0:
         return units
     count = len(units)
-    return units[:min(count, math.ceil(step * count / (fraction * total_steps)))]
+    exact = Fraction(step * count) / (Fraction(repr(fraction)) * total_steps)  # no float rounding at boundaries
+    return units[:min(count, math.ceil(exact))]
 
 
 def learning_rate(base: float, round_index: int, rounds: int, milestones: Iterable[float], gamma: float) -> float:

@@ -162,6 +162,11 @@ def _check_type(value: Any, annotation: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads exponents without a dot (1e-3) as strings
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
@@ -278,7 +283,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: not valid YAML: {error}") from error
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
-        root = (raw.get("data") or {}).get("root")
-        if isinstance(root, str) and not Path(root).is_absolute():
-            raw["data"]["root"] = str((Path.cwd() / root).resolve())
+        data = raw.get("data")
+        if isinstance(data, dict) and isinstance(data.get("root"), str) and not Path(data["root"]).is_absolute():
+            data["root"] = str((Path.cwd() / data["root"]).resolve())
     return config_from_dict(apply_overrides(raw, overrides or []))

@@ -34,7 +34,7 @@ DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
-# Protobuf field numbers of the chunk messages (TaskChunk and ResultChunk share the layout).
+# Chunk messages (TaskChunk and ResultChunk share the layout) hold pieces in field 2: one tag byte.
 _PIECES_FIELD_TAG_BYTES = 1
 
 
@@ -90,32 +90,46 @@ def varint_size(value: int) -> int:
     return size
 
 
+def _piece_bytes(index: int, length: int) -> int:
+    """Bytes a piece of ``length`` data bytes for tensor ``index`` adds to its chunk message."""
+    body = 1 + varint_size(length) + length
+    if index:
+        body += 1 + varint_size(index)
+    return _PIECES_FIELD_TAG_BYTES + varint_size(body) + body
+
+
 def piece_wire_bytes(piece: pb.TensorPiece) -> int:
     """Bytes one piece adds to its chunk message: field tag, length prefix and body."""
-    body = len(piece.data)
-    size = 1 + varint_size(body) + body
-    if piece.index:
-        size += 1 + varint_size(piece.index)
-    return _PIECES_FIELD_TAG_BYTES + varint_size(size) + size
+    return _piece_bytes(piece.index, len(piece.data))
+
+
+def _fitting_length(index: int, room: int, wanted: int) -> int:
+    """The most data bytes (up to ``wanted``) whose framed piece fits into ``room`` bytes."""
+    length = min(wanted, room)
+    while length > 0 and _piece_bytes(index, length) > room:
+        length -= max(1, _piece_bytes(index, length) - room)
+    return max(length, 0)
 
 
 def iter_piece_groups(tensors: Iterable[torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[list[pb.TensorPiece]]:
-    """Cut the tensors' bytes into pieces and group them into chunks of at most ``chunk_bytes``."""
-    if chunk_bytes <= 0:
-        raise ValueError("chunk_bytes must be positive")
+    """Cut the tensors' bytes into pieces and group them so that the pieces of one chunk take at
+    most ``chunk_bytes`` serialized bytes (framing included)."""
     group: list[pb.TensorPiece] = []
     room = chunk_bytes
     for index, tensor in enumerate(tensors):
         view = _byte_view(tensor)
         offset = 0
         while offset < len(view):
-            take = min(room, len(view) - offset)
-            group.append(pb.TensorPiece(index=index, data=view[offset:offset + take].tobytes()))
-            offset += take
-            room -= take
-            if room == 0:
+            take = _fitting_length(index, room, len(view) - offset)
+            if take == 0:
+                if not group:
+                    raise ValueError(f"chunk_bytes {chunk_bytes} cannot hold even one framed byte")
                 yield group
                 group, room = [], chunk_bytes
+                continue
+            group.append(pb.TensorPiece(index=index, data=view[offset:offset + take].tobytes()))
+            offset += take
+            room -= _piece_bytes(index, take)
     if group:
         yield group
 

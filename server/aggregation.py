@@ -9,9 +9,15 @@ the order in which results arrived: same seed, same numbers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
+
+
+def _check_weight(weight: float) -> None:
+    if not (math.isfinite(weight) and weight > 0):
+        raise ValueError(f"aggregation weight must be positive and finite, got {weight}")
 
 
 class CompensatedSum:
@@ -40,8 +46,7 @@ class WeightedMean:
 
     def add(self, tensors: Mapping[str, torch.Tensor], weight: float) -> None:
         """Fold one client's tensors in with aggregation weight ``weight`` (> 0)."""
-        if weight <= 0:
-            raise ValueError("aggregation weight must be positive")
+        _check_weight(weight)
         for name, tensor in tensors.items():
             if name not in self._sums:
                 self._sums[name] = CompensatedSum(tensor)
@@ -74,6 +79,7 @@ class HeadDictionary:
         self._entries: dict[int, tuple[dict[str, torch.Tensor], float]] = {}
 
     def store(self, client_id: int, tensors: Mapping[str, torch.Tensor], weight: float) -> None:
+        _check_weight(weight)
         self._entries[client_id] = ({k: v.clone() for k, v in tensors.items()}, weight)
 
     def __len__(self) -> int:

@@ -65,7 +65,6 @@ def test_non_positive_weight_rejected(weight):
     assert torch.equal(mean.means()["x"], torch.ones(2, dtype=torch.float64))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: WeightedMean.add checks `weight <= 0`, which lets NaN pass")
 @pytest.mark.parametrize("weight", [float("nan"), float("inf")])
 def test_non_finite_weight_rejected(weight):
     mean = WeightedMean()
@@ -194,8 +193,6 @@ def test_head_dictionary_non_positive_weight_fails_at_mean():
         heads.mean()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: HeadDictionary.store accepts weight <= 0; the entry persists "
-                                       "across rounds and makes every later mean() raise")
 @pytest.mark.parametrize("weight", [0, -2.0])
 def test_head_dictionary_store_rejects_non_positive_weight(weight):
     heads = HeadDictionary()

@@ -228,9 +228,6 @@ def test_fedbug_zero_fraction_means_all_units():
     assert unfrozen_units(units, 0.0, 1, 10) == units
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: unfrozen_units computes ceil(step*M/(fraction*total)) in floating "
-                                       "point; 0.7*175 = 122.49999999999999 makes an exact boundary round up, "
-                                       "so a unit unfreezes one step early")
 @pytest.mark.parametrize("fraction, total, step, expected", [
     ("0.7", 175, 49, 2), ("0.7", 175, 98, 4), ("0.35", 175, 49, 4), ("0.3", 48, 9, None),
 ])

@@ -264,7 +264,7 @@ def test_decode_rejects_first_chunk_without_header():
 def test_decode_rejects_second_header():
     tensors = {"x": torch.ones(4)}
     header = _result_header(tensors)
-    chunks = list(encode_chunks(pb.ResultChunk, header, tensors.values(), chunk_bytes=8))
+    chunks = list(encode_chunks(pb.ResultChunk, header, tensors.values(), chunk_bytes=12))  # 8 data bytes + 4 of framing per chunk
     assert len(chunks) == 2
     chunks[1].header.CopyFrom(header)
     with pytest.raises(WireError, match="second header"):
@@ -273,7 +273,7 @@ def test_decode_rejects_second_header():
 
 def test_decode_rejects_truncated_stream():
     tensors = {"x": torch.ones(4)}
-    chunks = list(encode_chunks(pb.ResultChunk, _result_header(tensors), tensors.values(), chunk_bytes=8))
+    chunks = list(encode_chunks(pb.ResultChunk, _result_header(tensors), tensors.values(), chunk_bytes=12))  # 8 data bytes + 4 of framing per chunk
     with pytest.raises(WireError, match="got 8 of 16"):
         decode_chunks(chunks[:1])
 
@@ -281,3 +281,15 @@ def test_decode_rejects_truncated_stream():
 def test_unsupported_dtype_cannot_be_encoded():
     with pytest.raises(WireError):
         wire.make_spec("c", torch.zeros(2, dtype=torch.complex64))
+
+
+def test_chunk_size_bounded_for_many_small_tensors():
+    tensors = {f"t{i}": torch.tensor([i % 7], dtype=torch.int8) for i in range(3000)}
+    header = _result_header(tensors)
+    chunk_bytes = 1024
+    chunks = list(encode_chunks(pb.ResultChunk, header, tensors.values(), chunk_bytes=chunk_bytes))
+    _, got = decode_chunks(chunks)
+    assert all(torch.equal(got[n], t) for n, t in tensors.items())
+    for position, chunk in enumerate(chunks):
+        allowance = 64 + (header.ByteSize() + 8 if position == 0 else 0)
+        assert chunk.ByteSize() <= chunk_bytes + allowance
