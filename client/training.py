@@ -74,9 +74,9 @@ def train_local(model: SplitModel, data: ClientData, plan: pb.TrainPlan, loss_fn
     seen = steps = 0
     flops = 0.0
     for phase in plan.phases:
-        phase_units = tuple(phase.trainable)
-        if not phase_units or phase.epochs == 0:
+        if not phase.trainable or phase.epochs == 0:
             continue
+        steps_of_unfreezing = model.unfreeze_steps(list(phase.trainable))
         steps_per_epoch = math.ceil(n / plan.batch_size)
         total = phase.epochs * steps_per_epoch
         current: tuple[str, ...] | None = None
@@ -84,7 +84,7 @@ def train_local(model: SplitModel, data: ClientData, plan: pb.TrainPlan, loss_fn
         for _ in range(phase.epochs):
             for index in batches(n, plan.batch_size, generator, device):
                 step += 1
-                wanted = unfrozen_units(phase_units, phase.unfreeze_fraction, step, total)
+                wanted = unfrozen_units(steps_of_unfreezing, phase.unfreeze_fraction, step, total)
                 if wanted != current:
                     model.set_trainable(wanted)
                     current = wanted

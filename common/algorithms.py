@@ -269,14 +269,17 @@ def build_algorithm(name: str, options: Mapping[str, Any] | None = None) -> Algo
     return algorithm
 
 
-def unfrozen_units(units: tuple[str, ...], fraction: float, step: int, total_steps: int) -> tuple[str, ...]:
+def unfrozen_units(steps: list[tuple[str, ...]], fraction: float, step: int, total_steps: int) -> tuple[str, ...]:
     """FedBug's gradual unfreezing: units trainable at local iteration ``step`` (1-based) of
-    ``total_steps``: the first ``min(M, ceil(step * M / (fraction * total_steps)))`` of the M."""
+    ``total_steps``, given the M unfreezing ``steps`` (groups of units, input to output): those of
+    the first ``min(M, ceil(step * M / (fraction * total_steps)))`` groups."""
+    count = len(steps)
     if fraction <= 0:
-        return units
-    count = len(units)
-    exact = Fraction(step * count) / (Fraction(repr(fraction)) * total_steps)  # no float rounding at boundaries
-    return units[:min(count, math.ceil(exact))]
+        reached = count
+    else:
+        exact = Fraction(step * count) / (Fraction(repr(fraction)) * total_steps)  # no float rounding
+        reached = min(count, math.ceil(exact))
+    return tuple(unit for group in steps[:reached] for unit in group)
 
 
 def learning_rate(base: float, round_index: int, rounds: int, milestones: Iterable[float], gamma: float) -> float:

@@ -253,7 +253,8 @@ def _resnet(
         if index == len(groups) - 1:
             parts.append(("pool", nn.AdaptiveAvgPool2d(1)))
         body[f"{units}{index + 1}"] = nn.Sequential(OrderedDict(parts))
-    return SplitModel(body, nn.Linear(RESNET_WIDTHS[-1], num_classes))
+    # FedBug (Kao & Wang 2023) unfreezes ResNets by stage or block, the head with the last one.
+    return SplitModel(body, nn.Linear(RESNET_WIDTHS[-1], num_classes), head_joins_last_unit=True)
 
 
 def resnet18(num_classes: int, input_shape: tuple[int, ...], *, units: str = "stage") -> SplitModel:

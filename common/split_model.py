@@ -22,11 +22,13 @@ class SplitModel(nn.Module):
     """A network cut into ordered body units and a head.
 
     ``units`` maps unit names to modules applied in order; ``head`` maps the last unit's output
-    to the prediction. ``forward`` can run a frozen prefix of units under ``torch.no_grad()`` so
+    to the prediction. ``head_joins_last_unit`` makes gradual unfreezing treat the head and the
+    last body unit as one step (ResNets in FedBug) instead of the head being a step of its own. ``forward`` can run a frozen prefix of units under ``torch.no_grad()`` so
     that its backward pass is skipped entirely (freeze schedules save that compute).
     """
 
-    def __init__(self, units: "OrderedDict[str, nn.Module]", head: nn.Module) -> None:
+    def __init__(self, units: "OrderedDict[str, nn.Module]", head: nn.Module,
+                 head_joins_last_unit: bool = False) -> None:
         super().__init__()
         if not units:
             raise ValueError("a SplitModel needs at least one body unit")
@@ -34,6 +36,7 @@ class SplitModel(nn.Module):
             raise ValueError(f"a body unit may not be called {HEAD!r}")
         self.body = nn.ModuleDict(units)
         self.head = head
+        self.head_joins_last_unit = head_joins_last_unit
         self.no_grad_prefix = 0
 
     @property
@@ -58,6 +61,15 @@ class SplitModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
+
+    def unfreeze_steps(self, units: Sequence[str]) -> list[tuple[str, ...]]:
+        """``units`` (in schedule order) grouped into the steps of gradual unfreezing."""
+        steps = [(u,) for u in units]
+        last = self.unit_names[-1]
+        if self.head_joins_last_unit and (last,) in steps and (HEAD,) in steps:
+            steps.remove((HEAD,))
+            steps[steps.index((last,))] = (last, HEAD)
+        return steps
 
     def unit_parameters(self, unit: str) -> list[nn.Parameter]:
         """Parameters of one schedule unit (a body unit name or ``head``)."""

@@ -195,6 +195,23 @@ def test_untrained_units_are_not_uploaded():
     assert algorithm.uploads(["temperature"], (Phase(1, ()),)) == ([], [])
 
 
+def _steps(units: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """One unfreezing step per unit (the head is a step of its own)."""
+    return [(u,) for u in units]
+
+
+def test_resnet_head_unfreezes_with_the_last_unit():
+    from fedpart.common.models import build_model
+
+    resnet = build_model("resnet18", num_classes=10, input_shape=(3, 32, 32), seed=0)
+    steps = resnet.unfreeze_steps(resnet.schedule_units)
+    assert steps == [("stage1",), ("stage2",), ("stage3",), ("stage4", "head")]
+    assert unfrozen_units(steps, 0.2, 1, 100) == ("stage1",)
+    assert unfrozen_units(steps, 0.2, 16, 100) == ("stage1", "stage2", "stage3", "stage4", "head")
+    cnn5 = build_model("cnn5", num_classes=10, input_shape=(3, 32, 32), seed=0)
+    assert len(cnn5.unfreeze_steps(cnn5.schedule_units)) == 5
+
+
 def _exact_unfrozen(M: int, fraction: str, k: int, K: int) -> int:
     return min(M, math.ceil(Fraction(k * M) / (Fraction(fraction) * K)))
 
@@ -205,27 +222,27 @@ def test_fedbug_unfrozen_units_formula():
     for k in range(1, K + 1):
         m = min(M, math.ceil(k * M / (P * K)))
         assert m == _exact_unfrozen(M, "0.2", k, K)
-        assert unfrozen_units(units, P, k, K) == units[:m]
+        assert unfrozen_units(_steps(units), P, k, K) == units[:m]
     # By hand: P*K = 20 GU steps, one more unit every 4 steps.
-    assert unfrozen_units(units, P, 1, K) == ("u1",)
-    assert unfrozen_units(units, P, 4, K) == ("u1",)
-    assert unfrozen_units(units, P, 5, K) == ("u1", "u2")
-    assert unfrozen_units(units, P, 16, K) == units[:4]
-    assert unfrozen_units(units, P, 17, K) == units
-    assert unfrozen_units(units, P, 20, K) == units
-    assert unfrozen_units(units, P, 100, K) == units
+    assert unfrozen_units(_steps(units), P, 1, K) == ("u1",)
+    assert unfrozen_units(_steps(units), P, 4, K) == ("u1",)
+    assert unfrozen_units(_steps(units), P, 5, K) == ("u1", "u2")
+    assert unfrozen_units(_steps(units), P, 16, K) == units[:4]
+    assert unfrozen_units(_steps(units), P, 17, K) == units
+    assert unfrozen_units(_steps(units), P, 20, K) == units
+    assert unfrozen_units(_steps(units), P, 100, K) == units
 
 
 def test_fedbug_unfrozen_units_grow_monotonically():
     units = tuple(f"u{i}" for i in range(8))
     for P in (0.2, 0.4, 1.0):
-        counts = [len(unfrozen_units(units, P, k, 37)) for k in range(1, 38)]
+        counts = [len(unfrozen_units(_steps(units), P, k, 37)) for k in range(1, 38)]
         assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 8
 
 
 def test_fedbug_zero_fraction_means_all_units():
     units = ("a", "b", "c")
-    assert unfrozen_units(units, 0.0, 1, 10) == units
+    assert unfrozen_units(_steps(units), 0.0, 1, 10) == units
 
 
 @pytest.mark.parametrize("fraction, total, step, expected", [
@@ -237,7 +254,7 @@ def test_fedbug_unfrozen_units_exact_at_boundaries(fraction, total, step, expect
     exact = _exact_unfrozen(M, fraction, step, total)
     if expected is not None:
         assert exact == expected
-    assert len(unfrozen_units(units, float(fraction), step, total)) == exact
+    assert len(unfrozen_units(_steps(units), float(fraction), step, total)) == exact
 
 
 def test_learning_rate_fedbabu_decay():
