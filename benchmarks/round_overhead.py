@@ -138,7 +138,8 @@ def _train_epoch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, seed:
 
 def floor_worker(conn: Connection, clients: list[int], threads: int, raw: str) -> None:
     """Worker process: load data once, then per message ``(round, global vector)`` train every
-    hosted client from the global weights and send back ``[(client, samples, delta), ...]``."""
+    hosted client from the global weights and send back
+    ``[(client, samples, training seconds, delta), ...]``."""
     torch.set_num_threads(threads)
     model = build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED)
     data = _client_train_data(Path(raw), clients)
@@ -151,9 +152,11 @@ def floor_worker(conn: Connection, clients: list[int], threads: int, raw: str) -
         for client in clients:
             x, y = data[client]
             model.load_state_dict(state)
+            started = time.perf_counter()
             _train_epoch(model, x, y, task_seed(round_number, client))
+            trained = time.perf_counter() - started
             delta = parameters_to_vector(model.parameters()).detach() - start
-            results.append((client, x.shape[0], delta.numpy()))
+            results.append((client, x.shape[0], trained, delta.numpy()))
         conn.send(results)
     conn.close()
 
@@ -169,15 +172,19 @@ def _unflatten(vector: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.
 
 @dataclass
 class FloorRun:
-    """Per-round wall times of one floor run and its final global weights."""
+    """One floor run: per-round wall times, per-round training seconds per process (sum over
+    clients / processes), the final global weights and the load average when it started."""
 
     seconds: list[float]
+    train_seconds: list[float]
     final: torch.Tensor
+    load: float
 
 
 def run_floor(processes: int, rounds: int, raw: Path) -> FloorRun:
     """Run the floor; workers are started and loaded before the first timed round."""
     groups, threads = process_threads(processes)
+    load = os.getloadavg()[0]
     context = mp.get_context("spawn")
     pipes: list[Connection] = []
     workers: list[mp.process.BaseProcess] = []
@@ -192,22 +199,24 @@ def run_floor(processes: int, rounds: int, raw: Path) -> FloorRun:
         for pipe in pipes:
             _receive(pipe, WORKER_START_SECONDS)
         global_vector = parameters_to_vector(build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED).parameters()).detach()
-        seconds = []
+        seconds: list[float] = []
+        train_seconds: list[float] = []
         for round_number in range(1, rounds + 1):
             started = time.perf_counter()
             payload = (round_number, global_vector.numpy())
             for pipe in pipes:
                 pipe.send(payload)
-            results = sorted(r for pipe in pipes for r in _receive(pipe, FLOOR_ROUND_SECONDS))
+            results = sorted((r for pipe in pipes for r in _receive(pipe, FLOOR_ROUND_SECONDS)), key=lambda r: r[0])
             total = torch.zeros(PARAMETERS, dtype=torch.float64)
-            for _, samples, delta in results:
+            for _, samples, _, delta in results:
                 total += torch.from_numpy(delta).to(torch.float64) * samples
-            mean = total / sum(samples for _, samples, _ in results)
+            mean = total / sum(r[1] for r in results)
             global_vector = (global_vector.to(torch.float64) + mean).to(torch.float32)
             seconds.append(time.perf_counter() - started)
+            train_seconds.append(sum(r[2] for r in results) / len(groups))
         for pipe in pipes:
             pipe.send(None)
-        return FloorRun(seconds, global_vector)
+        return FloorRun(seconds, train_seconds, global_vector, load)
     finally:
         for worker in workers:
             worker.join(timeout=10)
@@ -227,7 +236,8 @@ def _receive(pipe: Connection, timeout: float):
 
 
 def fedpart_config(rounds: int, processes: int, data_root: Path) -> dict:
-    """The run config of the workload (evaluation reduced to the initial test accuracy)."""
+    """The run config of the workload; the evaluation after the last round is reduced to each
+    client's initial test accuracy (no fine-tuning, no server-side test)."""
     return {
         "name": "round_overhead",
         "seed": SEED,
@@ -244,7 +254,7 @@ def fedpart_config(rounds: int, processes: int, data_root: Path) -> dict:
         "model": {"name": MODEL},
         "algorithm": {"name": "fedavg"},
         "train": {"epochs": EPOCHS, "batch_size": BATCH_SIZE, "lr": LR, "momentum": 0.0},
-        "evaluate": {"finetune_epochs": []},
+        "evaluate": {"finetune_epochs": [], "global_test": False},
     }
 
 
@@ -254,6 +264,7 @@ class FedpartRun:
 
     records: list[dict]
     final: dict[str, torch.Tensor]
+    load: float
 
 
 def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeout: float) -> FedpartRun:
@@ -262,6 +273,7 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
     config_path.write_text(yaml.safe_dump(fedpart_config(rounds, processes, data_root), sort_keys=False))
     out = work / "run"
     log_path = work / "fedpart.log"
+    load = os.getloadavg()[0]
     command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(config_path), "--out", str(out)]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -277,7 +289,7 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
         raise RuntimeError(f"fedpart run failed ({reason}); last lines of its output:\n{tail}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     final = load_tensors(out / "checkpoints" / f"round_{rounds:04d}.safetensors")
-    return FedpartRun(records, final)
+    return FedpartRun(records, final, load)
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -303,32 +315,38 @@ def _max_difference(floor_final: torch.Tensor, fedpart_final: dict[str, torch.Te
 
 def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
     """Print the side-by-side table, the medians, the ratio and the byte counts."""
-    rounds = len(fed.records)
     _, threads = process_threads(processes)
     print(f"cnn2 / MNIST / FedAvg: {CLIENTS} clients x {TRAIN_PER_CLIENT} samples, {EPOCHS} epoch, batch "
           f"{BATCH_SIZE}, lr {LR}, all clients every round; {processes} client processes x {threads} torch "
           f"thread(s) on {os.cpu_count()} CPUs; torch {torch.__version__}")
-    print("fedpart: server's round seconds (sampling -> every result aggregated; gRPC, serialization, "
-          "training, validation; no evaluation, no checkpoint)")
-    print("floor:   plain PyTorch, same processes/threads/steps (send weights -> train -> deltas back -> "
-          "weighted mean; no evaluation)")
-    floor_names = [f"floor#{i + 1} s" for i in range(len(floors))]
+    print("fedpart: the server's round seconds from metrics.jsonl (sampling -> tasks over gRPC -> training -> "
+          "results over gRPC -> validated and aggregated; no evaluation, no checkpoint)")
+    print("floor:   plain PyTorch, same processes, threads, clients and steps (weights to the workers -> "
+          "training -> deltas back -> weighted mean; no evaluation)")
+    print("train:   seconds spent in local training per process (sum over clients / processes)")
     print()
-    print(f"{'round':>5}  {'fedpart s':>10}" + "".join(f"  {name:>10}" for name in floor_names))
+    runs = [("fedpart", fed.load)] + [(f"floor#{i + 1}", floor.load) for i, floor in enumerate(floors)]
+    print(f"{'':>6}" + "".join(f"  {name + f' (load {load:.1f})':>21}" for name, load in runs))
+    print(f"{'round':>6}" + f"  {'wall s':>10} {'train s':>10}" * len(runs))
+    fed_train = [r["client_compute_seconds"] / processes for r in fed.records]
+    columns = [([r["seconds"] for r in fed.records], fed_train)] + [(f.seconds, f.train_seconds) for f in floors]
     for index, record in enumerate(fed.records):
-        print(f"{record['round']:>5}  {record['seconds']:>10.3f}"
-              + "".join(f"  {floor.seconds[index]:>10.3f}" for floor in floors))
-    fed_median = statistics.median(r["seconds"] for r in fed.records)
+        print(f"{record['round']:>6}" + "".join(f"  {wall[index]:>10.3f} {train[index]:>10.3f}"
+                                                for wall, train in columns))
+    print(f"{'median':>6}" + "".join(f"  {statistics.median(wall):>10.3f} {statistics.median(train):>10.3f}"
+                                      for wall, train in columns))
+    fed_median = statistics.median(columns[0][0])
     floor_median = statistics.median(s for floor in floors for s in floor.seconds)
     ratio = fed_median / floor_median
-    print(f"{'median':>5}  {fed_median:>10.3f}"
-          + "".join(f"  {statistics.median(floor.seconds):>10.3f}" for floor in floors))
+    fed_rest = statistics.median(w - t for w, t in zip(*columns[0]))
+    floor_rest = statistics.median(w - t for floor in floors for w, t in zip(floor.seconds, floor.train_seconds))
     print()
     print(f"fedpart round median        {fed_median:.3f} s")
-    print(f"floor round median          {floor_median:.3f} s  (over {len(floors) * rounds} rounds of "
+    print(f"floor round median          {floor_median:.3f} s  (all {sum(len(f.seconds) for f in floors)} rounds of "
           f"{len(floors)} floor run(s))")
     verdict = "meets" if ratio <= TARGET_RATIO else "MISSES"
     print(f"ratio fedpart / floor       {ratio:.3f}  ({verdict} the {TARGET_RATIO:.2f}x target)")
+    print(f"round minus training        fedpart {fed_rest:.3f} s, floor {floor_rest:.3f} s (medians)")
     print(f"same work check             max |floor - fedpart| over the final weights: "
           f"{max(_max_difference(f.final, fed.final) for f in floors):.3g}")
     client_rounds = sum(len(r["completed"]) for r in fed.records)

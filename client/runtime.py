@@ -133,6 +133,7 @@ class ClientProcess:
         self.classification = num_classes > 0
         self.loss_fn = build_loss(self.config.train.loss, self.classification)
         self.unit_flops = unit_forward_flops(self.model, input_shape)
+        torch.optim.SGD(self.model.parameters(), lr=0.0)  # pays torch's one-off optimizer import (~1 s) now
         self.data: dict[int, ClientData] = load_client_data(self.config, self.client_ids, self.data_root, self.device)
         sizes = ", ".join(f"{c}: {d.train_size}/{d.test_size}" for c, d in self.data.items())
         self.log(f"run {reply.run_id}: {self.config.algorithm.name}, data (train/test) {sizes}")

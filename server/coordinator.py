@@ -58,6 +58,7 @@ class ProcessState:
     pending: deque = field(default_factory=deque)
     alive: bool = True
     released: bool = False  # has been told the run is over
+    ready: bool = False     # has loaded its data and asked for work
     instance: str = ""
 
 
@@ -155,6 +156,9 @@ class Coordinator:
                 if process is None or not process.alive:
                     raise Rejected("unknown or expired session: join again")
                 process.last_seen = time.monotonic()
+                if not process.ready:
+                    process.ready = True
+                    self._cond.notify_all()
                 if process.pending:
                     task = process.pending.popleft()
                     self._outstanding[task.task_id] = task
@@ -319,18 +323,20 @@ class Coordinator:
     # ------------------------------------------------------------------ the run
 
     def wait_for_clients(self) -> None:
-        """Block until every client id is hosted by a live process (``join_timeout``)."""
+        """Block until every client id is hosted by a live process that has loaded its data and
+        asked for work (``join_timeout``), so that round 1 measures training, not start-up."""
         deadline = time.monotonic() + self.config.server.join_timeout
         with self._cond:
             while True:
                 self._reap_silent()
-                missing = [c for c in range(self.config.clients) if not self._available(c)]
+                missing = [c for c in range(self.config.clients)
+                           if not (self._available(c) and self._processes[self._host[c]].ready)]
                 if not missing:
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"after {self.config.server.join_timeout:.0f} s clients "
-                                       f"{_id_ranges(missing)} are still not hosted by any client process")
+                                       f"{_id_ranges(missing)} are still not hosted by a ready client process")
                 self._cond.wait(min(remaining, 1.0))
 
     def round_plan(self, round_number: int, client_id: int) -> pb.TrainPlan:
