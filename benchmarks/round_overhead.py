@@ -37,6 +37,7 @@ import gzip
 import json
 import multiprocessing as mp
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -170,21 +171,57 @@ def _unflatten(vector: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.
     return state
 
 
+class ForeignCpu:
+    """Cores' worth of CPU that processes outside this benchmark (other users of the machine,
+    hypervisor steal) used during a ``with`` block: how far the timings in it can be trusted.
+
+    Machine-wide busy time comes from ``/proc/stat``; this process and its descendants are
+    subtracted once they have been waited for (``RUSAGE_CHILDREN``), so the block must end after
+    every process it started has ended.
+    """
+
+    def __init__(self) -> None:
+        self.cores = 0.0
+        self._start = (0.0, 0.0, 0.0)
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        with open("/proc/stat") as stat:
+            ticks = [int(v) for v in stat.readline().split()[1:9]]
+        machine = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle, iowait
+        own = sum(getattr(resource.getrusage(who), field)
+                  for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for field in ("ru_utime", "ru_stime"))
+        return machine, own, time.perf_counter()
+
+    def __enter__(self) -> ForeignCpu:
+        self._start = self._sample()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        machine, own, wall = (end - start for end, start in zip(self._sample(), self._start))
+        self.cores = max(0.0, (machine - own) / wall)
+
+
 @dataclass
 class FloorRun:
     """One floor run: per-round wall times, per-round training seconds per process (sum over
-    clients / processes), the final global weights and the load average when it started."""
+    clients / processes), the final global weights, and the foreign CPU load during the run."""
 
     seconds: list[float]
     train_seconds: list[float]
     final: torch.Tensor
-    load: float
+    foreign_cores: float
 
 
 def run_floor(processes: int, rounds: int, raw: Path) -> FloorRun:
     """Run the floor; workers are started and loaded before the first timed round."""
+    with ForeignCpu() as foreign:
+        seconds, train_seconds, final = _floor_rounds(processes, rounds, raw)
+    return FloorRun(seconds, train_seconds, final, foreign.cores)
+
+
+def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[list[float], list[float], torch.Tensor]:
     groups, threads = process_threads(processes)
-    load = os.getloadavg()[0]
     context = mp.get_context("spawn")
     pipes: list[Connection] = []
     workers: list[mp.process.BaseProcess] = []
@@ -216,7 +253,7 @@ def run_floor(processes: int, rounds: int, raw: Path) -> FloorRun:
             train_seconds.append(sum(r[2] for r in results) / len(groups))
         for pipe in pipes:
             pipe.send(None)
-        return FloorRun(seconds, train_seconds, global_vector, load)
+        return seconds, train_seconds, global_vector
     finally:
         for worker in workers:
             worker.join(timeout=10)
@@ -264,7 +301,7 @@ class FedpartRun:
 
     records: list[dict]
     final: dict[str, torch.Tensor]
-    load: float
+    foreign_cores: float
 
 
 def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeout: float) -> FedpartRun:
@@ -273,9 +310,8 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
     config_path.write_text(yaml.safe_dump(fedpart_config(rounds, processes, data_root), sort_keys=False))
     out = work / "run"
     log_path = work / "fedpart.log"
-    load = os.getloadavg()[0]
     command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(config_path), "--out", str(out)]
-    with log_path.open("w") as log:
+    with log_path.open("w") as log, ForeignCpu() as foreign:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = process.wait(timeout=timeout)
@@ -289,7 +325,7 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
         raise RuntimeError(f"fedpart run failed ({reason}); last lines of its output:\n{tail}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     final = load_tensors(out / "checkpoints" / f"round_{rounds:04d}.safetensors")
-    return FedpartRun(records, final, load)
+    return FedpartRun(records, final, foreign.cores)
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -324,9 +360,10 @@ def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
     print("floor:   plain PyTorch, same processes, threads, clients and steps (weights to the workers -> "
           "training -> deltas back -> weighted mean; no evaluation)")
     print("train:   seconds spent in local training per process (sum over clients / processes)")
+    print("foreign: cores' worth of CPU used by processes outside this benchmark during the run (noise)")
     print()
-    runs = [("fedpart", fed.load)] + [(f"floor#{i + 1}", floor.load) for i, floor in enumerate(floors)]
-    print(f"{'':>6}" + "".join(f"  {name + f' (load {load:.1f})':>21}" for name, load in runs))
+    runs = [("fedpart", fed.foreign_cores)] + [(f"floor#{i + 1}", f.foreign_cores) for i, f in enumerate(floors)]
+    print(f"{'':>6}" + "".join(f"  {name + f' ({cores:.2f} foreign)':>21}" for name, cores in runs))
     print(f"{'round':>6}" + f"  {'wall s':>10} {'train s':>10}" * len(runs))
     fed_train = [r["client_compute_seconds"] / processes for r in fed.records]
     columns = [([r["seconds"] for r in fed.records], fed_train)] + [(f.seconds, f.train_seconds) for f in floors]

@@ -162,7 +162,8 @@ def test_version_cache_sends_only_changed_tensors(harness_factory) -> None:
 
 def test_a_silent_process_does_not_hold_the_round(harness_factory) -> None:
     harness = harness_factory(server={"round_timeout": 600, "heartbeat_timeout": 1.0})
-    harness.join([0])  # joins, then never polls nor beats
+    session = harness.join([0])
+    harness.stub.GetTask(pb.TaskRequest(session=session, wait_seconds=0), timeout=BOUND).next()  # ready, then silent
     harness.start_rounds(1)
     harness.wait_rounds()
     assert harness.records[0]["completed"] == []
