@@ -98,6 +98,7 @@ class Coordinator:
         self._evaluations: dict[int, dict[str, float]] = {}
         self._failures: list[str] = []
         self.done = False
+        self.round_plan(1, 0)  # a schedule that does not fit the model fails now, not in round 1
 
     # ------------------------------------------------------------------ service-side calls
 
