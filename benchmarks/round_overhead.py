@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,6 +72,7 @@ LR = 0.01
 TARGET_RATIO = 1.10
 RAW_MODEL_BYTES = PARAMETERS * 4
 WORKER_START_SECONDS = 300.0
+WORKER_STOP_SECONDS = 30.0
 FLOOR_ROUND_SECONDS = 600.0
 
 
@@ -79,7 +81,7 @@ def default_data_root() -> Path:
     return Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def process_threads(processes: int) -> tuple[list[list[int]], int]:
+def client_processes(processes: int) -> tuple[list[list[int]], int]:
     """Client ids per process and torch threads per process, exactly as ``fedpart run`` does."""
     ranges = split_clients(CLIENTS, processes)
     groups = []
@@ -145,7 +147,7 @@ def floor_worker(conn: Connection, clients: list[int], threads: int, raw: str) -
     model = build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED)
     data = _client_train_data(Path(raw), clients)
     conn.send("ready")
-    while (message := conn.recv()) is not None:
+    while (message := _next_message(conn)) is not None:
         round_number, global_vector = message
         start = torch.from_numpy(global_vector)
         state = _unflatten(start, model)
@@ -160,6 +162,14 @@ def floor_worker(conn: Connection, clients: list[int], threads: int, raw: str) -
             results.append((client, x.shape[0], trained, delta.numpy()))
         conn.send(results)
     conn.close()
+
+
+def _next_message(conn: Connection) -> Any:
+    """The parent's next message; None (stop) also when the parent closed its end."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return None
 
 
 def _unflatten(vector: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -198,7 +208,7 @@ class ForeignCpu:
         return self
 
     def __exit__(self, *_: object) -> None:
-        machine, own, wall = (end - start for end, start in zip(self._sample(), self._start))
+        machine, own, wall = (end - start for end, start in zip(self._sample(), self._start, strict=True))
         self.cores = max(0.0, (machine - own) / wall)
 
 
@@ -221,14 +231,16 @@ def run_floor(processes: int, rounds: int, raw: Path) -> FloorRun:
 
 
 def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[list[float], list[float], torch.Tensor]:
-    groups, threads = process_threads(processes)
+    """Start the workers, time the rounds, stop the workers (bounded, by process handle)."""
+    groups, threads = client_processes(processes)
     context = mp.get_context("spawn")
     pipes: list[Connection] = []
     workers: list[mp.process.BaseProcess] = []
     try:
         for clients in groups:
             parent, child = context.Pipe()
-            worker = context.Process(target=floor_worker, args=(child, clients, threads, str(raw)), daemon=True)
+            worker: mp.process.BaseProcess = context.Process(
+                target=floor_worker, args=(child, clients, threads, str(raw)), daemon=True)
             worker.start()
             child.close()
             pipes.append(parent)
@@ -251,22 +263,26 @@ def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[list[float], 
             global_vector = (global_vector.to(torch.float64) + mean).to(torch.float32)
             seconds.append(time.perf_counter() - started)
             train_seconds.append(sum(r[2] for r in results) / len(groups))
-        for pipe in pipes:
-            pipe.send(None)
         return seconds, train_seconds, global_vector
     finally:
+        for pipe in pipes:
+            pipe.close()
+        deadline = time.monotonic() + WORKER_STOP_SECONDS
         for worker in workers:
-            worker.join(timeout=10)
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5)
 
 
-def _receive(pipe: Connection, timeout: float):
-    """One message from a worker, or an error when it takes longer than ``timeout``."""
-    if not pipe.poll(timeout):
-        raise TimeoutError(f"a floor worker sent nothing within {timeout:.0f} s")
-    return pipe.recv()
+def _receive(pipe: Connection, timeout: float) -> Any:
+    """One message from a worker; RuntimeError when it sends nothing within ``timeout`` or died."""
+    try:
+        if pipe.poll(timeout):
+            return pipe.recv()
+    except EOFError:
+        raise RuntimeError("a floor worker ended unexpectedly (see its output above)") from None
+    raise RuntimeError(f"a floor worker sent nothing within {timeout:.0f} s")
 
 
 # ------------------------------------------------------------------------------------- fedpart
@@ -351,7 +367,7 @@ def _max_difference(floor_final: torch.Tensor, fedpart_final: dict[str, torch.Te
 
 def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
     """Print the side-by-side table, the medians, the ratio and the byte counts."""
-    _, threads = process_threads(processes)
+    _, threads = client_processes(processes)
     print(f"cnn2 / MNIST / FedAvg: {CLIENTS} clients x {TRAIN_PER_CLIENT} samples, {EPOCHS} epoch, batch "
           f"{BATCH_SIZE}, lr {LR}, all clients every round; {processes} client processes x {threads} torch "
           f"thread(s) on {os.cpu_count()} CPUs; torch {torch.__version__}")
@@ -375,8 +391,8 @@ def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
     fed_median = statistics.median(columns[0][0])
     floor_median = statistics.median(s for floor in floors for s in floor.seconds)
     ratio = fed_median / floor_median
-    fed_rest = statistics.median(w - t for w, t in zip(*columns[0]))
-    floor_rest = statistics.median(w - t for floor in floors for w, t in zip(floor.seconds, floor.train_seconds))
+    fed_rest = statistics.median(w - t for w, t in zip(*columns[0], strict=True))
+    floor_rest = statistics.median(w - t for f in floors for w, t in zip(f.seconds, f.train_seconds, strict=True))
     print()
     print(f"fedpart round median        {fed_median:.3f} s")
     print(f"floor round median          {floor_median:.3f} s  (all {sum(len(f.seconds) for f in floors)} rounds of "
@@ -396,6 +412,8 @@ def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
                       if part != "control") / client_rounds
         print(f"  {direction:<4} {total:>14,.0f} B = {total / RAW_MODEL_BYTES:.3f} x raw  "
               f"(tensor bytes {tensors:,.0f}, control {total - tensors:,.0f})")
+    print(f"  (down: fedpart's version cache sends a changed tensor once per client process, so "
+          f"{len(client_processes(processes)[0])} of the {CLIENTS} tasks of a round carry the model)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,15 +432,15 @@ def main(argv: list[str] | None = None) -> int:
     if not raw.is_dir():
         parser.error(f"no MNIST/raw under {args.data_root}")
 
-    floors = [run_floor(args.processes, args.rounds, raw)]
-    with tempfile.TemporaryDirectory(prefix="fedpart-round-overhead-") as work:
-        try:
+    try:
+        floors = [run_floor(args.processes, args.rounds, raw)]
+        with tempfile.TemporaryDirectory(prefix="fedpart-round-overhead-") as work:
             fed = run_fedpart(args.rounds, args.processes, args.data_root.resolve(), Path(work), args.timeout)
-        except RuntimeError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 1
-    if args.repeat:
-        floors.append(run_floor(args.processes, args.rounds, raw))
+        if args.repeat:
+            floors.append(run_floor(args.processes, args.rounds, raw))
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     report(args.processes, floors, fed)
     return 0
 

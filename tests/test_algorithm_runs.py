@@ -67,6 +67,7 @@ def test_fedbug_unfreezes_bottom_up_and_saves_backward_compute(tmp_path: Path) -
     fedbug, summary, _ = _run(tmp_path / "b", {"name": "fedbug", "gu_ratio": 0.5}, rounds=2,
                               train={"epochs": 1, "batch_size": 20, "lr": 0.05, "server_lr": 1.5})
     for avg, bug in zip(fedavg, fedbug):
+        assert bug["completed"] == avg["completed"] == [0, 1, 2, 3]
         assert _tensor_bytes(bug, "head", "up") == _tensor_bytes(avg, "head", "up"), "the whole model is uploaded"
         assert bug["train_flops"] < avg["train_flops"], "frozen units skip their backward during the GU stage"
         assert bug["trainable_parameters"] == avg["trainable_parameters"]
@@ -145,6 +146,14 @@ def test_fedftha_collects_heads_into_a_global_head(tmp_path: Path) -> None:
     heads = [load_tensors(p)["head.weight"] for p in sorted(out.glob("state/process_*/*/client_*/personal.safetensors"))]
     mean = torch.stack(heads).mean(dim=0)
     assert torch.allclose(mean, last["head.weight"], atol=1e-5), "uniform weighting: the global head is the plain mean"
+
+
+def test_independent_participation_probability(tmp_path: Path) -> None:
+    """FedBug's setting: each client joins a round independently; nobody-picked rounds redraw."""
+    metrics, _, _ = _run(tmp_path, {"name": "fedbug", "gu_ratio": 0.2}, rounds=4,
+                         sampling={"probability": 0.3})
+    assert all(r["sampled"] and r["completed"] == r["sampled"] for r in metrics)
+    assert len({tuple(r["sampled"]) for r in metrics}) > 1
 
 
 def test_local_only_sends_nothing_after_the_start(tmp_path: Path) -> None:

@@ -75,11 +75,19 @@ def test_fedavg_runs_end_to_end_and_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_fedbabu_keeps_the_head_fixed_and_sends_it_once_per_process(tmp_path: Path) -> None:
-    config = small_config(algorithm={"name": "fedbabu"}, rounds=3)
+    config = small_config(algorithm={"name": "fedbabu"}, rounds=3,
+                          evaluate={"finetune_epochs": [0, 1, 2, 3, 4, 5, 10], "headless": True, "batch_size": 50})
     result, out = run_fedpart(config, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_summary(out)
     _check_summary(summary, config)
+    accuracy = summary["accuracy"]
+    assert accuracy["personalized"]["0"] == accuracy["initial"], "0 fine-tune epochs is the initial model"
+    for key in ("headless", "headless_cosine"):
+        assert 0.0 < accuracy[key]["mean"] <= 1.0
+    assert 0.0 < accuracy["global"]["acc"] <= 1.0
+    assert "head-less, cosine" in result.stdout and "global model, server test set" in result.stdout
+    assert summary["compute"]["client_seconds"] > 0 and summary["compute"]["train_flops"] > 0
     first = load_tensors(out / "checkpoints/round_0000.safetensors")
     last = load_tensors(out / "checkpoints/round_0003.safetensors")
     for name in ("head.weight", "head.bias"):

@@ -1,0 +1,308 @@
+"""Every algorithm of ``fedpart.common.algorithms.ALGORITHMS`` on one setting, side by side.
+
+Each algorithm runs as a real ``fedpart run`` (one server and ``--processes`` client processes on
+127.0.0.1) of ``configs/mnist_cnn2.yaml`` with the same ``--set`` overrides: real MNIST, model
+``cnn2``, 20 clients with 2 label shards each, the same seed, rounds, sampling fraction, local
+SGD and FedBABU-style fine-tuning protocol. Only ``algorithm.name`` and the algorithm's own
+options (scaled to a short run, see :data:`ALGORITHM_OPTIONS`) differ between runs.
+
+What is measured, per algorithm (from the run's ``summary.json`` and ``metrics.jsonl``):
+
+- accuracy on the clients' own test splits, mean +- std over clients (unweighted), of the final
+  global model with the client's personal parts (*initial*) and after each fine-tune epoch count
+  (*personalized*); the global model's accuracy on the server's test set where the algorithm has
+  a complete global model;
+- bytes down and up per round (every serialized message of the round, means over rounds; the
+  first round also carries the one-time copies of tensors a client process did not hold yet),
+  and the tensor bytes uploaded per round for the body and the head;
+- client compute seconds per round (the sum over the round's clients of their local training
+  time, mean over rounds), trainable parameters per client (sample-weighted over the round's
+  clients) in the first and the last round, and the server's round wall seconds (mean).
+
+The runs go one after another (never in parallel, so that timings are comparable); a run that
+fails or outlives ``--timeout`` is stopped by PID and reported in its row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedpart.common.algorithms import ALGORITHMS
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "mnist_cnn2.yaml"
+CLIENTS = 20
+SHARDS_PER_CLIENT = 2
+FINETUNE_LR = 0.001
+FINETUNE_MOMENTUM = 0.9
+FINETUNE_BATCH_SIZE = 50
+STOP_SECONDS = 30.0
+
+# Algorithm options scaled to a run of about ten rounds.
+ALGORITHM_OPTIONS: dict[str, dict[str, Any]] = {
+    "fedprox": {"mu": 0.01},
+    "fedprox_babu": {"mu": 0.01},
+    "fedbug": {"gu_ratio": 0.2},
+    "layer_expansion_vanilla": {"unfreeze_rounds": [0, 3, 6]},
+    "layer_expansion_anti": {"unfreeze_rounds": [0, 3, 6]},
+    "fedrep": {"head_epochs": 1, "body_epochs": 1},
+    "fedftha": {"tau_sync": 1, "tau_head": 1},
+}
+
+
+def default_data_root() -> Path:
+    """``<checkout>/../shared/data``: the real MNIST copy beside the repository."""
+    return Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def _setting(key: str, value: Any) -> str:
+    """One ``key=value`` override; JSON is valid YAML, which is how fedpart parses the value."""
+    return f"{key}={json.dumps(value)}"
+
+
+def common_overrides(args: argparse.Namespace) -> list[str]:
+    """The settings every algorithm's run shares."""
+    return [
+        _setting("seed", args.seed),
+        _setting("rounds", args.rounds),
+        _setting("clients", CLIENTS),
+        _setting("processes", args.processes),
+        _setting("sampling.fraction", args.fraction),
+        _setting("data.dataset", "mnist"),
+        _setting("data.root", str(args.data_root.resolve())),
+        _setting("data.partition.scheme", "shards"),
+        _setting("data.partition.shards_per_client", SHARDS_PER_CLIENT),
+        _setting("model.name", "cnn2"),
+        _setting("train.epochs", args.epochs),
+        _setting("train.batch_size", args.batch_size),
+        _setting("train.lr", args.lr),
+        _setting("train.momentum", args.momentum),
+        _setting("evaluate.finetune_epochs", args.finetune_epochs),
+        _setting("evaluate.part", "full"),
+        _setting("evaluate.lr", FINETUNE_LR),
+        _setting("evaluate.momentum", FINETUNE_MOMENTUM),
+        _setting("evaluate.batch_size", FINETUNE_BATCH_SIZE),
+    ]
+
+
+def algorithm_overrides(name: str) -> list[str]:
+    """``algorithm.name`` and the algorithm's options."""
+    return [_setting("name", f"compare_{name}"), _setting("algorithm.name", name)] + [
+        _setting(f"algorithm.{key}", value) for key, value in ALGORITHM_OPTIONS.get(name, {}).items()]
+
+
+# ------------------------------------------------------------------------------------ running
+
+
+@dataclass
+class Result:
+    """One algorithm's run: where it is, how it ended, and the numbers read from it."""
+
+    algorithm: str
+    out: str
+    wall_seconds: float
+    error: str | None = None
+    initial: dict[str, float | None] = field(default_factory=dict)
+    personalized: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    global_accuracy: float | None = None
+    bytes_down_per_round: float | None = None
+    bytes_up_per_round: float | None = None
+    body_up_per_round: float | None = None
+    head_up_per_round: float | None = None
+    client_compute_seconds_per_round: float | None = None
+    trainable_parameters_first: float | None = None
+    trainable_parameters_last: float | None = None
+    round_seconds: float | None = None
+    failures: list[str] = field(default_factory=list)
+
+
+def run_algorithm(name: str, overrides: list[str], out: Path, timeout: float) -> Result:
+    """``fedpart run`` for one algorithm (bounded wait, stopped by PID), then its numbers."""
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "fedpart.log"
+    command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(CONFIG), "--out", str(out)]
+    command += [a for o in overrides + algorithm_overrides(name) for a in ("--set", o)]
+    started = time.perf_counter()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            code: int | None = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            _stop(process)
+    wall = time.perf_counter() - started
+    if code != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        reason = f"exit code {code}" if code is not None else f"no end within {timeout:.0f} s"
+        return Result(name, str(out), wall, error=f"{reason}; last lines of {log_path}:\n{tail}")
+    try:
+        return read_run(name, out, wall)
+    except (OSError, KeyError, ValueError) as error:
+        return Result(name, str(out), wall, error=f"unreadable run directory: {error!r}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop the launcher by PID (SIGTERM makes it stop its server and clients), then its group."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+def read_run(name: str, out: Path, wall: float) -> Result:
+    """The numbers of a finished run from ``summary.json`` and ``metrics.jsonl``."""
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if not records:
+        raise ValueError("metrics.jsonl has no rounds")
+    accuracy = summary["accuracy"]
+
+    def mean(values: list[float]) -> float:
+        return statistics.fmean(values)
+
+    def part_up(part: str) -> float:
+        return mean([r["bytes_by_part"].get(part, {}).get("up", 0) for r in records])
+
+    trainable = [r["trainable_parameters"] for r in records]
+    return Result(
+        algorithm=name,
+        out=str(out),
+        wall_seconds=wall,
+        initial=accuracy["initial"],
+        personalized=accuracy["personalized"],
+        global_accuracy=accuracy.get("global", {}).get(accuracy["metric"]),
+        bytes_down_per_round=mean([r["bytes_down"] for r in records]),
+        bytes_up_per_round=mean([r["bytes_up"] for r in records]),
+        body_up_per_round=part_up("body"),
+        head_up_per_round=part_up("head"),
+        client_compute_seconds_per_round=mean([r["client_compute_seconds"] for r in records]),
+        trainable_parameters_first=trainable[0],
+        trainable_parameters_last=trainable[-1],
+        round_seconds=mean([r["seconds"] for r in records]),
+        failures=summary["failures"],
+    )
+
+
+# ------------------------------------------------------------------------------------- report
+
+
+def _percent(stats: dict[str, float | None]) -> str:
+    if stats.get("mean") is None:
+        return "-"
+    return f"{100 * stats['mean']:.2f} ± {100 * (stats.get('std') or 0.0):.2f}"
+
+
+def _number(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _megabytes(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.3f}"
+
+
+def table(results: list[Result], finetune_epochs: list[int]) -> str:
+    """One markdown table, a row per algorithm."""
+    epochs = sorted(set(finetune_epochs))
+    header = (["algorithm", "initial acc %"] + [f"personalized {e} ep %" for e in epochs]
+              + ["global acc %", "down MB/round", "up MB/round", "up body/head MB/round",
+                 "client compute s/round", "trainable params/client first → last", "round s"])
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    for r in results:
+        if r.error is not None:
+            cells = [r.algorithm, f"FAILED ({r.error.splitlines()[0]})"] + [""] * (len(header) - 2)
+        else:
+            name = f"{r.algorithm} ({len(r.failures)} failures)" if r.failures else r.algorithm
+            cells = ([name, _percent(r.initial)]
+                     + [_percent(r.personalized.get(str(e), {})) for e in epochs]
+                     + [_number(None if r.global_accuracy is None else 100 * r.global_accuracy, ".2f"),
+                        _megabytes(r.bytes_down_per_round), _megabytes(r.bytes_up_per_round),
+                        f"{_megabytes(r.body_up_per_round)} / {_megabytes(r.head_up_per_round)}",
+                        _number(r.client_compute_seconds_per_round, ".2f"),
+                        f"{_number(r.trainable_parameters_first, ',.0f')} → "
+                        f"{_number(r.trainable_parameters_last, ',.0f')}",
+                        _number(r.round_seconds, ".2f")])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS),
+                        help="comma-separated subset of the algorithms (default: all)")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--fraction", type=float, default=0.25, help="sampling.fraction")
+    parser.add_argument("--epochs", type=int, default=1, help="train.epochs")
+    parser.add_argument("--batch-size", type=int, default=10, help="train.batch_size")
+    parser.add_argument("--lr", type=float, default=0.01, help="train.lr")
+    parser.add_argument("--momentum", type=float, default=0.5, help="train.momentum")
+    parser.add_argument("--finetune-epochs", default="1,5", help="evaluate.finetune_epochs, comma-separated")
+    parser.add_argument("--processes", type=int, default=2, help="client processes per run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-root", type=Path, default=default_data_root(), help="holds MNIST/raw/*.gz")
+    parser.add_argument("--out-root", type=Path, help="run directories go here (default: a new temp dir)")
+    parser.add_argument("--json", type=Path, help="write the table and the raw numbers to this file")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    args = parser.parse_args(argv)
+    args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    unknown = [a for a in args.algorithms if a not in ALGORITHMS]
+    if unknown or not args.algorithms:
+        parser.error(f"unknown algorithm(s) {unknown}; known: {', '.join(ALGORITHMS)}")
+    args.finetune_epochs = [int(e) for e in args.finetune_epochs.split(",") if e.strip()]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out_root = args.out_root or Path(tempfile.mkdtemp(prefix="fedpart-compare-"))
+    overrides = common_overrides(args)
+    print(f"config {CONFIG.relative_to(REPO)}; run directories under {out_root}")
+    print("settings of every run: " + " ".join(overrides))
+    for name in args.algorithms:
+        options = ALGORITHM_OPTIONS.get(name)
+        print(f"  {name}: " + (", ".join(f"{k}={json.dumps(v)}" for k, v in options.items()) if options
+                               else "(defaults)"))
+    print(flush=True)
+    results: list[Result] = []
+    started = time.perf_counter()
+    for name in args.algorithms:
+        result = run_algorithm(name, overrides, out_root / name, args.timeout)
+        status = "FAILED: " + result.error if result.error else "ok"
+        print(f"{name}: {result.wall_seconds:.1f} s, {status}", flush=True)
+        results.append(result)
+    total = time.perf_counter() - started
+    rendered = table(results, args.finetune_epochs)
+    print()
+    print(rendered)
+    print()
+    print(f"total wall time {total:.1f} s for {len(results)} runs")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "settings": overrides,
+            "algorithm_options": {n: ALGORITHM_OPTIONS.get(n, {}) for n in args.algorithms},
+            "total_wall_seconds": total,
+            "table": rendered,
+            "results": [asdict(r) for r in results],
+        }, indent=1))
+    return 1 if any(r.error for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
