@@ -148,6 +148,20 @@ def mobilenet(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
     return SplitModel(units, nn.Linear(flat, num_classes))
 
 
+def _two_conv_two_fc(name: str, num_classes: int, input_shape: tuple[int, ...], convs: tuple[int, int],
+                     hidden: tuple[int, int]) -> SplitModel:
+    """Units ``conv1``, ``conv2`` (Conv5x5 + ReLU + MaxPool2 each), ``fc1``, ``fc2`` (Linear + ReLU)."""
+    channels, _, _ = _image_shape(name, input_shape)
+    units = OrderedDict(
+        conv1=nn.Sequential(nn.Conv2d(channels, convs[0], 5), nn.ReLU(), nn.MaxPool2d(2)),
+        conv2=nn.Sequential(nn.Conv2d(convs[0], convs[1], 5), nn.ReLU(), nn.MaxPool2d(2)),
+    )
+    flat = _flat_features(name, units, input_shape)
+    units["fc1"] = nn.Sequential(nn.Flatten(), nn.Linear(flat, hidden[0]), nn.ReLU())
+    units["fc2"] = nn.Sequential(nn.Linear(hidden[0], hidden[1]), nn.ReLU())
+    return SplitModel(units, nn.Linear(hidden[1], num_classes))
+
+
 def cnn5(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
     """FedBug's standard CNN (Kao & Wang 2023; the CNN of FedDyn-style CIFAR experiments).
 
@@ -155,15 +169,7 @@ def cnn5(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
     MaxPool2, ``fc1`` Flatten + Linear(1600, 384) + ReLU, ``fc2`` Linear(384, 192) + ReLU; head
     Linear(192, C). 32x32 input gives 1600 features.
     """
-    channels, _, _ = _image_shape("cnn5", input_shape)
-    units = OrderedDict(
-        conv1=nn.Sequential(nn.Conv2d(channels, 64, 5), nn.ReLU(), nn.MaxPool2d(2)),
-        conv2=nn.Sequential(nn.Conv2d(64, 64, 5), nn.ReLU(), nn.MaxPool2d(2)),
-    )
-    flat = _flat_features("cnn5", units, input_shape)
-    units["fc1"] = nn.Sequential(nn.Flatten(), nn.Linear(flat, 384), nn.ReLU())
-    units["fc2"] = nn.Sequential(nn.Linear(384, 192), nn.ReLU())
-    return SplitModel(units, nn.Linear(192, num_classes))
+    return _two_conv_two_fc("cnn5", num_classes, input_shape, convs=(64, 64), hidden=(384, 192))
 
 
 def lenet5(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
@@ -173,15 +179,7 @@ def lenet5(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
     MaxPool2, ``fc1`` Flatten + Linear(16*5*5, 120) + ReLU (16*4*4 on 28x28), ``fc2``
     Linear(120, 84) + ReLU; head Linear(84, C).
     """
-    channels, _, _ = _image_shape("lenet5", input_shape)
-    units = OrderedDict(
-        conv1=nn.Sequential(nn.Conv2d(channels, 6, 5), nn.ReLU(), nn.MaxPool2d(2)),
-        conv2=nn.Sequential(nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2)),
-    )
-    flat = _flat_features("lenet5", units, input_shape)
-    units["fc1"] = nn.Sequential(nn.Flatten(), nn.Linear(flat, 120), nn.ReLU())
-    units["fc2"] = nn.Sequential(nn.Linear(120, 84), nn.ReLU())
-    return SplitModel(units, nn.Linear(84, num_classes))
+    return _two_conv_two_fc("lenet5", num_classes, input_shape, convs=(6, 16), hidden=(120, 84))
 
 
 def _norm(channels: int) -> nn.GroupNorm:

@@ -80,6 +80,17 @@ class Processes:
 
 
 @pytest.fixture
+def one_torch_thread():
+    """Small tensor work runs faster on one thread than on contended cores, and deterministically."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def processes():
     tracker = Processes()
     yield tracker
@@ -123,6 +134,15 @@ class LineReader:
             if line is None:
                 return "".join(self.lines)
             self.lines.append(line)
+
+
+def start_server(processes: Processes, config_path: Path, out: Path) -> tuple[subprocess.Popen, LineReader, str]:
+    """``fedpart server`` on a free port; returns the process, its output reader and its address."""
+    server = processes.start(fedpart_command("server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out)),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    reader = LineReader(server)
+    address = reader.wait_for(r"listening on (\S+:\d+)", timeout=60).group(1)
+    return server, reader, address
 
 
 def run_fedpart(config: dict[str, Any], tmp_path: Path, *sets: str, name: str = "run") -> tuple[subprocess.CompletedProcess, Path]:

@@ -12,13 +12,7 @@ import torch
 from fedpart.server.aggregation import CompensatedSum, HeadDictionary, WeightedMean, apply_deltas
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Elementwise ops on 100k elements are faster on one thread than on contended cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_weighted_mean_by_hand():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import LineReader, fedpart_command, read_metrics, read_summary, run_fedpart, small_config, write_config
+from conftest import fedpart_command, read_metrics, read_summary, run_fedpart, small_config, start_server, write_config
 from fedpart.common.checkpoint import load_tensors
 
 HIDDEN = 32
@@ -194,10 +194,7 @@ def test_personal_parts_survive_a_client_process_restart(tmp_path: Path, process
                           server={"round_timeout": 120, "join_timeout": 120, "heartbeat_timeout": 30})
     config_path = write_config(tmp_path / "config.yaml", config)
     out = tmp_path / "out"
-    server = processes.start(fedpart_command("server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out)),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    reader = LineReader(server)
-    address = reader.wait_for(r"listening on (\S+:\d+)", timeout=60).group(1)
+    server, reader, address = start_server(processes, config_path, out)
     client_args = fedpart_command("client", "--server", address, "--clients", "0-1",
                                   "--state-dir", str(tmp_path / "state"), "--threads", "1")
     first = processes.start(client_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

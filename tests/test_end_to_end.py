@@ -10,12 +10,12 @@ import torch
 
 from conftest import (
     SHARED_DATA,
-    LineReader,
     fedpart_command,
     read_metrics,
     read_summary,
     run_fedpart,
     small_config,
+    start_server,
     write_config,
 )
 from fedpart.common.checkpoint import load_tensors
@@ -136,10 +136,7 @@ def test_server_and_clients_started_separately(tmp_path: Path, processes) -> Non
     config = small_config(clients=5, rounds=2)
     config_path = write_config(tmp_path / "config.yaml", config)
     out = tmp_path / "out"
-    server = processes.start(fedpart_command("server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out)),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    reader = LineReader(server)
-    address = reader.wait_for(r"listening on (\S+:\d+)", timeout=60).group(1)
+    server, reader, address = start_server(processes, config_path, out)
     clients = [processes.start(fedpart_command("client", "--server", address, "--clients", ids,
                                                "--state-dir", str(tmp_path / f"state{i}"), "--threads", "1"),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -162,10 +159,7 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_client_hosting_an_unknown_client_is_refused(tmp_path: Path, processes) -> None:
     config_path = write_config(tmp_path / "config.yaml", small_config(clients=2, server={"join_timeout": 60}))
-    server = processes.start(fedpart_command("server", str(config_path), "--address", "127.0.0.1:0",
-                                             "--out", str(tmp_path / "out")),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    address = LineReader(server).wait_for(r"listening on (\S+:\d+)", timeout=60).group(1)
+    _, _, address = start_server(processes, config_path, tmp_path / "out")
     client = processes.start(fedpart_command("client", "--server", address, "--clients", "0-5"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = client.communicate(timeout=60)[0]

@@ -19,13 +19,7 @@ UNITS = ("fc1", "fc2", "head")
 TOY_FLOPS = {"fc1": 1, "fc2": 10, "head": 100}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models train faster on one thread, and the results do not depend on the core count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model(seed: int = 0) -> SplitModel:
