@@ -23,8 +23,9 @@ from fedpart.common.algorithms import Algorithm, Role, RoundContext, build_algor
 from fedpart.common.config import RunConfig
 from fedpart.common.experiment import build_run_model
 from fedpart.common.split_model import SplitModel, tensor_part
+from fedpart.common.wire import make_spec
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.server.accounting import PROCESS, ByteLedger
+from fedpart.server.accounting import ByteLedger
 from fedpart.server.aggregation import HeadDictionary, WeightedMean, apply_deltas
 from fedpart.server.sampling import sample_clients
 
@@ -182,8 +183,7 @@ class Coordinator:
                       if tensor_part(n) in task.personal_init and held.get(n, -1) < self.versions[n]]
         with self._cond:
             state = {n: self.global_state[n] for n in names}
-            specs = [pb.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
-                                   version=self.versions[n]) for n, t in state.items()]
+            specs = [make_spec(n, t, self.versions[n]) for n, t in state.items()]
         return specs, list(state.values())
 
     def expected_uploads(self, task_id: int, session: str, header: pb.ResultHeader) -> Task:
@@ -409,7 +409,8 @@ class Coordinator:
             "sampled": sampled,
             "completed": completed,
             "train_loss": weighted("loss"),
-            "lr": self.round_plan(round_number, 0).lr if completed or sampled else None,
+            "lr": learning_rate(self.config.train.lr, round_number - 1, self.config.rounds,
+                                self.config.train.lr_milestones, self.config.train.lr_gamma),
             "seconds": round(seconds, 4),
             "train_samples": total,
             "client_compute_seconds": summed("compute_seconds"),
@@ -486,5 +487,3 @@ def _id_ranges(ids: list[int]) -> str:
             start = prev = i
     return ",".join(parts)
 
-
-__all__ = ["Coordinator", "Rejected", "Task", "PROCESS"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
