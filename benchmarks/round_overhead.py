@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -71,6 +72,8 @@ BATCH_SIZE = 10
 LR = 0.01
 TARGET_RATIO = 1.10
 RAW_MODEL_BYTES = PARAMETERS * 4
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+POLL_SECONDS = 0.01
 WORKER_START_SECONDS = 300.0
 WORKER_STOP_SECONDS = 30.0
 FLOOR_ROUND_SECONDS = 600.0
@@ -181,6 +184,22 @@ def _unflatten(vector: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.
     return state
 
 
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds (user + system) used so far by process ``root`` and its live descendants."""
+    total, pending = 0.0, [root]
+    while pending:
+        pid = pending.pop()
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:  # it has just ended
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        pending.extend(int(child) for child in children)
+    return total
+
+
 class ForeignCpu:
     """Cores' worth of CPU that processes outside this benchmark (other users of the machine,
     hypervisor steal) used during a ``with`` block: how far the timings in it can be trusted.
@@ -198,7 +217,7 @@ class ForeignCpu:
     def _sample() -> tuple[float, float, float]:
         with open("/proc/stat") as stat:
             ticks = [int(v) for v in stat.readline().split()[1:9]]
-        machine = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle, iowait
+        machine = (sum(ticks) - ticks[3] - ticks[4]) / CLOCK_TICKS  # all but idle and iowait
         own = sum(getattr(resource.getrusage(who), field)
                   for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for field in ("ru_utime", "ru_stime"))
         return machine, own, time.perf_counter()
@@ -213,12 +232,20 @@ class ForeignCpu:
 
 
 @dataclass
-class FloorRun:
-    """One floor run: per-round wall times, per-round training seconds per process (sum over
-    clients / processes), the final global weights, and the foreign CPU load during the run."""
+class RoundTimes:
+    """Per round: wall seconds, training seconds per process (sum over clients / processes) and
+    CPU seconds of all processes of the system under test (None where not measured)."""
 
     seconds: list[float]
     train_seconds: list[float]
+    cpu_seconds: list[float | None]
+
+
+@dataclass
+class FloorRun:
+    """One floor run: its round times, final global weights and the foreign CPU during it."""
+
+    times: RoundTimes
     final: torch.Tensor
     foreign_cores: float
 
@@ -226,11 +253,11 @@ class FloorRun:
 def run_floor(processes: int, rounds: int, raw: Path) -> FloorRun:
     """Run the floor; workers are started and loaded before the first timed round."""
     with ForeignCpu() as foreign:
-        seconds, train_seconds, final = _floor_rounds(processes, rounds, raw)
-    return FloorRun(seconds, train_seconds, final, foreign.cores)
+        times, final = _floor_rounds(processes, rounds, raw)
+    return FloorRun(times, final, foreign.cores)
 
 
-def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[list[float], list[float], torch.Tensor]:
+def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[RoundTimes, torch.Tensor]:
     """Start the workers, time the rounds, stop the workers (bounded, by process handle)."""
     groups, threads = client_processes(processes)
     context = mp.get_context("spawn")
@@ -248,9 +275,9 @@ def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[list[float], 
         for pipe in pipes:
             _receive(pipe, WORKER_START_SECONDS)
         global_vector = parameters_to_vector(build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED).parameters()).detach()
-        seconds: list[float] = []
-        train_seconds: list[float] = []
+        times = RoundTimes([], [], [])
         for round_number in range(1, rounds + 1):
+            cpu = tree_cpu_seconds(os.getpid())
             started = time.perf_counter()
             payload = (round_number, global_vector.numpy())
             for pipe in pipes:
@@ -261,9 +288,10 @@ def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[list[float], 
                 total += torch.from_numpy(delta).to(torch.float64) * samples
             mean = total / sum(r[1] for r in results)
             global_vector = (global_vector.to(torch.float64) + mean).to(torch.float32)
-            seconds.append(time.perf_counter() - started)
-            train_seconds.append(sum(r[2] for r in results) / len(groups))
-        return seconds, train_seconds, global_vector
+            times.seconds.append(time.perf_counter() - started)
+            times.cpu_seconds.append(tree_cpu_seconds(os.getpid()) - cpu)
+            times.train_seconds.append(sum(r[2] for r in results) / len(groups))
+        return times, global_vector
     finally:
         for pipe in pipes:
             pipe.close()
@@ -313,9 +341,11 @@ def fedpart_config(rounds: int, processes: int, data_root: Path) -> dict:
 
 @dataclass
 class FedpartRun:
-    """What one ``fedpart run`` left in its run directory."""
+    """One ``fedpart run``: its per-round records (``metrics.jsonl``), round times, final global
+    weights and the foreign CPU during it."""
 
     records: list[dict]
+    times: RoundTimes
     final: dict[str, torch.Tensor]
     foreign_cores: float
 
@@ -330,9 +360,7 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
     with log_path.open("w") as log, ForeignCpu() as foreign:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = None
+            code, cpu_at_lines = _follow(process, out / "metrics.jsonl", time.monotonic() + timeout)
         finally:
             _stop(process)
     if code != 0:
@@ -340,8 +368,27 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
         reason = f"exit code {code}" if code is not None else f"no end within {timeout:.0f} s"
         raise RuntimeError(f"fedpart run failed ({reason}); last lines of its output:\n{tail}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    # Round 1 has no CPU figure: its start is not observable from outside, and the client
+    # processes are still starting up in it.
+    cpu = [None] + [cpu_at_lines[n] - cpu_at_lines[n - 1] if {n - 1, n} <= cpu_at_lines.keys() else None
+                    for n in range(2, len(records) + 1)]
+    times = RoundTimes([r["seconds"] for r in records],
+                       [r["client_compute_seconds"] / processes for r in records], cpu)
     final = load_tensors(out / "checkpoints" / f"round_{rounds:04d}.safetensors")
-    return FedpartRun(records, final, foreign.cores)
+    return FedpartRun(records, times, final, foreign.cores)
+
+
+def _follow(process: subprocess.Popen, metrics: Path, deadline: float) -> tuple[int | None, dict[int, float]]:
+    """Wait for the run to end (None: not by ``deadline``), sampling the CPU seconds of its
+    process tree the first time ``metrics`` is seen holding n round lines, for each n."""
+    cpu_at_lines: dict[int, float] = {}
+    while (code := process.poll()) is None and time.monotonic() < deadline:
+        if metrics.exists():
+            lines = metrics.read_bytes().count(b"\n")
+            if lines not in cpu_at_lines:
+                cpu_at_lines[lines] = tree_cpu_seconds(process.pid)
+        time.sleep(POLL_SECONDS)
+    return code, cpu_at_lines
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -365,6 +412,20 @@ def _max_difference(floor_final: torch.Tensor, fedpart_final: dict[str, torch.Te
                for name, value in _unflatten(floor_final, model).items())
 
 
+def _median(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _seconds(value: float | None, width: int) -> str:
+    return f"{value:>{width}.3f}" if value is not None else f"{'-':>{width}}"
+
+
+def _beyond_training(times: RoundTimes) -> list[float]:
+    """Per round: wall seconds minus training seconds per process."""
+    return [wall - train for wall, train in zip(times.seconds, times.train_seconds, strict=True)]
+
+
 def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
     """Print the side-by-side table, the medians, the ratio and the byte counts."""
     _, threads = client_processes(processes)
@@ -375,31 +436,41 @@ def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
           "results over gRPC -> validated and aggregated; no evaluation, no checkpoint)")
     print("floor:   plain PyTorch, same processes, threads, clients and steps (weights to the workers -> "
           "training -> deltas back -> weighted mean; no evaluation)")
-    print("train:   seconds spent in local training per process (sum over clients / processes)")
+    print("train:   seconds in local training per process (sum over clients / processes)")
+    print("cpu:     CPU seconds of every process of the system in the round (fedpart: launcher, server, "
+          "clients; not measurable for round 1)")
     print("foreign: cores' worth of CPU used by processes outside this benchmark during the run (noise)")
     print()
-    runs = [("fedpart", fed.foreign_cores)] + [(f"floor#{i + 1}", f.foreign_cores) for i, f in enumerate(floors)]
-    print(f"{'':>6}" + "".join(f"  {name + f' ({cores:.2f} foreign)':>21}" for name, cores in runs))
-    print(f"{'round':>6}" + f"  {'wall s':>10} {'train s':>10}" * len(runs))
-    fed_train = [r["client_compute_seconds"] / processes for r in fed.records]
-    columns = [([r["seconds"] for r in fed.records], fed_train)] + [(f.seconds, f.train_seconds) for f in floors]
+    runs = [("fedpart", fed.times, fed.foreign_cores)] + [
+        (f"floor#{i + 1}", f.times, f.foreign_cores) for i, f in enumerate(floors)]
+    print(f"{'':>6}" + "".join(f"  {f'{name} ({cores:.2f} foreign)':^26}" for name, _, cores in runs))
+    print(f"{'round':>6}" + f"  {'wall s':>8} {'train s':>8} {'cpu s':>8}" * len(runs))
     for index, record in enumerate(fed.records):
-        print(f"{record['round']:>6}" + "".join(f"  {wall[index]:>10.3f} {train[index]:>10.3f}"
-                                                for wall, train in columns))
-    print(f"{'median':>6}" + "".join(f"  {statistics.median(wall):>10.3f} {statistics.median(train):>10.3f}"
-                                      for wall, train in columns))
-    fed_median = statistics.median(columns[0][0])
-    floor_median = statistics.median(s for floor in floors for s in floor.seconds)
+        print(f"{record['round']:>6}" + "".join(
+            f"  {t.seconds[index]:>8.3f} {t.train_seconds[index]:>8.3f} {_seconds(t.cpu_seconds[index], 8)}"
+            for _, t, _ in runs))
+    print(f"{'median':>6}" + "".join(
+        f"  {statistics.median(t.seconds):>8.3f} {statistics.median(t.train_seconds):>8.3f} "
+        f"{_seconds(_median(t.cpu_seconds), 8)}" for _, t, _ in runs))
+
+    floor_times = [f.times for f in floors]
+    fed_median = statistics.median(fed.times.seconds)
+    floor_median = statistics.median(s for t in floor_times for s in t.seconds)
     ratio = fed_median / floor_median
-    fed_rest = statistics.median(w - t for w, t in zip(*columns[0], strict=True))
-    floor_rest = statistics.median(w - t for f in floors for w, t in zip(f.seconds, f.train_seconds, strict=True))
+    fed_cpu = _median(fed.times.cpu_seconds[1:])
+    floor_cpu = _median(c for t in floor_times for c in t.cpu_seconds[1:])
     print()
     print(f"fedpart round median        {fed_median:.3f} s")
-    print(f"floor round median          {floor_median:.3f} s  (all {sum(len(f.seconds) for f in floors)} rounds of "
-          f"{len(floors)} floor run(s))")
+    print(f"floor round median          {floor_median:.3f} s  (all {sum(len(t.seconds) for t in floor_times)} "
+          f"rounds of {len(floors)} floor run(s))")
     verdict = "meets" if ratio <= TARGET_RATIO else "MISSES"
     print(f"ratio fedpart / floor       {ratio:.3f}  ({verdict} the {TARGET_RATIO:.2f}x target)")
+    fed_rest = statistics.median(_beyond_training(fed.times))
+    floor_rest = statistics.median(s for t in floor_times for s in _beyond_training(t))
     print(f"round minus training        fedpart {fed_rest:.3f} s, floor {floor_rest:.3f} s (medians)")
+    if fed_cpu is not None and floor_cpu is not None:
+        print(f"cpu per round, rounds 2..   fedpart {fed_cpu:.3f} s, floor {floor_cpu:.3f} s, ratio "
+              f"{fed_cpu / floor_cpu:.3f} (medians)")
     print(f"same work check             max |floor - fedpart| over the final weights: "
           f"{max(_max_difference(f.final, fed.final) for f in floors):.3g}")
     client_rounds = sum(len(r["completed"]) for r in fed.records)

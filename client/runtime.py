@@ -125,7 +125,6 @@ class ClientProcess:
     # ------------------------------------------------------------------ setup
 
     def _setup(self, reply: pb.JoinReply) -> None:
-        self.session = reply.session
         self.config = config_from_dict(json.loads(reply.run_config_json))
         self.algorithm = build_algorithm(self.config.algorithm.name, self.config.algorithm.options)
         self.model = build_run_model(self.config).to(self.device)
@@ -142,20 +141,32 @@ class ClientProcess:
         """Serve tasks until the server says the run is over. Returns the exit code."""
         self._connect()
         reply = self._join()
-        self.store = ClientStore(self.state_dir, reply.run_id)
-        self.store.mark_latest()
-        restored = [c for c in self.client_ids if self.store.personal_parts(c)]
-        if restored:
-            self.log(f"restored personal parts of clients {restored} from {self.store.root}")
-        self._setup(reply)
+        self.session = reply.session
         beat = threading.Thread(target=self._heartbeats, daemon=True)
-        beat.start()
         try:
+            self.store = ClientStore(self.state_dir, reply.run_id)
+            self.store.mark_latest()
+            restored = [c for c in self.client_ids if self.store.personal_parts(c)]
+            if restored:
+                self.log(f"restored personal parts of clients {restored} from {self.store.root}")
+            self._setup(reply)
+            beat.start()
             return self._serve()
+        except Exception as error:
+            self._leave(f"{type(error).__name__}: {error}")
+            raise
         finally:
             self._stop.set()
-            beat.join(timeout=HEARTBEAT_SECONDS + 1)
+            if beat.is_alive():
+                beat.join(timeout=HEARTBEAT_SECONDS + 1)
             self.channel.close()
+
+    def _leave(self, reason: str) -> None:
+        """Tell the server why this process stops (best effort: the server may be gone)."""
+        try:
+            self.stub.Leave(pb.LeaveRequest(session=self.session, reason=reason), timeout=10)
+        except grpc.RpcError:
+            pass
 
     def _serve(self) -> int:
         lost_since: float | None = None

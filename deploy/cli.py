@@ -45,7 +45,7 @@ def _client(args: argparse.Namespace) -> int:
         process = ClientProcess(args.server, parse_client_ids(args.clients), device=args.device,
                                 data_root=args.data_root, state_dir=args.state_dir, threads=args.threads)
         return process.run()
-    except (ClientError, ValueError, FileNotFoundError, ImportError, TypeError) as error:
+    except (ClientError, OSError, ValueError, ImportError, TypeError) as error:
         print(f"fedpart client: error: {error}", file=sys.stderr, flush=True)
         return 1
 

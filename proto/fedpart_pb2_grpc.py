@@ -54,6 +54,11 @@ class CoordinatorStub:
                 request_serializer=fedpart_dot_proto_dot_fedpart__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=fedpart_dot_proto_dot_fedpart__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/fedpart.v1.Coordinator/Leave',
+                request_serializer=fedpart_dot_proto_dot_fedpart__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=fedpart_dot_proto_dot_fedpart__pb2.LeaveReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -83,6 +88,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=fedpart_dot_proto_dot_fedpart__pb2.HeartbeatRequest.FromString,
                     response_serializer=fedpart_dot_proto_dot_fedpart__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=fedpart_dot_proto_dot_fedpart__pb2.LeaveRequest.FromString,
+                    response_serializer=fedpart_dot_proto_dot_fedpart__pb2.LeaveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Coordinator:
             '/fedpart.v1.Coordinator/Heartbeat',
             fedpart_dot_proto_dot_fedpart__pb2.HeartbeatRequest.SerializeToString,
             fedpart_dot_proto_dot_fedpart__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpart.v1.Coordinator/Leave',
+            fedpart_dot_proto_dot_fedpart__pb2.LeaveRequest.SerializeToString,
+            fedpart_dot_proto_dot_fedpart__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,

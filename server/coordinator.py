@@ -98,6 +98,7 @@ class Coordinator:
         self._results: RoundResults | None = None
         self._evaluations: dict[int, dict[str, float]] = {}
         self._failures: list[str] = []
+        self._left: list[str] = []  # processes that said why they stopped
         self.done = False
         self.round_plan(1, 0)  # a schedule that does not fit the model fails now, not in round 1
 
@@ -137,6 +138,17 @@ class Coordinator:
             self._cond.notify_all()
         self.log(f"joined: {request.process_name} hosts clients {_id_ranges(ids)}")
         return pb.JoinReply(session=session, run_config_json=self.config.to_json(), run_id=self.run_id)
+
+    def leave(self, session: str, reason: str) -> None:
+        """A process that cannot go on: its clients become unavailable and the reason is kept."""
+        with self._cond:
+            process = self._processes.get(session)
+            if process is None or not process.alive:
+                return
+            process.alive = False
+            self._left.append(f"process {process.name} (clients {_id_ranges(process.clients)}) left: {reason}")
+            self._cond.notify_all()
+        self.log(f"error: client process {process.name} left: {reason}")
 
     def heartbeat(self, session: str) -> bool:
         with self._cond:
@@ -336,8 +348,10 @@ class Coordinator:
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    reasons = "".join(f"; {line}" for line in self._left)
                     raise TimeoutError(f"after {self.config.server.join_timeout:.0f} s clients "
-                                       f"{_id_ranges(missing)} are still not hosted by a ready client process")
+                                       f"{_id_ranges(missing)} are still not hosted by a ready client process"
+                                       f"{reasons}")
                 self._cond.wait(min(remaining, 1.0))
 
     def round_plan(self, round_number: int, client_id: int) -> pb.TrainPlan:
@@ -460,7 +474,7 @@ class Coordinator:
     @property
     def failures(self) -> list[str]:
         with self._cond:
-            return list(self._failures)
+            return self._failures + self._left
 
     def account(self, round_number: int | None, client: int, direction: str, by_part: Mapping[str, int]) -> None:
         """Record bytes; ``round_number`` None means the current round."""

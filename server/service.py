@@ -40,6 +40,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.coordinator.account(None, PROCESS, "down", _control(reply.ByteSize()))
         return reply
 
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        self.coordinator.leave(request.session, request.reason)
+        reply = pb.LeaveReply()
+        self.coordinator.account(None, PROCESS, "up", _control(request.ByteSize()))
+        self.coordinator.account(None, PROCESS, "down", _control(reply.ByteSize()))
+        return reply
+
     def GetTask(self, request: pb.TaskRequest, context: grpc.ServicerContext) -> Iterator[pb.TaskChunk]:
         try:
             task = self.coordinator.next_task(request.session, request.wait_seconds)

@@ -165,3 +165,22 @@ def test_client_hosting_an_unknown_client_is_refused(tmp_path: Path, processes) 
     log = client.communicate(timeout=60)[0]
     assert client.returncode == 1
     assert "out of range" in log and "[2, 3, 4, 5]" in log
+
+
+def test_a_client_without_its_data_says_why_and_the_server_reports_it(tmp_path: Path, processes) -> None:
+    missing_root = tmp_path / "no-data-here"
+    config = small_config(clients=2, data={"dataset": "mnist", "root": str(missing_root),
+                                           "partition": {"scheme": "iid"}},
+                          evaluate={"finetune_epochs": [1], "global_test": False},
+                          server={"join_timeout": 8, "round_timeout": 30, "heartbeat_timeout": 30})
+    config_path = write_config(tmp_path / "config.yaml", config)
+    server, reader, address = start_server(processes, config_path, tmp_path / "out")
+    client = processes.start(fedpart_command("client", "--server", address, "--clients", "0-1"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = client.communicate(timeout=60)[0]
+    assert client.returncode == 1
+    expected = str(missing_root / "MNIST" / "raw" / "train-images-idx3-ubyte.gz")
+    assert expected in log
+    output = reader.rest(timeout=60)
+    assert server.wait(timeout=30) == 2
+    assert "left: FileNotFoundError" in output and expected in output
