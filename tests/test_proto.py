@@ -25,6 +25,6 @@ def test_service_has_the_documented_rpcs() -> None:
     from fedpart.proto import fedpart_pb2 as pb
 
     service = pb.DESCRIPTOR.services_by_name["Coordinator"]
-    assert {m.name for m in service.methods} == {"Join", "GetTask", "SubmitResult", "Heartbeat"}
+    assert {m.name for m in service.methods} == {"Join", "GetTask", "SubmitResult", "Heartbeat", "Leave"}
     assert service.methods_by_name["GetTask"].server_streaming
     assert service.methods_by_name["SubmitResult"].client_streaming
