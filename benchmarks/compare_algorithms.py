@@ -204,9 +204,8 @@ def read_run(name: str, out: Path, wall: float) -> Result:
 
 
 def _percent(stats: dict[str, float | None]) -> str:
-    if stats.get("mean") is None:
-        return "-"
-    return f"{100 * stats['mean']:.2f} ± {100 * (stats.get('std') or 0.0):.2f}"
+    mean, std = stats.get("mean"), stats.get("std")
+    return "-" if mean is None else f"{100 * mean:.2f} ± {100 * (std or 0.0):.2f}"
 
 
 def _number(value: float | None, fmt: str) -> str:
@@ -235,8 +234,8 @@ def table(results: list[Result], finetune_epochs: list[int]) -> str:
                         _megabytes(r.bytes_down_per_round), _megabytes(r.bytes_up_per_round),
                         f"{_megabytes(r.body_up_per_round)} / {_megabytes(r.head_up_per_round)}",
                         _number(r.client_compute_seconds_per_round, ".2f"),
-                        f"{_number(r.trainable_parameters_first, ',.0f')} → "
-                        f"{_number(r.trainable_parameters_last, ',.0f')}",
+                        (f"{_number(r.trainable_parameters_first, ',.0f')} → "
+                         f"{_number(r.trainable_parameters_last, ',.0f')}"),
                         _number(r.round_seconds, ".2f")])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -16,18 +16,25 @@ What is measured:
   processes fedpart starts), the same client -> process assignment
   (``fedpart.deploy.launcher.split_clients``) and the same torch thread count per process
   (``max(1, cpu_count // P)``, as fedpart's launcher gives each client process); each worker
-  loads its clients' data once (not timed). A round's time is wall time in the parent from
-  sending the global weights to holding the new global model: every worker, for each of its
-  clients, loads the global weights into the model, trains the epoch (same model builder and
-  seed, same per-client shuffling seeds) and returns the delta over a pipe; the parent takes
-  the sample-weighted mean of the deltas in float64 and adds it. The floor does not evaluate
-  (fedpart's training rounds do not evaluate either).
+  loads its clients' data and pays torch's one-off optimizer import before the first round
+  (not timed; fedpart's clients do both before they report ready). A round's time is wall time
+  in the parent from sending the global weights to holding the new global model: every worker,
+  for each of its clients, loads the global weights into the model, trains the epoch (same model
+  builder and seed, same per-client shuffling seeds, same input layout) and returns the delta
+  over a pipe; the parent takes the sample-weighted mean of the deltas in float64 and adds it.
+  The floor does not evaluate (fedpart's training rounds do not evaluate either).
 
 The floor's final model is compared with fedpart's final checkpoint: both computed the same
 steps, so they agree to float rounding. With ``--repeat`` (default) the floor runs before and
 after fedpart and its median is taken over both runs, which evens out drift of the machine.
 Wire bytes per client-round come from ``metrics.jsonl`` (every message of the round, divided
 by the clients that completed it) next to the raw size of one float32 model copy.
+
+Diagnostics printed beside the timings: training seconds per process (fedpart's
+``client_compute_seconds``), CPU seconds per round of every process of each system (read from
+``/proc``; for fedpart sampled when a round's line lands in ``metrics.jsonl``, so not for round
+1), and the CPU other processes on the machine used meanwhile ("foreign"): on a shared machine
+that is the noise in the wall times. Linux only.
 """
 
 from __future__ import annotations
@@ -148,6 +155,7 @@ def floor_worker(conn: Connection, clients: list[int], threads: int, raw: str) -
     ``[(client, samples, training seconds, delta), ...]``."""
     torch.set_num_threads(threads)
     model = build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED)
+    torch.optim.SGD(model.parameters(), lr=0.0)  # torch's one-off optimizer import (~1 s), start-up like in fedpart
     data = _client_train_data(Path(raw), clients)
     conn.send("ready")
     while (message := _next_message(conn)) is not None:
