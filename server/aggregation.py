@@ -21,17 +21,22 @@ def _check_weight(weight: float) -> None:
 
 
 class CompensatedSum:
-    """Sum of float64 tensors in double-double precision."""
+    """Sum of float64 tensors in double-double precision (value plus running error term)."""
 
     def __init__(self, like: torch.Tensor) -> None:
         self.value = torch.zeros(like.shape, dtype=torch.float64)
         self.error = torch.zeros(like.shape, dtype=torch.float64)
 
-    def add(self, term: torch.Tensor) -> None:
-        total = self.value + term
-        back = total - self.value
-        self.error += (self.value - (total - back)) + (term - back)
-        self.value = total
+    def add(self, term: torch.Tensor, total: torch.Tensor, lost: torch.Tensor) -> None:
+        """Add ``term`` (TwoSum). ``term`` is overwritten; ``total`` and ``lost`` are scratch
+        tensors of the same shape, so a fold allocates nothing."""
+        torch.add(self.value, term, out=total)
+        torch.sub(total, self.value, out=lost)   # the part of term that made it into total
+        term.sub_(lost)                           # term - back
+        torch.sub(total, lost, out=lost)
+        torch.sub(self.value, lost, out=lost)     # value - (total - back)
+        self.error.add_(lost.add_(term))
+        self.value.copy_(total)
 
     def result(self) -> torch.Tensor:
         return self.value + self.error
@@ -43,6 +48,13 @@ class WeightedMean:
     def __init__(self) -> None:
         self._sums: dict[str, CompensatedSum] = {}
         self._weights: dict[str, float] = {}
+        self._scratch = torch.empty((3, 0), dtype=torch.float64)  # reused by every fold
+
+    def _scratch_for(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Three float64 scratch tensors shaped like ``tensor``, shared across tensors."""
+        if self._scratch.shape[1] < tensor.numel():
+            self._scratch = torch.empty((3, tensor.numel()), dtype=torch.float64)
+        return [row[:tensor.numel()].view(tensor.shape) for row in self._scratch]
 
     def add(self, tensors: Mapping[str, torch.Tensor], weight: float) -> None:
         """Fold one client's tensors in with aggregation weight ``weight`` (> 0)."""
@@ -51,7 +63,9 @@ class WeightedMean:
             if name not in self._sums:
                 self._sums[name] = CompensatedSum(tensor)
                 self._weights[name] = 0.0
-            self._sums[name].add(tensor.to(torch.float64) * weight)
+            term, total, lost = self._scratch_for(tensor)
+            term.copy_(tensor).mul_(weight)
+            self._sums[name].add(term, total, lost)
             self._weights[name] += weight
 
     def __len__(self) -> int:

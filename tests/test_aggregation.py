@@ -72,7 +72,7 @@ def test_compensated_sum_survives_cancellation_in_every_order():
     for order in itertools.permutations(terms):
         total = CompensatedSum(terms[0])
         for term in order:
-            total.add(term)
+            total.add(term.clone(), torch.empty(2, dtype=torch.float64), torch.empty(2, dtype=torch.float64))
         assert total.result().tolist() == [1.0, 1e-20]
     # A plain float64 sum gets this wrong in at least one order.
     plain = {float(sum(order, torch.zeros(2, dtype=torch.float64))[0]) for order in itertools.permutations(terms)}
