@@ -32,8 +32,11 @@ def default_out_dir(name: str) -> str:
 
 
 def _server(args: argparse.Namespace) -> int:
+    import torch
+
     from fedpart.server.main import main_server
 
+    torch.set_num_threads(args.threads)
     config = load_config(resolve_config_path(args.config), args.set)
     return main_server(config, args.address, args.out or default_out_dir(config.name))
 
@@ -67,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT to listen on (port 0: any free)")
     server.add_argument("--out", help="run directory (default runs/<name>-<time>)")
     server.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    server.add_argument("--threads", type=int, default=1,
+                        help="torch threads for aggregation (default 1: leaves the cores to co-located clients)")
     server.set_defaults(handler=_server)
 
     client = commands.add_parser("client", help="run a client process hosting one or more clients")

@@ -89,6 +89,7 @@ class Coordinator:
         self.heads = HeadDictionary()
 
         self._cond = threading.Condition()
+        self._fold_lock = threading.Lock()  # taken before _cond, never inside it
         self._processes: dict[str, ProcessState] = {}
         self._host: dict[int, str] = {}
         self._personal: dict[int, set[str]] = {}
@@ -231,22 +232,25 @@ class Coordinator:
             if tensor.dtype != reference.dtype or tensor.shape != reference.shape:
                 raise Rejected(f"tensor {name!r}: got {tensor.dtype} {list(tensor.shape)}, "
                                f"expected {reference.dtype} {list(reference.shape)}")
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if tensor.is_floating_point() and not _all_finite(tensor):
                 raise Rejected(f"tensor {name!r} holds NaN or infinite values")
         if header.num_samples == 0 and expected:
             raise Rejected("a result with uploads must report at least one training sample")
         weight = float(header.num_samples) if self.config.train.weighting == "samples" else 1.0
         deltas = {n: tensors[n] for n in task.train.upload_deltas}
         values = {n: tensors[n] for n in task.train.upload_values}
-        with self._cond:
-            self._check_current(task)
+        with self._fold_lock:  # folds run outside the task-queue lock, one at a time
+            with self._cond:
+                self._check_current(task)
+                results = self._results
             if deltas:
-                self._results.deltas.add(deltas, weight)
+                results.deltas.add(deltas, weight)
             if values:
                 self.heads.store(task.client_id, values, weight)
-            self._results.metrics[task.client_id] = metrics
-            self._results.samples[task.client_id] = int(header.num_samples)
-            self._finish(task)
+            with self._cond:
+                results.metrics[task.client_id] = metrics
+                results.samples[task.client_id] = int(header.num_samples)
+                self._finish(task)
 
     def fail_task(self, task: Task, reason: str) -> None:
         """Drop a task whose delivery or result failed; the round goes on without it."""
@@ -263,7 +267,8 @@ class Coordinator:
             raise Rejected(f"task {task.task_id} was closed before its result arrived")
 
     def _finish(self, task: Task) -> None:
-        del self._outstanding[task.task_id]
+        """Close a task (it may already be closed when its result was folded as the round closed)."""
+        self._outstanding.pop(task.task_id, None)
         if task.personal_init:
             self._personal.setdefault(task.client_id, set()).update(task.personal_init)
         self._cond.notify_all()
@@ -389,7 +394,7 @@ class Coordinator:
                           personal_init=self._personal_init(c))
                      for c in sampled if self._available(c)]
         self._await(self._dispatch(tasks), self.config.server.round_timeout)
-        with self._cond:
+        with self._fold_lock, self._cond:
             results = self._results
             self._results = None
         updated = apply_deltas(self.global_state, results.deltas.means(), self.config.train.server_lr)
@@ -484,6 +489,14 @@ class Coordinator:
         with self._cond:
             process = self._processes.get(session)
             return list(process.clients) if process else []
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity in ``tensor``. For 32-bit and narrower floats a float64 sum is exact
+    enough to be non-finite exactly when an element is, and is several times cheaper."""
+    if tensor.dtype == torch.float64:
+        return bool(torch.isfinite(tensor).all())
+    return bool(torch.sum(tensor, dtype=torch.float64).isfinite())
 
 
 def _id_ranges(ids: list[int]) -> str:
