@@ -111,10 +111,11 @@ def _fitting_length(index: int, room: int, wanted: int) -> int:
     return max(length, 0)
 
 
-def iter_piece_groups(tensors: Iterable[torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[list[pb.TensorPiece]]:
-    """Cut the tensors' bytes into pieces and group them so that the pieces of one chunk take at
-    most ``chunk_bytes`` serialized bytes (framing included)."""
-    group: list[pb.TensorPiece] = []
+def iter_piece_groups(tensors: Iterable[torch.Tensor],
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[list[tuple[int, memoryview]]]:
+    """Cut the tensors' bytes into ``(tensor index, byte view)`` pieces, grouped so that the
+    pieces of one chunk take at most ``chunk_bytes`` serialized bytes (framing included)."""
+    group: list[tuple[int, memoryview]] = []
     room = chunk_bytes
     for index, tensor in enumerate(tensors):
         view = _byte_view(tensor)
@@ -127,7 +128,7 @@ def iter_piece_groups(tensors: Iterable[torch.Tensor], chunk_bytes: int = DEFAUL
                 yield group
                 group, room = [], chunk_bytes
                 continue
-            group.append(pb.TensorPiece(index=index, data=view[offset:offset + take].tobytes()))
+            group.append((index, view[offset:offset + take]))
             offset += take
             room -= _piece_bytes(index, take)
     if group:
@@ -137,14 +138,17 @@ def iter_piece_groups(tensors: Iterable[torch.Tensor], chunk_bytes: int = DEFAUL
 def encode_chunks(chunk_type: type, header, tensors: Iterable[torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator:
     """A chunk stream: the header in the first chunk, the tensors' pieces spread over all chunks.
 
-    ``header`` must already list the specs of ``tensors`` in the same order.
+    ``header`` must already list the specs of ``tensors`` in the same order. Each piece's bytes
+    are copied once, straight into its chunk.
     """
     first = True
-    for pieces in iter_piece_groups(tensors, chunk_bytes):
-        chunk = chunk_type(pieces=pieces)
+    for group in iter_piece_groups(tensors, chunk_bytes):
+        chunk = chunk_type()
         if first:
             chunk.header.CopyFrom(header)
             first = False
+        for index, view in group:
+            chunk.pieces.add(index=index, data=view.tobytes())
         yield chunk
     if first:
         yield chunk_type(header=header)
