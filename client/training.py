@@ -88,6 +88,7 @@ def train_local(model: SplitModel, data: ClientData, plan: pb.TrainPlan, loss_fn
                 if wanted != current:
                     model.set_trainable(wanted)
                     current = wanted
+                    sample_flops = step_flops(unit_flops, order, set(wanted), 1)
                 optimizer.zero_grad(set_to_none=True)
                 x, y = data.x_train[index], data.y_train[index]
                 loss = loss_fn(model(x), y)
@@ -99,10 +100,11 @@ def train_local(model: SplitModel, data: ClientData, plan: pb.TrainPlan, loss_fn
                 if plan.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_([p for p in parameters if p.grad is not None], plan.grad_clip)
                 optimizer.step()
-                total_loss += loss.detach() * len(index)
-                seen += len(index)
+                size = len(index)
+                total_loss += loss.detach() * size
+                seen += size
                 steps += 1
-                flops += step_flops(unit_flops, order, set(wanted), len(index))
+                flops += sample_flops * size
     model.set_trainable(order)
     trainable = sum(p.numel() for p in parameters)
     return TrainOutcome(float(total_loss) / max(seen, 1), steps, n, time.perf_counter() - started, trainable, flops)
