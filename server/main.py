@@ -27,8 +27,13 @@ def _log(message: str) -> None:
 def start_grpc(coordinator: Coordinator, address: str) -> tuple[grpc.Server, str]:
     """Start the gRPC server; returns it and the address it is listening on (port 0 = free port)."""
     workers = min(512, 2 * coordinator.config.clients + 16)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                         options=[("grpc.so_reuseport", 0)])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=[
+        ("grpc.so_reuseport", 0),
+        # clients ping every 30 s to keep NAT mappings alive while they train for minutes
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ])
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator), server)
     host, _, port = address.rpartition(":")
     bound = server.add_insecure_port(address)
