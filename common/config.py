@@ -99,6 +99,7 @@ class EvaluateConfig:
 class ServerConfig:
     join_timeout: float = 300.0     # seconds to wait for every client to be hosted
     round_timeout: float = 600.0    # a round closes with the results in hand after this
+    evaluation_timeout: float = 3600.0  # the final evaluation (every client fine-tunes) closes after this
     heartbeat_timeout: float = 60.0  # a process silent this long is considered gone
     chunk_bytes: int = 1 << 20
     max_message_bytes: int = 1 << 33  # largest tensor payload one result may declare
@@ -219,7 +220,8 @@ def _validate(config: RunConfig) -> None:
         (config.evaluate.batch_size >= 1, "evaluate.batch_size must be >= 1"),
         (config.evaluate.global_every >= 0, "evaluate.global_every must be >= 0"),
         (config.server.chunk_bytes >= 1024, "server.chunk_bytes must be at least 1024"),
-        (config.server.round_timeout > 0 and config.server.join_timeout > 0, "server timeouts must be positive"),
+        (min(config.server.round_timeout, config.server.join_timeout, config.server.evaluation_timeout,
+             config.server.heartbeat_timeout) > 0, "server timeouts must be positive"),
     ]
     sampling = config.sampling
     checks.append((0 < sampling.fraction <= 1, "sampling.fraction must be in (0, 1]"))

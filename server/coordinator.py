@@ -453,7 +453,7 @@ class Coordinator:
             tasks = [Task(task_id=next(self._task_ids), kind=pb.EVALUATE, round=evaluation_round, client_id=c,
                           session=self._host[c], evaluate=plan, personal_init=self._personal_init(c))
                      for c in range(self.config.clients) if self._available(c)]
-        self._await(self._dispatch(tasks), self.config.server.round_timeout)
+        self._await(self._dispatch(tasks), self.config.server.evaluation_timeout)
         with self._cond:
             return dict(self._evaluations)
 
