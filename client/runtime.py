@@ -29,7 +29,7 @@ from fedpart.common.experiment import build_run_model, dataset_dims
 from fedpart.common.losses import build_loss
 from fedpart.common.models import unit_forward_flops
 from fedpart.common.split_model import tensor_part
-from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
+from fedpart.common.wire import decode_chunks, encode_chunks, named_specs
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 
@@ -245,7 +245,7 @@ class ClientProcess:
         return result, uploads
 
     def _submit(self, header: pb.ResultHeader, uploads: dict[str, torch.Tensor]) -> None:
-        header.tensors.extend(make_spec(name, tensor) for name, tensor in uploads.items())
+        header.tensors.extend(named_specs(uploads))
         chunks: Iterator[pb.ResultChunk] = encode_chunks(pb.ResultChunk, header, list(uploads.values()),
                                                          self.config.server.chunk_bytes)
         try:

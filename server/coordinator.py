@@ -23,7 +23,7 @@ from fedpart.common.algorithms import Algorithm, Role, RoundContext, build_algor
 from fedpart.common.config import RunConfig
 from fedpart.common.experiment import build_run_model
 from fedpart.common.split_model import SplitModel, tensor_part
-from fedpart.common.wire import make_spec
+from fedpart.common.wire import named_specs
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.accounting import ByteLedger
 from fedpart.server.aggregation import HeadDictionary, WeightedMean, apply_deltas
@@ -196,7 +196,7 @@ class Coordinator:
                       if tensor_part(n) in task.personal_init and held.get(n, -1) < self.versions[n]]
         with self._cond:
             state = {n: self.global_state[n] for n in names}
-            specs = [make_spec(n, t, self.versions[n]) for n, t in state.items()]
+            specs = named_specs(state, self.versions)
         return specs, list(state.values())
 
     def expected_uploads(self, task_id: int, session: str, header: pb.ResultHeader) -> Task:
@@ -484,11 +484,6 @@ class Coordinator:
     def account(self, round_number: int | None, client: int, direction: str, by_part: Mapping[str, int]) -> None:
         """Record bytes; ``round_number`` None means the current round."""
         self.ledger.add(self._round if round_number is None else round_number, client, direction, by_part)
-
-    def process_clients(self, session: str) -> list[int]:
-        with self._cond:
-            process = self._processes.get(session)
-            return list(process.clients) if process else []
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:
