@@ -36,7 +36,7 @@ from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 POLL_SECONDS = 20.0
 TRANSFER_SECONDS = 600.0   # deadline for moving one task or result, on top of the poll
 CONNECT_SECONDS = 120.0    # how long to wait for the server to come up or come back
-HEARTBEAT_SECONDS = 5.0
+HEARTBEAT_SECONDS = 5.0    # at most; shorter when server.heartbeat_timeout is short
 
 
 class ClientError(RuntimeError):
@@ -115,17 +115,16 @@ class ClientProcess:
         except grpc.RpcError as error:
             raise ClientError(f"join refused: {error.details()}") from error
 
-    def _heartbeats(self) -> None:
-        while not self._stop.wait(HEARTBEAT_SECONDS):
+    def _heartbeats(self, interval: float) -> None:
+        while not self._stop.wait(interval):
             try:
-                self.stub.Heartbeat(pb.HeartbeatRequest(session=self.session), timeout=HEARTBEAT_SECONDS)
+                self.stub.Heartbeat(pb.HeartbeatRequest(session=self.session), timeout=max(interval, 1.0))
             except grpc.RpcError:
                 continue
 
     # ------------------------------------------------------------------ setup
 
     def _setup(self, reply: pb.JoinReply) -> None:
-        self.config = config_from_dict(json.loads(reply.run_config_json))
         self.algorithm = build_algorithm(self.config.algorithm.name, self.config.algorithm.options)
         self.model = build_run_model(self.config).to(self.device)
         input_shape, num_classes = dataset_dims(self.config)
@@ -142,7 +141,11 @@ class ClientProcess:
         self._connect()
         reply = self._join()
         self.session = reply.session
-        beat = threading.Thread(target=self._heartbeats, daemon=True)
+        self.config = config_from_dict(json.loads(reply.run_config_json))
+        # a few beats per server.heartbeat_timeout, from before the (possibly long) data loading on
+        interval = max(0.2, min(HEARTBEAT_SECONDS, self.config.server.heartbeat_timeout / 4))
+        beat = threading.Thread(target=self._heartbeats, args=(interval,), daemon=True)
+        beat.start()
         try:
             self.store = ClientStore(self.state_dir, reply.run_id)
             self.store.mark_latest()
@@ -150,15 +153,13 @@ class ClientProcess:
             if restored:
                 self.log(f"restored personal parts of clients {restored} from {self.store.root}")
             self._setup(reply)
-            beat.start()
             return self._serve()
         except Exception as error:
             self._leave(f"{type(error).__name__}: {error}")
             raise
         finally:
             self._stop.set()
-            if beat.is_alive():
-                beat.join(timeout=HEARTBEAT_SECONDS + 1)
+            beat.join(timeout=HEARTBEAT_SECONDS + 1)
             self.channel.close()
 
     def _leave(self, reason: str) -> None:
@@ -182,6 +183,9 @@ class ClientProcess:
                         raise ClientError(f"lost the server at {self.server} for {CONNECT_SECONDS:.0f} s") from error
                     self._stop.wait(1.0)
                     continue
+                if error.code() == grpc.StatusCode.FAILED_PRECONDITION and "join again" in (error.details() or ""):
+                    self._rejoin()
+                    continue
                 raise ClientError(f"server refused the task request: {error.details()}") from error
             if header.kind == pb.IDLE:
                 continue
@@ -191,6 +195,14 @@ class ClientProcess:
             self._absorb(header, tensors)
             result_header, uploads = self._execute(header)
             self._submit(result_header, uploads)
+
+    def _rejoin(self) -> None:
+        """The server dropped this session (e.g. missed heartbeats): join the same run again."""
+        reply = self._join()
+        if reply.run_id != self.store.root.name:
+            raise ClientError(f"the server at {self.server} now runs another run ({reply.run_id}); stopping")
+        self.session = reply.session
+        self.log("the server had dropped this process; joined again")
 
     def _absorb(self, header: pb.TaskHeader, tensors: dict[str, torch.Tensor]) -> None:
         """Store the received global tensors in the process cache."""

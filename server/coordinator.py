@@ -60,6 +60,7 @@ class ProcessState:
     alive: bool = True
     released: bool = False  # has been told the run is over
     ready: bool = False     # has loaded its data and asked for work
+    polling: int = 0        # open long polls: the process is alive while it waits for work
     instance: str = ""
 
 
@@ -166,26 +167,38 @@ class Coordinator:
         """
         deadline = time.monotonic() + max(0.0, min(wait_seconds, 60.0))
         with self._cond:
-            while True:
-                process = self._processes.get(session)
-                if process is None or not process.alive:
-                    raise Rejected("unknown or expired session: join again")
-                process.last_seen = time.monotonic()
-                if not process.ready:
-                    process.ready = True
-                    self._cond.notify_all()
-                if process.pending:
-                    task = process.pending.popleft()
-                    self._outstanding[task.task_id] = task
-                    return task
-                if self.done:
-                    process.released = True
-                    self._cond.notify_all()
-                    return Task(task_id=0, kind=pb.DONE, round=self._round, client_id=0, session=session)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self._cond.wait(remaining)
+            process = self._processes.get(session)
+            if process is not None:
+                process.polling += 1
+            try:
+                return self._wait_for_task(session, deadline)
+            finally:
+                if process is not None:
+                    process.polling -= 1
+                    process.last_seen = time.monotonic()
+
+    def _wait_for_task(self, session: str, deadline: float) -> Task | None:
+        """The body of :meth:`next_task` (holds the lock)."""
+        while True:
+            process = self._processes.get(session)
+            if process is None or not process.alive:
+                raise Rejected("unknown or expired session: join again")
+            process.last_seen = time.monotonic()
+            if not process.ready:
+                process.ready = True
+                self._cond.notify_all()
+            if process.pending:
+                task = process.pending.popleft()
+                self._outstanding[task.task_id] = task
+                return task
+            if self.done:
+                process.released = True
+                self._cond.notify_all()
+                return Task(task_id=0, kind=pb.DONE, round=self._round, client_id=0, session=session)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self._cond.wait(remaining)
 
     def task_tensors(self, task: Task, held: Mapping[str, int]) -> tuple[list[pb.TensorSpec], list[torch.Tensor]]:
         """Global tensors a task carries: shared ones newer than what the process holds, plus
@@ -292,7 +305,7 @@ class Coordinator:
         """Mark processes silent for longer than the heartbeat timeout as gone."""
         now = time.monotonic()
         for process in self._processes.values():
-            if process.alive and now - process.last_seen > self.config.server.heartbeat_timeout:
+            if process.alive and not process.polling and now - process.last_seen > self.config.server.heartbeat_timeout:
                 process.alive = False
                 self.log(f"warning: process {process.name} went silent; its clients are unavailable")
 

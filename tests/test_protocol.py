@@ -32,6 +32,7 @@ class Harness:
         self.coordinator = Coordinator(self.config, log=self.logs.append)
         self.initial = {k: v.clone() for k, v in self.coordinator.global_state.items()}
         self.server, address = start_grpc(self.coordinator, "127.0.0.1:0")
+        self.server_port = int(address.rpartition(":")[2])
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.records: list[dict] = []
@@ -43,9 +44,12 @@ class Harness:
         return reply.session
 
     def start_rounds(self, rounds: int) -> None:
+        self.start_rounds_from(1, rounds)
+
+    def start_rounds_from(self, first: int, last: int) -> None:
         def drive() -> None:
             self.coordinator.wait_for_clients()
-            for r in range(1, rounds + 1):
+            for r in range(first, last + 1):
                 self.records.append(self.coordinator.run_round(r))
 
         self._thread = threading.Thread(target=drive, daemon=True)
@@ -190,3 +194,29 @@ def test_a_100_megabyte_model_moves_with_default_message_limits(harness_factory,
     harness.wait_rounds()
     assert harness.records[0]["completed"] == [0]
     assert harness.records[0]["bytes_up"] > 100e6
+
+
+def test_a_dropped_client_process_joins_again_and_keeps_working(harness_factory, tmp_path) -> None:
+    """A process the server gave up on (e.g. a network blip longer than the heartbeat timeout)
+    is told to join again on its next poll, does so, and takes part in the next round."""
+    from fedpart.client.runtime import ClientProcess
+
+    harness = harness_factory()
+    address = f"127.0.0.1:{harness.server_port}"
+    client = ClientProcess(address, [0], state_dir=tmp_path / "state", threads=1)
+    codes: list[int] = []
+    worker = threading.Thread(target=lambda: codes.append(client.run()), daemon=True)
+    worker.start()
+    harness.start_rounds(1)
+    harness.wait_rounds()
+    assert harness.records[0]["completed"] == [0]
+    with harness.coordinator._cond:  # the server drops the process, as after missed heartbeats
+        for process in harness.coordinator._processes.values():
+            process.alive = False
+    harness.coordinator.run_round(2)  # dispatches to nobody: the process is gone
+    harness.start_rounds_from(3, 3)
+    harness.wait_rounds()
+    assert harness.records[-1]["completed"] == [0], "the process joined again and trained"
+    harness.coordinator.finish()
+    worker.join(timeout=BOUND)
+    assert codes == [0]
