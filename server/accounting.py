@@ -13,32 +13,37 @@ PROCESS = -1  # client id for messages that belong to a process, not one client 
 
 
 class ByteLedger:
-    """Thread-safe byte counters keyed by (round, client, direction, part)."""
+    """Thread-safe byte counters keyed by (round, client, direction, part), with running totals
+    per round, per client and overall so that every query is a lookup, however long the run."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[int, int, str, str], int] = defaultdict(int)
+        self._by_round: dict[tuple[int, str, str], int] = defaultdict(int)
+        self._by_client: dict[tuple[int, str, str], int] = defaultdict(int)
+        self._overall: dict[tuple[str, str], int] = defaultdict(int)
 
     def add(self, round_number: int, client: int, direction: str, by_part: Mapping[str, int]) -> None:
         with self._lock:
             for part, count in by_part.items():
                 if count:
                     self._counts[(round_number, client, direction, part)] += count
-
-    def _select(self, round_number: int | None = None, client: int | None = None) -> dict[str, dict[str, int]]:
-        out = {part: {d: 0 for d in DIRECTIONS} for part in PARTS}
-        with self._lock:
-            items = list(self._counts.items())
-        for (r, c, direction, part), count in items:
-            if (round_number is None or r == round_number) and (client is None or c == client):
-                out[part][direction] += count
-        return out
+                    self._by_round[(round_number, direction, part)] += count
+                    self._by_client[(client, direction, part)] += count
+                    self._overall[(direction, part)] += count
 
     def by_part(self, round_number: int | None = None, client: int | None = None) -> dict[str, dict[str, int]]:
         """``{part: {"down": n, "up": n}}`` for one round and/or client (all when None)."""
-        return self._select(round_number, client)
+        with self._lock:
+            if round_number is not None and client is not None:
+                return {p: {d: self._counts.get((round_number, client, d, p), 0) for d in DIRECTIONS} for p in PARTS}
+            if round_number is not None:
+                return {p: {d: self._by_round.get((round_number, d, p), 0) for d in DIRECTIONS} for p in PARTS}
+            if client is not None:
+                return {p: {d: self._by_client.get((client, d, p), 0) for d in DIRECTIONS} for p in PARTS}
+            return {p: {d: self._overall.get((d, p), 0) for d in DIRECTIONS} for p in PARTS}
 
     def totals(self, round_number: int | None = None, client: int | None = None) -> dict[str, int]:
         """``{"down": n, "up": n}``."""
-        parts = self._select(round_number, client)
+        parts = self.by_part(round_number, client)
         return {d: sum(parts[p][d] for p in PARTS) for d in DIRECTIONS}
