@@ -110,13 +110,17 @@ class LineReader:
             self._queue.put(line)
         self._queue.put(None)
 
+    def _next(self, timeout: float, waiting_for: str) -> str | None:
+        """The next line (None once the stream closed), or an assertion error at the deadline."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no {waiting_for} within {timeout} s; got {self.lines[-10:]}")
+
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
         regex = re.compile(pattern)
         while True:
-            try:
-                line = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                raise AssertionError(f"no line matching {pattern!r} within {timeout} s; got {self.lines[-10:]}")
+            line = self._next(timeout, f"line matching {pattern!r}")
             if line is None:
                 raise AssertionError(f"process ended before printing {pattern!r}; output {self.lines[-20:]}")
             self.lines.append(line)
@@ -127,10 +131,7 @@ class LineReader:
     def rest(self, timeout: float) -> str:
         """Everything until the stream closes."""
         while True:
-            try:
-                line = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                raise AssertionError(f"output did not end within {timeout} s")
+            line = self._next(timeout, "end of output")
             if line is None:
                 return "".join(self.lines)
             self.lines.append(line)
