@@ -28,6 +28,7 @@ from fedpart.common.config import config_from_dict
 from fedpart.common.experiment import build_run_model, dataset_dims
 from fedpart.common.losses import build_loss
 from fedpart.common.models import unit_forward_flops
+from fedpart.common.security import ClientSecurity
 from fedpart.common.split_model import tensor_part
 from fedpart.common.wire import decode_chunks, encode_chunks, named_specs
 from fedpart.proto import fedpart_pb2 as pb
@@ -43,34 +44,14 @@ class ClientError(RuntimeError):
     """The client process cannot go on (message says why)."""
 
 
-def parse_client_ids(spec: str) -> list[int]:
-    """``"0-9"``, ``"3,5,7"`` or ``"0-3,8"`` -> sorted unique ids."""
-    ids: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                low, high = (int(x) for x in part.split("-", 1))
-                if high < low:
-                    raise ValueError
-                ids.update(range(low, high + 1))
-            else:
-                ids.add(int(part))
-        except ValueError as error:
-            raise ValueError(f"--clients: cannot read {part!r} (use e.g. 0-9 or 3,5,7)") from error
-    if not ids or min(ids) < 0:
-        raise ValueError(f"--clients {spec!r} names no valid client ids")
-    return sorted(ids)
-
-
 class ClientProcess:
     """The loop of one client process."""
 
     def __init__(self, server: str, client_ids: list[int], device: str = "cpu", data_root: str | None = None,
-                 state_dir: str | Path = "fedpart-state", threads: int | None = None) -> None:
+                 state_dir: str | Path = "fedpart-state", threads: int | None = None,
+                 security: ClientSecurity | None = None) -> None:
         self.server = server
+        self.security = security or ClientSecurity(insecure=True)
         self.client_ids = client_ids
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -90,7 +71,7 @@ class ClientProcess:
     # ------------------------------------------------------------------ connection
 
     def _connect(self) -> None:
-        self.channel = grpc.insecure_channel(self.server, options=[
+        self.channel = self.security.channel(self.server, options=[
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
@@ -113,7 +94,7 @@ class ClientProcess:
         try:
             return self.stub.Join(request, timeout=60)
         except grpc.RpcError as error:
-            raise ClientError(f"join refused: {error.details()}") from error
+            raise ClientError(f"join refused ({error.code().name}): {error.details()}") from error
 
     def _heartbeats(self, interval: float) -> None:
         while not self._stop.wait(interval):

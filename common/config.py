@@ -102,7 +102,7 @@ class ServerConfig:
     evaluation_timeout: float = 3600.0  # the final evaluation (every client fine-tunes) closes after this
     heartbeat_timeout: float = 60.0  # a process silent this long is considered gone
     chunk_bytes: int = 1 << 20
-    max_message_bytes: int = 1 << 33  # largest tensor payload one result may declare
+    call_timeout: float = 900.0     # longest deadline a task or result stream may ask for
 
 
 @dataclass
@@ -221,7 +221,7 @@ def _validate(config: RunConfig) -> None:
         (config.evaluate.global_every >= 0, "evaluate.global_every must be >= 0"),
         (config.server.chunk_bytes >= 1024, "server.chunk_bytes must be at least 1024"),
         (min(config.server.round_timeout, config.server.join_timeout, config.server.evaluation_timeout,
-             config.server.heartbeat_timeout) > 0, "server timeouts must be positive"),
+             config.server.heartbeat_timeout, config.server.call_timeout) > 0, "server timeouts must be positive"),
     ]
     sampling = config.sampling
     checks.append((0 < sampling.fraction <= 1, "sampling.fraction must be in (0, 1]"))

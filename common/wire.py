@@ -185,7 +185,7 @@ class TensorAssembler:
         self._expected = [spec_nbytes(spec) for spec in self.specs]
         if max_total_bytes is not None and sum(self._expected) > max_total_bytes:
             raise WireError(f"message declares {sum(self._expected)} tensor bytes, more than the {max_total_bytes} allowed")
-        self._buffers = [bytearray(n) for n in self._expected]
+        self._buffers: list[bytearray | None] = [None] * len(self.specs)  # allocated by the first piece
         self._filled = [0] * len(self.specs)
 
     def add(self, pieces: Iterable[pb.TensorPiece]) -> None:
@@ -198,6 +198,8 @@ class TensorAssembler:
             if end > self._expected[piece.index]:
                 spec = self.specs[piece.index]
                 raise WireError(f"tensor {spec.name!r}: more bytes than its dtype {spec.dtype} and shape {list(spec.shape)} hold")
+            if self._buffers[piece.index] is None:
+                self._buffers[piece.index] = bytearray(self._expected[piece.index])
             self._buffers[piece.index][start:end] = piece.data
             self._filled[piece.index] = end
 

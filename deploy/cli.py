@@ -1,4 +1,5 @@
-"""The ``fedpart`` command: ``server``, ``client`` and ``run`` (all processes on this machine)."""
+"""The ``fedpart`` command: ``server``, ``client``, ``run`` (all processes on this machine) and
+``certs`` (TLS certificates and client-process tokens for a run)."""
 
 from __future__ import annotations
 
@@ -32,21 +33,30 @@ def default_out_dir(name: str) -> str:
 
 
 def _server(args: argparse.Namespace) -> int:
+    from fedpart.common.security import ServerSecurity
+
+    config = load_config(resolve_config_path(args.config), args.set)
+    security = ServerSecurity.from_files(args.address, args.tls_cert, args.tls_key, args.client_ca,
+                                         args.credentials, args.insecure)
     import torch
 
     from fedpart.server.main import main_server
 
     torch.set_num_threads(args.threads)
-    config = load_config(resolve_config_path(args.config), args.set)
-    return main_server(config, args.address, args.out or default_out_dir(config.name))
+    return main_server(config, args.address, args.out or default_out_dir(config.name), security)
 
 
 def _client(args: argparse.Namespace) -> int:
-    from fedpart.client.runtime import ClientError, ClientProcess, parse_client_ids
+    from fedpart.common.security import ClientSecurity, parse_id_ranges
+
+    security = ClientSecurity.from_options(args.server, args.ca, args.server_name, args.token_file,
+                                           args.cert, args.key, args.insecure)
+    from fedpart.client.runtime import ClientError, ClientProcess
 
     try:
-        process = ClientProcess(args.server, parse_client_ids(args.clients), device=args.device,
-                                data_root=args.data_root, state_dir=args.state_dir, threads=args.threads)
+        process = ClientProcess(args.server, parse_id_ranges(args.clients), device=args.device,
+                                data_root=args.data_root, state_dir=args.state_dir, threads=args.threads,
+                                security=security)
         return process.run()
     except (ClientError, OSError, ValueError, ImportError, TypeError) as error:
         print(f"fedpart client: error: {error}", file=sys.stderr, flush=True)
@@ -61,6 +71,14 @@ def _run(args: argparse.Namespace) -> int:
     return run_local(path, args.set, config, args.out or default_out_dir(config.name))
 
 
+def _certs(args: argparse.Namespace) -> int:
+    from fedpart.deploy.certs import write_run_credentials
+
+    written = write_run_credentials(Path(args.out), args.server_names.split(","), args.clients, args.processes)
+    print(f"wrote {len(written)} files to {args.out}: {', '.join(p.name for p in written)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedpart", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     server.add_argument("--threads", type=int, default=1,
                         help="torch threads for aggregation (default 1: leaves the cores to co-located clients)")
+    server.add_argument("--tls-cert", help="server certificate (PEM); with --tls-key turns TLS on")
+    server.add_argument("--tls-key", help="server private key (PEM)")
+    server.add_argument("--client-ca", help="mutual TLS: client certificates must chain to this CA (PEM)")
+    server.add_argument("--credentials", help="YAML naming the client processes admitted and their client ids")
+    server.add_argument("--insecure", action="store_true",
+                        help="plaintext without client authentication (needed off loopback without TLS)")
     server.set_defaults(handler=_server)
 
     client = commands.add_parser("client", help="run a client process hosting one or more clients")
@@ -81,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--data-root", help="local data root (default: the config's data.root)")
     client.add_argument("--state-dir", default="fedpart-state", help="where personal parts and models stay")
     client.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    client.add_argument("--ca", help="CA certificate that signed the server's (PEM; default: system roots)")
+    client.add_argument("--server-name", help="name to expect in the server certificate (default: the host)")
+    client.add_argument("--token-file", help="file holding this process's token (or set FEDPART_TOKEN)")
+    client.add_argument("--cert", help="client certificate for mutual TLS (PEM)")
+    client.add_argument("--key", help="client private key for mutual TLS (PEM)")
+    client.add_argument("--insecure", action="store_true", help="plaintext, no TLS (the server must allow it)")
     client.set_defaults(handler=_client)
 
     run = commands.add_parser("run", help="run server and client processes on this machine")
@@ -88,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="run directory (default runs/<name>-<time>)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     run.set_defaults(handler=_run)
+
+    certs = commands.add_parser("certs", help="make a CA, server certificate, client certificates and tokens")
+    certs.add_argument("--out", required=True, help="directory to write (must not hold earlier credentials)")
+    certs.add_argument("--server-names", required=True,
+                       help="host names and IP addresses clients use for the server, comma-separated")
+    certs.add_argument("--clients", type=int, required=True, help="number of client ids of the run")
+    certs.add_argument("--processes", type=int, required=True, help="client processes to make credentials for")
+    certs.set_defaults(handler=_certs)
     return parser
 
 

@@ -1,9 +1,11 @@
 """``fedpart run``: one server and ``processes`` client processes on 127.0.0.1.
 
-The server listens on a free port and announces it on its first output line; the launcher reads
-that line (bounded wait), starts the clients with an even share of the client ids and of the CPU
-cores, forwards the server's output, and stops every process it started by PID. Any failed
-process makes the whole run fail.
+The launcher makes throw-away credentials for the run (``fedpart certs`` into a private temporary
+directory, removed afterwards), so the local run uses TLS and per-process tokens like a deployed
+one. The server listens on a free port and announces it on its first output line; the launcher
+reads that line (bounded wait), starts the clients with an even share of the client ids and of
+the CPU cores, forwards the server's output, and stops every process it started by PID. Any
+failed process makes the whole run fail.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -67,11 +70,22 @@ def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_di
     """Run the experiment locally; returns 0 when server and every client succeeded."""
     signal.signal(signal.SIGTERM, _terminated)
     out = Path(out_dir)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fedpart-credentials-") as secrets:
+        return _launch(config_path, overrides, config, out, Path(secrets))
+
+
+def _launch(config_path: Path, overrides: list[str], config: RunConfig, out: Path, secrets: Path) -> int:
+    from fedpart.deploy.certs import write_run_credentials
+
     logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    ranges = split_clients(config.clients, config.processes)
+    write_run_credentials(secrets, ["127.0.0.1", "localhost"], config.clients, len(ranges))
     sets = [a for o in overrides for a in ("--set", o)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    server = subprocess.Popen(_cli("server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out), *sets),
+    server = subprocess.Popen(_cli("server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out), *sets,
+                                   "--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),
+                                   "--credentials", str(secrets / "credentials.yaml")),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(server.stdout, lines), daemon=True).start()
@@ -82,7 +96,6 @@ def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_di
         if address is None:
             print("fedpart run: the server did not start", file=sys.stderr)
             return 1
-        ranges = split_clients(config.clients, config.processes)
         threads = max(1, (os.cpu_count() or 1) // len(ranges))
         for index, ids in enumerate(ranges):
             log_path = logs / f"client_{index}.log"
@@ -90,7 +103,8 @@ def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_di
             with log_path.open("w") as log:
                 clients.append(subprocess.Popen(
                     _cli("client", "--server", address, "--clients", ids, "--threads", str(threads),
-                         "--state-dir", str(out / "state" / f"process_{index}")),
+                         "--state-dir", str(out / "state" / f"process_{index}"), "--ca", str(secrets / "ca.pem"),
+                         "--token-file", str(secrets / f"process_{index}.token")),
                     stdout=log, stderr=subprocess.STDOUT, env=env))
         return _follow(server, lines, clients, client_logs)
     except KeyboardInterrupt:

@@ -22,6 +22,7 @@ class ByteLedger:
         self._by_round: dict[tuple[int, str, str], int] = defaultdict(int)
         self._by_client: dict[tuple[int, str, str], int] = defaultdict(int)
         self._overall: dict[tuple[str, str], int] = defaultdict(int)
+        self.refused_bytes = 0  # serialized bytes of results the server refused (not traffic of any round)
 
     def add(self, round_number: int, client: int, direction: str, by_part: Mapping[str, int]) -> None:
         with self._lock:
@@ -31,6 +32,11 @@ class ByteLedger:
                     self._by_round[(round_number, direction, part)] += count
                     self._by_client[(client, direction, part)] += count
                     self._overall[(direction, part)] += count
+
+    def refuse(self, count: int) -> None:
+        """Count the bytes of a refused result apart from accepted traffic."""
+        with self._lock:
+            self.refused_bytes += count
 
     def by_part(self, round_number: int | None = None, client: int | None = None) -> dict[str, dict[str, int]]:
         """``{part: {"down": n, "up": n}}`` for one round and/or client (all when None)."""

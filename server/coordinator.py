@@ -21,6 +21,7 @@ import torch
 
 from fedpart.common.algorithms import Algorithm, Role, RoundContext, build_algorithm, learning_rate
 from fedpart.common.config import RunConfig
+from fedpart.common.security import Principal
 from fedpart.common.experiment import build_run_model
 from fedpart.common.split_model import SplitModel, tensor_part
 from fedpart.common.wire import named_specs
@@ -32,6 +33,15 @@ from fedpart.server.sampling import sample_clients
 
 class Rejected(Exception):
     """A call the coordinator refuses; the message says why (sent back as the gRPC status)."""
+
+
+class Denied(Rejected):
+    """A call whose credential does not cover what it asks for (PERMISSION_DENIED)."""
+
+
+# Bounds on what a result header may carry besides its tensor specs.
+MAX_METRICS = 64
+MAX_METRIC_NAME = 64
 
 
 @dataclass
@@ -46,6 +56,12 @@ class Task:
     train: pb.TrainPlan | None = None
     evaluate: pb.EvalPlan | None = None
     personal_init: tuple[str, ...] = ()
+
+    def uploads(self) -> list[str]:
+        """Names of the tensors its result must carry."""
+        if self.train is None:
+            return []
+        return [*self.train.upload_deltas, *self.train.upload_values]
 
 
 @dataclass
@@ -62,6 +78,8 @@ class ProcessState:
     ready: bool = False     # has loaded its data and asked for work
     polling: int = 0        # open long polls: the process is alive while it waits for work
     instance: str = ""
+    principal: Principal | None = None  # the credential it joined with (None: open server)
+    poll_generation: int = 0  # a new long poll supersedes an older one still waiting
 
 
 @dataclass
@@ -101,13 +119,19 @@ class Coordinator:
         self._evaluations: dict[int, dict[str, float]] = {}
         self._failures: list[str] = []
         self._left: list[str] = []  # processes that said why they stopped
+        self._train_samples: dict[int, int] = {}  # last training sample count each client reported
         self.done = False
         self.round_plan(1, 0)  # a schedule that does not fit the model fails now, not in round 1
 
     # ------------------------------------------------------------------ service-side calls
 
-    def join(self, request: pb.JoinRequest) -> pb.JoinReply:
-        """Register a client process and the clients it hosts."""
+    def join(self, request: pb.JoinRequest, principal: Principal | None = None) -> pb.JoinReply:
+        """Register a client process and the clients it hosts.
+
+        With credentials, a process may host only the ids its credential names, and a join
+        replaces a live session only when that session joined with the same credential (the
+        process restarted); without them (an open server) the ``instance`` string decides.
+        """
         if request.protocol != 1:
             raise Rejected(f"protocol version {request.protocol} is not supported (server speaks 1)")
         ids = [c.id for c in request.clients]
@@ -118,18 +142,21 @@ class Coordinator:
         bad = [i for i in ids if i >= self.config.clients]
         if bad:
             raise Rejected(f"client ids {bad} out of range: the run has clients 0..{self.config.clients - 1}")
+        if principal is not None and not set(ids) <= principal.clients:
+            raise Denied(f"credential {principal.name!r} may not host clients "
+                         f"{_id_ranges(sorted(set(ids) - principal.clients))}")
+        name = printable(request.process_name)
         with self._cond:
             if self.done:
                 raise Rejected("the run is over")
             self._reap_silent()
-            replaced = [p for p in self._processes.values()
-                        if p.alive and request.instance and p.instance == request.instance]
+            replaced = [p for p in self._processes.values() if p.alive and _same_process(p, request, principal)]
             taken = [i for i in ids if i in self._host and self._processes[self._host[i]].alive
                      and self._processes[self._host[i]] not in replaced]
             if taken:
                 raise Rejected(f"clients {taken} are already hosted by another live process")
             session = uuid.uuid4().hex
-            process = ProcessState(session, request.process_name, ids, time.monotonic(), instance=request.instance)
+            process = ProcessState(session, name, ids, time.monotonic(), instance=request.instance, principal=principal)
             for old in replaced:
                 self._take_over(old, process)
             self._processes[session] = process
@@ -138,51 +165,58 @@ class Coordinator:
                 if request.state_run_id == self.run_id:
                     self._personal[hosted.id] = set(hosted.personal_parts)
             self._cond.notify_all()
-        self.log(f"joined: {request.process_name} hosts clients {_id_ranges(ids)}")
+        self.log(f"joined: {name} hosts clients {_id_ranges(ids)}")
         return pb.JoinReply(session=session, run_config_json=self.config.to_json(), run_id=self.run_id)
 
-    def leave(self, session: str, reason: str) -> None:
+    def leave(self, session: str, reason: str, principal: Principal | None = None) -> None:
         """A process that cannot go on: its clients become unavailable and the reason is kept."""
+        reason = printable(reason)
         with self._cond:
-            process = self._processes.get(session)
-            if process is None or not process.alive:
+            process = self._session(session, principal)
+            if process is None:
                 return
             process.alive = False
             self._left.append(f"process {process.name} (clients {_id_ranges(process.clients)}) left: {reason}")
             self._cond.notify_all()
         self.log(f"error: client process {process.name} left: {reason}")
 
-    def heartbeat(self, session: str) -> bool:
+    def heartbeat(self, session: str, principal: Principal | None = None) -> bool:
         with self._cond:
-            process = self._processes.get(session)
-            if process is None or not process.alive:
+            process = self._session(session, principal)
+            if process is None:
                 return False
             process.last_seen = time.monotonic()
             return True
 
-    def next_task(self, session: str, wait_seconds: float) -> Task | None:
+    def next_task(self, session: str, wait_seconds: float, principal: Principal | None = None) -> Task | None:
         """Block up to ``wait_seconds`` for this process's next task; None means poll again.
 
-        Raises :class:`Rejected` for an unknown session and returns a DONE task at the end.
+        Raises :class:`Rejected` for an unknown session and returns a DONE task at the end. A
+        process has one waiting poll at most: a newer poll makes an older one return at once.
         """
         deadline = time.monotonic() + max(0.0, min(wait_seconds, 60.0))
         with self._cond:
-            process = self._processes.get(session)
-            if process is not None:
-                process.polling += 1
+            process = self._session(session, principal)
+            if process is None:
+                raise Rejected("unknown or expired session: join again")
+            process.polling += 1
+            process.poll_generation += 1
+            self._cond.notify_all()
             try:
-                return self._wait_for_task(session, deadline)
+                return self._wait_for_task(session, deadline, process.poll_generation)
             finally:
                 if process is not None:
                     process.polling -= 1
                     process.last_seen = time.monotonic()
 
-    def _wait_for_task(self, session: str, deadline: float) -> Task | None:
+    def _wait_for_task(self, session: str, deadline: float, generation: int) -> Task | None:
         """The body of :meth:`next_task` (holds the lock)."""
         while True:
             process = self._processes.get(session)
             if process is None or not process.alive:
                 raise Rejected("unknown or expired session: join again")
+            if process.poll_generation != generation:
+                return None
             process.last_seen = time.monotonic()
             if not process.ready:
                 process.ready = True
@@ -212,39 +246,55 @@ class Coordinator:
             specs = named_specs(state, self.versions)
         return specs, list(state.values())
 
-    def expected_uploads(self, task_id: int, session: str, header: pb.ResultHeader) -> Task:
+    def result_task(self, header: pb.ResultHeader, principal: Principal | None = None) -> Task:
         """The outstanding task a result header answers; raises Rejected if it answers none."""
+        task_id = header.task_id
         with self._cond:
+            process = self._session(header.session, principal)
             task = self._outstanding.get(task_id)
-            if task is None or task.session != session:
+            if process is None or task is None or task.session != header.session:
                 raise Rejected(f"task {task_id} is not outstanding for this process (late or unknown)")
             if header.client_id != task.client_id or header.round != task.round:
                 raise Rejected(f"result names client {header.client_id} round {header.round}, "
                                f"task {task_id} is client {task.client_id} round {task.round}")
-            return task
+        return task
 
-    def accept(self, task: Task, header: pb.ResultHeader, tensors: dict[str, torch.Tensor]) -> None:
-        """Validate a complete result and fold it in; raises Rejected and changes nothing if bad."""
+    def check_declared(self, task: Task, header: pb.ResultHeader) -> None:
+        """Before any tensor byte is read: the header must declare exactly the tensors (names,
+        dtypes, shapes) the task asked for, and bounded metrics. Raises Rejected otherwise."""
+        if len(header.metrics) > MAX_METRICS or any(len(k) > MAX_METRIC_NAME for k in header.metrics):
+            raise Rejected(f"a result carries at most {MAX_METRICS} metrics with names of at most "
+                           f"{MAX_METRIC_NAME} characters")
+        expected = named_specs({n: self.global_state[n] for n in task.uploads()})
+        declared = {spec.name: spec for spec in header.tensors}
+        if len(declared) != len(header.tensors) or set(declared) != {s.name for s in expected}:
+            raise Rejected(f"uploaded tensors {sorted(printable(n) for n in declared)} differ from the "
+                           f"expected {sorted(s.name for s in expected)}")
+        for spec in expected:
+            got = declared[spec.name]
+            if got.dtype != spec.dtype or list(got.shape) != list(spec.shape):
+                raise Rejected(f"tensor {spec.name!r}: got {_torch_dtype_name(got.dtype)} {list(got.shape)}, "
+                               f"expected {_torch_dtype_name(spec.dtype)} {list(spec.shape)}")
+
+    def accept(self, task: Task, header: pb.ResultHeader, tensors: dict[str, torch.Tensor],
+               commit: Callable[[], None] = lambda: None) -> None:
+        """Validate a complete result and fold it in; raises Rejected and changes nothing if bad.
+        ``commit`` (the result's byte accounting) runs just before the task is closed."""
         metrics = dict(header.metrics)
-        bad_metrics = [k for k, v in metrics.items() if not math.isfinite(v)]
+        bad_metrics = [printable(k) for k, v in metrics.items() if not math.isfinite(v)]
         if bad_metrics:
             raise Rejected(f"non-finite metrics {bad_metrics}")
         if task.kind == pb.EVALUATE:
-            if tensors:
-                raise Rejected("an evaluation result carries no tensors")
+            with self._cond:
+                trained_samples = self._train_samples.get(task.client_id)
+            check_evaluation(metrics, task.evaluate, trained_samples)
             with self._cond:
                 self._check_current(task)
                 self._evaluations[task.client_id] = metrics
+                commit()
                 self._finish(task)
             return
-        expected = set(task.train.upload_deltas) | set(task.train.upload_values)
-        if set(tensors) != expected:
-            raise Rejected(f"uploaded tensors {sorted(tensors)} differ from the expected {sorted(expected)}")
-        for name, tensor in tensors.items():
-            reference = self.global_state[name]
-            if tensor.dtype != reference.dtype or tensor.shape != reference.shape:
-                raise Rejected(f"tensor {name!r}: got {tensor.dtype} {list(tensor.shape)}, "
-                               f"expected {reference.dtype} {list(reference.shape)}")
+        for name, tensor in tensors.items():  # names, dtypes and shapes passed check_declared
             if tensor.is_floating_point() and not _all_finite(tensor):
                 raise Rejected(f"tensor {name!r} holds NaN or infinite values")
         if header.num_samples == 0 and expected:
@@ -263,10 +313,13 @@ class Coordinator:
             with self._cond:
                 results.metrics[task.client_id] = metrics
                 results.samples[task.client_id] = int(header.num_samples)
+                self._train_samples[task.client_id] = int(header.num_samples)
+                commit()
                 self._finish(task)
 
     def fail_task(self, task: Task, reason: str) -> None:
         """Drop a task whose delivery or result failed; the round goes on without it."""
+        reason = printable(reason, 500)
         with self._cond:
             if self._outstanding.pop(task.task_id, None) is not None:
                 self._failures.append(f"round {task.round} client {task.client_id}: {reason}")
@@ -274,6 +327,13 @@ class Coordinator:
         self.log(f"warning: round {task.round} client {task.client_id} dropped: {reason}")
 
     # ------------------------------------------------------------------ helpers (hold the lock)
+
+    def _session(self, session: str, principal: Principal | None) -> ProcessState | None:
+        """The live process of ``session``, if the caller holds the credential it joined with."""
+        process = self._processes.get(session)
+        if process is None or not process.alive or process.principal != principal:
+            return None
+        return process
 
     def _check_current(self, task: Task) -> None:
         if task.task_id not in self._outstanding:
@@ -522,3 +582,45 @@ def _id_ranges(ids: list[int]) -> str:
             start = prev = i
     return ",".join(parts)
 
+
+
+def _torch_dtype_name(wire_name: str) -> str:
+    return f"torch.{printable(wire_name, 20)}"
+
+
+def _same_process(process: ProcessState, request: pb.JoinRequest, principal: Principal | None) -> bool:
+    """Whether a join comes from a restart of ``process``: the same credential and overlapping
+    client ids; on an open server (no credentials), the same ``instance`` string."""
+    if principal is not None:
+        return process.principal == principal and bool(set(process.clients) & {c.id for c in request.clients})
+    return bool(request.instance) and process.principal is None and process.instance == request.instance
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """A client-supplied string made safe for one log line: control characters (newlines
+    included) escaped, length capped."""
+    escaped = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return escaped + ("..." if len(text) > limit else "")
+
+
+def check_evaluation(metrics: Mapping[str, float], plan: pb.EvalPlan, trained_samples: int | None) -> None:
+    """An evaluation report must carry the keys its plan implies, accuracies in [0, 1], whole
+    non-negative sample counts, and the training sample count the client reported in training."""
+    missing = [k for k in ("train_samples", "test_samples") if k not in metrics]
+    if missing:
+        raise Rejected(f"evaluation result lacks {missing}")
+    for key in ("train_samples", "test_samples"):
+        value = metrics[key]
+        if value < 0 or value != int(value):
+            raise Rejected(f"evaluation result: {key} = {value} is not a whole number of samples")
+    if trained_samples is not None and metrics["train_samples"] != trained_samples:
+        raise Rejected(f"evaluation result: train_samples = {metrics['train_samples']:.0f}, but the client "
+                       f"trained on {trained_samples}")
+    if metrics["test_samples"] > 0:
+        wanted = ["initial_loss"] + [f"finetune_{e}_loss" for e in plan.finetune_epochs]
+        absent = [k for k in wanted if k not in metrics]
+        if absent:
+            raise Rejected(f"evaluation result lacks {absent}")
+    for key, value in metrics.items():
+        if key.endswith("_acc") and not 0.0 <= value <= 1.0:
+            raise Rejected(f"evaluation result: {printable(key)} = {value} is not an accuracy in [0, 1]")

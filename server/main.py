@@ -10,7 +10,9 @@ from pathlib import Path
 import grpc
 
 from fedpart.common.config import RunConfig
+from fedpart.common.security import ServerSecurity
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
+from fedpart.server.auth import CallGuard, Principals, TokenGate
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.global_eval import GlobalEvaluator, has_global_model
 from fedpart.server.report import RunDirectory, build_summary, format_round, format_table
@@ -24,27 +26,40 @@ def _log(message: str) -> None:
     print(message, flush=True)
 
 
-def start_grpc(coordinator: Coordinator, address: str) -> tuple[grpc.Server, str]:
-    """Start the gRPC server; returns it and the address it is listening on (port 0 = free port)."""
+def start_grpc(coordinator: Coordinator, address: str,
+               security: ServerSecurity | None = None) -> tuple[grpc.Server, str]:
+    """Start the gRPC server; returns it and the address it is listening on (port 0 = free port).
+
+    Calls beyond the worker count are refused at once (RESOURCE_EXHAUSTED) instead of queueing,
+    and with credentials each client process may hold only a few calls at a time.
+    """
+    security = security or ServerSecurity()
+    principals = Principals(security.principals) if security.principals is not None else None
     workers = min(512, 2 * coordinator.config.clients + 16)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=[
+    interceptors = [TokenGate(principals, security.client_ca is not None)] if principals else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=interceptors,
+                         maximum_concurrent_rpcs=workers, options=[
         ("grpc.so_reuseport", 0),
         # clients ping every 30 s to keep NAT mappings alive while they train for minutes
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 0),
     ])
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator), server)
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator, CallGuard(principals, security.client_ca is not None)), server)
     host, _, port = address.rpartition(":")
-    bound = server.add_insecure_port(address)
+    if security.tls:
+        bound = server.add_secure_port(address, security.grpc_credentials())
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {address}")
     server.start()
     return server, f"{host}:{bound}"
 
 
-def serve(config: RunConfig, address: str, out_dir: str | Path) -> int:
+def serve(config: RunConfig, address: str, out_dir: str | Path, security: ServerSecurity | None = None) -> int:
     """Run a whole federated experiment as the coordinator; returns the exit code."""
+    security = security or ServerSecurity()
     started = time.monotonic()
     coordinator = Coordinator(config, log=_log)  # builds model and algorithm: bad settings fail here
     evaluator = None
@@ -53,8 +68,9 @@ def serve(config: RunConfig, address: str, out_dir: str | Path) -> int:
     run_dir = RunDirectory(out_dir)
     run_dir.write_config(config)
     run_dir.checkpoint(0, coordinator.global_state)
-    server, bound = start_grpc(coordinator, address)
+    server, bound = start_grpc(coordinator, address, security)
     _log(f"fedpart server listening on {bound} (run {coordinator.run_id}, out {run_dir.path})")
+    _log(f"{'warning: ' if not security.tls else ''}transport: {security.describe()}")
     try:
         _log(f"waiting for {config.clients} clients to be hosted ...")
         coordinator.wait_for_clients()
@@ -88,9 +104,9 @@ def serve(config: RunConfig, address: str, out_dir: str | Path) -> int:
         server.stop(grace=2.0).wait()
 
 
-def main_server(config: RunConfig, address: str, out_dir: str) -> int:
+def main_server(config: RunConfig, address: str, out_dir: str, security: ServerSecurity | None = None) -> int:
     try:
-        return serve(config, address, out_dir)
+        return serve(config, address, out_dir, security)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

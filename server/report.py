@@ -105,7 +105,8 @@ def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
         "bytes": {"down": totals["down"], "up": totals["up"], "by_part": ledger.by_part(),
                   "per_round_mean": {d: statistics.fmean(r[f"bytes_{d}"] for r in rounds) if rounds else 0
                                      for d in ("down", "up")},
-                  "evaluation": ledger.totals(config.rounds + 1)},
+                  "evaluation": ledger.totals(config.rounds + 1),
+                  "refused_up": ledger.refused_bytes},
         "compute": {
             "client_seconds": sum(r["client_compute_seconds"] for r in rounds),
             "train_flops": sum(r["train_flops"] for r in rounds),
