@@ -116,6 +116,11 @@ def _poll(stub, session: str, wait: float = BOUND / 2) -> tuple[pb.TaskHeader, d
             return header, tensors
 
 
+def _ready(stub, session: str) -> None:
+    """One short poll: the process counts as ready for round 1."""
+    decode_chunks(stub.GetTask(pb.TaskRequest(session=session, wait_seconds=0), timeout=BOUND))
+
+
 def _result(session: str, header: pb.TaskHeader, uploads: dict[str, torch.Tensor],
             samples: int = 10, metrics: dict | None = None) -> Iterator[pb.ResultChunk]:
     result = pb.ResultHeader(session=session, task_id=header.task_id, client_id=header.client_id,
@@ -165,7 +170,8 @@ def test_a_stolen_session_is_useless_without_its_credential(secure) -> None:
     harness = secure()
     victim = harness.stub(0)
     session = _join(victim, [0, 1]).session
-    _join(harness.stub(1), [2, 3])
+    other = harness.stub(1)
+    _ready(other, _join(other, [2, 3]).session)
     thief = harness.stub(1)
     harness.start_round()
     header, _ = _poll(victim, session)
@@ -350,7 +356,8 @@ def test_a_newer_poll_releases_the_older_one(secure) -> None:
 def _train_task(harness: SecureHarness):
     stub = harness.stub(0)
     session = _join(stub, [0, 1]).session
-    _join(harness.stub(1), [2, 3])
+    other = harness.stub(1)
+    _ready(other, _join(other, [2, 3]).session)
     harness.start_round()
     header, _ = _poll(stub, session)
     uploads = {n: torch.zeros_like(harness.coordinator.global_state[n]) for n in header.train.upload_deltas}
@@ -388,7 +395,7 @@ def test_junk_chunks_are_refused_and_not_counted_as_traffic(secure) -> None:
 
 def test_an_oversized_message_inside_a_result_always_loses_the_result(secure) -> None:
     for attempt in range(4):
-        harness = secure()
+        harness = secure(server={"round_timeout": 5, "heartbeat_timeout": 30})
         stub, session, header, uploads = _train_task(harness)
         chunks = list(_result(session, header, uploads))
         oversized = pb.ResultChunk()
@@ -415,7 +422,8 @@ def test_evaluation_results_are_validated(secure, metrics, message) -> None:
     harness = secure()
     stub = harness.stub(0)
     session = _join(stub, [0, 1]).session
-    _join(harness.stub(1), [2, 3])
+    other = harness.stub(1)
+    _ready(other, _join(other, [2, 3]).session)
     thread = threading.Thread(target=lambda: (harness.coordinator.wait_for_clients(),
                                               harness.coordinator.evaluate_all()), daemon=True)
     thread.start()
