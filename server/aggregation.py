@@ -1,10 +1,10 @@
 """Order-independent aggregation on the server: the streaming weighted mean and robust aggregators.
 
 The default, :class:`WeightedMean`, folds results into running sums as they arrive, so server
-memory is O(model), not O(clients x model). Each running sum is a double-double (float64 value plus float64 error term,
-Knuth's TwoSum): the products ``weight * delta`` of float32 deltas and integer weights are exact
-in float64 and the compensated sum keeps about 106 bits, so the float32 result does not depend on
-the order in which results arrived: same seed, same numbers.
+memory is O(model), not O(clients x model). Each running sum is a double-double (float64 value
+plus float64 error term, Knuth's TwoSum): the products ``weight * delta`` of float32 deltas and
+integer weights are exact in float64 and the compensated sum keeps about 106 bits, so the float32
+result does not depend on the order in which results arrived: same seed, same numbers.
 
 The robust aggregators :class:`CoordinateMedian` and :class:`CoordinateTrimmedMean` (Yin et al.,
 ICML 2018) must see every value of a coordinate at once, so they hold the round's tensors.

@@ -29,6 +29,8 @@ from conftest import (
 )
 from fedpart.client.local_data import load_client_data
 from fedpart.common.config import ConfigError, config_from_dict
+from fedpart.common.data import load_dataset
+from fedpart.common.partition import make_partition
 from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
@@ -340,6 +342,9 @@ def test_median_and_clip_compose_with_collected_heads(serve):
 
 ATTACKER = 9
 ATTACK_SCALE = 1e6
+# Per-coordinate size of the attacker's base delta: over the mlp's 3,466 parameters a norm of
+# about 0.6, where the honest clients' deltas have norms of 0.7 to 4 in this run.
+PLAUSIBLE_STEP = 0.01
 
 
 def _poisoning_config(robust: dict) -> dict:
@@ -355,8 +360,9 @@ def _attack(address: str, config: dict, errors: list[BaseException]) -> None:
     """Host client 9 and send 1e6 x a plausible delta (seeded noise of an honest update's size)
     every round; answer the final evaluation with counts that match the partition."""
     try:
-        parsed = config_from_dict(config)
-        train_size = partition_train_sizes(parsed)[ATTACKER]
+        dataset = load_dataset("digits", None)
+        split = make_partition(dataset.y_train, dataset.y_test, config["clients"], "iid", config["seed"],
+                               num_classes=dataset.num_classes)[ATTACKER]
         client = RawClient(address, [ATTACKER], name="attacker")
         generator = torch.Generator().manual_seed(1)
         try:
@@ -365,16 +371,16 @@ def _attack(address: str, config: dict, errors: list[BaseException]) -> None:
                 if header.kind == pb.DONE:
                     return
                 if header.kind == pb.TRAIN:
-                    uploads = {n: torch.randn(client.state[n].shape, generator=generator) * 0.01 * ATTACK_SCALE
-                               for n in header.train.upload_deltas}
+                    uploads = {n: torch.randn(client.state[n].shape, generator=generator)
+                               * (PLAUSIBLE_STEP * ATTACK_SCALE) for n in header.train.upload_deltas}
                     try:
-                        client.submit(header, uploads, train_size)
+                        client.submit(header, uploads, len(split.train))
                     except grpc.RpcError as error:  # refused: try again next round
                         if error.code() != grpc.StatusCode.INVALID_ARGUMENT:
                             raise
                 else:
-                    metrics = {"train_samples": train_size, "test_samples": 36, "initial_acc": 0.1,
-                               "initial_loss": 2.3, "finetune_1_acc": 0.1, "finetune_1_loss": 2.3}
+                    metrics = {"train_samples": len(split.train), "test_samples": len(split.test),
+                               "initial_acc": 0.1, "initial_loss": 2.3, "finetune_1_acc": 0.1, "finetune_1_loss": 2.3}
                     client.submit(header, {}, 0, metrics)
         finally:
             client.close()
