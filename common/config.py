@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +107,19 @@ class ServerConfig:
 
 
 @dataclass
+class RobustConfig:
+    """Defences of the aggregation step against poisoned results (``fedpart.server.robust``;
+    median and trimmed mean: Yin et al., ICML 2018)."""
+
+    aggregator: str = "mean"       # "mean" (streaming, train.weighting), "median" or "trimmed_mean"
+    trim_fraction: float = 0.1     # trimmed_mean: fraction cut at each end of every coordinate
+    norm_bound: float = 0.0        # L2 bound on a result's delta over all its delta tensors (0 = off)
+    norm_action: str = "clip"      # a delta over the bound: "clip" (scale it down) or "reject" it
+    max_samples: int = 0           # cap on a result's self-reported sample count (0 = none)
+    partition_sizes: bool = True   # also cap at the client's partition size where the server can compute it
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     seed: int = 0
@@ -119,6 +133,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    robust: RobustConfig = field(default_factory=RobustConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -222,6 +237,16 @@ def _validate(config: RunConfig) -> None:
         (config.server.chunk_bytes >= 1024, "server.chunk_bytes must be at least 1024"),
         (min(config.server.round_timeout, config.server.join_timeout, config.server.evaluation_timeout,
              config.server.heartbeat_timeout, config.server.call_timeout) > 0, "server timeouts must be positive"),
+    ]
+    robust = config.robust
+    checks += [
+        (robust.aggregator in ("mean", "median", "trimmed_mean"),
+         "robust.aggregator must be 'mean', 'median' or 'trimmed_mean'"),
+        (0 <= robust.trim_fraction < 0.5, "robust.trim_fraction must be in [0, 0.5)"),
+        (math.isfinite(robust.norm_bound) and robust.norm_bound >= 0,
+         "robust.norm_bound must be a finite number >= 0 (0 = off)"),
+        (robust.norm_action in ("clip", "reject"), "robust.norm_action must be 'clip' or 'reject'"),
+        (robust.max_samples >= 0, "robust.max_samples must be >= 0 (0 = no cap)"),
     ]
     sampling = config.sampling
     checks.append((0 < sampling.fraction <= 1, "sampling.fraction must be in (0, 1]"))

@@ -27,7 +27,8 @@ from fedpart.common.split_model import SplitModel, tensor_part
 from fedpart.common.wire import named_specs
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.accounting import ByteLedger
-from fedpart.server.aggregation import HeadDictionary, WeightedMean, apply_deltas
+from fedpart.server.aggregation import Aggregator, HeadDictionary
+from fedpart.server.robust import AggregationStep, ResultRefused, RobustCounts
 from fedpart.server.sampling import sample_clients
 
 
@@ -86,9 +87,10 @@ class ProcessState:
 class RoundResults:
     """What one round has collected so far."""
 
-    deltas: WeightedMean = field(default_factory=WeightedMean)
+    deltas: Aggregator
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     samples: dict[int, int] = field(default_factory=dict)
+    robust: RobustCounts = field(default_factory=RobustCounts)
 
 
 class Coordinator:
@@ -106,6 +108,7 @@ class Coordinator:
         self.run_id = uuid.uuid4().hex[:12]
         self.ledger = ByteLedger()
         self.heads = HeadDictionary()
+        self.aggregation = AggregationStep(config, log)
 
         self._cond = threading.Condition()
         self._fold_lock = threading.Lock()  # taken before _cond, never inside it
@@ -297,25 +300,35 @@ class Coordinator:
         for name, tensor in tensors.items():  # names, dtypes and shapes passed check_declared
             if tensor.is_floating_point() and not _all_finite(tensor):
                 raise Rejected(f"tensor {name!r} holds NaN or infinite values")
-        if header.num_samples == 0 and expected:
+        if header.num_samples == 0 and task.uploads():
             raise Rejected("a result with uploads must report at least one training sample")
-        weight = float(header.num_samples) if self.config.train.weighting == "samples" else 1.0
-        deltas = {n: tensors[n] for n in task.train.upload_deltas}
         values = {n: tensors[n] for n in task.train.upload_values}
+        try:
+            screened = self.aggregation.screen(task.client_id, {n: tensors[n] for n in task.train.upload_deltas},
+                                               int(header.num_samples))
+        except ResultRefused as error:
+            with self._cond:
+                if self._results is not None and task.task_id in self._outstanding:
+                    self._results.robust.rejected += 1
+            raise Rejected(str(error)) from error
         with self._fold_lock:  # folds run outside the task-queue lock, one at a time
             with self._cond:
                 self._check_current(task)
                 results = self._results
-            if deltas:
-                results.deltas.add(deltas, weight)
+            if screened.deltas:
+                results.deltas.add(screened.deltas, screened.weight)
             if values:
-                self.heads.store(task.client_id, values, weight)
+                self.heads.store(task.client_id, values, screened.weight)
             with self._cond:
                 results.metrics[task.client_id] = metrics
-                results.samples[task.client_id] = int(header.num_samples)
+                results.samples[task.client_id] = screened.samples
+                results.robust.clipped += screened.clipped
+                results.robust.samples_capped += screened.samples_capped
                 self._train_samples[task.client_id] = int(header.num_samples)
                 commit()
                 self._finish(task)
+        for note in screened.notes:
+            self.log(f"warning: round {task.round} client {task.client_id}: {note}")
 
     def fail_task(self, task: Task, reason: str) -> None:
         """Drop a task whose delivery or result failed; the round goes on without it."""
@@ -461,7 +474,7 @@ class Coordinator:
                                  sampling.fraction, sampling.probability)
         with self._cond:
             self._round = round_number
-            self._results = RoundResults()
+            self._results = RoundResults(self.aggregation.new_aggregator())
             tasks = [Task(task_id=next(self._task_ids), kind=pb.TRAIN, round=round_number, client_id=c,
                           session=self._host[c], train=self.round_plan(round_number, c),
                           personal_init=self._personal_init(c))
@@ -470,10 +483,16 @@ class Coordinator:
         with self._fold_lock, self._cond:
             results = self._results
             self._results = None
-        updated = apply_deltas(self.global_state, results.deltas.means(), self.config.train.server_lr)
-        if self.algorithm.head is Role.COLLECTED and len(self.heads):
-            updated.update({n: v.to(self.global_state[n].dtype) for n, v in self.heads.mean().items()})
+        heads = self.heads if self.algorithm.head is Role.COLLECTED else None
+        updated = self.aggregation.new_global(self.global_state, results.deltas, heads)
+        results.robust.non_finite = sorted(name for name, tensor in updated.items() if not _all_finite(tensor))
+        refusals = []
+        for name in results.robust.non_finite:  # never installed: the previous value stays
+            del updated[name]
+            refusals.append(f"round {round_number}: the aggregated {name!r} is not finite; its previous value is kept")
+            self.log(f"error: {refusals[-1]}")
         with self._cond:
+            self._failures.extend(refusals)
             for name, tensor in updated.items():
                 if not torch.equal(tensor, self.global_state[name]):
                     self.versions[name] = round_number
@@ -511,6 +530,7 @@ class Coordinator:
             "bytes_down": totals["down"],
             "bytes_up": totals["up"],
             "bytes_by_part": self.ledger.by_part(round_number),
+            "robust": results.robust.as_dict(),
         }
 
     def evaluate_all(self) -> dict[int, dict[str, float]]:

@@ -1,4 +1,5 @@
-"""Streaming aggregation: weighted per-tensor means, order independence, server step, FedHA heads."""
+"""Aggregation: weighted per-tensor means, coordinate-wise median and trimmed mean, order
+independence, server step, FedHA heads."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedpart.server.aggregation import CompensatedSum, HeadDictionary, WeightedMean, apply_deltas
+from fedpart.server.aggregation import (
+    CompensatedSum,
+    CoordinateMedian,
+    CoordinateTrimmedMean,
+    HeadDictionary,
+    WeightedMean,
+    apply_deltas,
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -20,7 +28,7 @@ def test_weighted_mean_by_hand():
     mean.add({"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([10.0])}, 1)
     mean.add({"w": torch.tensor([3.0, 6.0]), "b": torch.tensor([-2.0])}, 3)
     mean.add({"w": torch.tensor([0.5, 0.0]), "b": torch.tensor([4.0])}, 4)
-    got = mean.means()
+    got = mean.result()
     assert set(got) == {"w", "b"}
     # w: (1*[1,2] + 3*[3,6] + 4*[0.5,0]) / 8 = [12/8, 20/8]
     assert got["w"].dtype == torch.float64
@@ -35,7 +43,7 @@ def test_per_tensor_mean_over_the_clients_that_sent_it():
     mean.add({"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([10.0])}, 1)
     mean.add({"w": torch.tensor([3.0, 6.0])}, 3)            # no "b"
     mean.add({"b": torch.tensor([20.0]), "c": torch.full((2, 2), 7.0)}, 2)  # no "w"
-    got = mean.means()
+    got = mean.result()
     assert torch.equal(got["w"], torch.tensor([2.5, 5.0], dtype=torch.float64))        # weights 1+3
     assert got["b"].item() == pytest.approx(50.0 / 3.0, rel=1e-15)                     # weights 1+2
     assert torch.equal(got["c"], torch.full((2, 2), 7.0, dtype=torch.float64))         # weight 2 only
@@ -46,7 +54,7 @@ def test_uniform_weights_give_plain_average():
     mean = WeightedMean()
     for value in (1.0, 2.0, 6.0):
         mean.add({"x": torch.tensor([value])}, 1.0)
-    assert mean.means()["x"].item() == 3.0
+    assert mean.result()["x"].item() == 3.0
 
 
 @pytest.mark.parametrize("weight", [0, 0.0, -1, -3.5])
@@ -56,7 +64,7 @@ def test_non_positive_weight_rejected(weight):
     with pytest.raises(ValueError):
         mean.add({"x": torch.ones(2)}, weight)
     # The rejected result left no trace.
-    assert torch.equal(mean.means()["x"], torch.ones(2, dtype=torch.float64))
+    assert torch.equal(mean.result()["x"], torch.ones(2, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("weight", [float("nan"), float("inf")])
@@ -100,7 +108,7 @@ def test_fold_order_does_not_change_the_result():
         mean = WeightedMean()
         for client in order:
             mean.add(deltas[client], weights[client])
-        means.append(mean.means())
+        means.append(mean.result())
         results.append(apply_deltas(old, means[-1], 1.0))
     for result in results[1:]:
         for name in old:
@@ -149,13 +157,13 @@ def test_head_dictionary_latest_copy_per_client_weighted():
     heads.store(1, source, 1)
     source["head.weight"].fill_(100.0)  # stored copies are independent of the caller's tensors
     heads.store(2, {"head.weight": torch.tensor([3.0, 3.0]), "head.bias": torch.tensor([4.0])}, 1)
-    mean = heads.mean()
+    mean = heads.combine(WeightedMean())
     assert torch.equal(mean["head.weight"], torch.tensor([2.0, 2.0], dtype=torch.float64))
     assert torch.equal(mean["head.bias"], torch.tensor([2.0], dtype=torch.float64))
     # Client 1 uploads again: its old copy is replaced, not added.
     heads.store(1, {"head.weight": torch.tensor([5.0, 5.0]), "head.bias": torch.tensor([8.0])}, 3)
     assert len(heads) == 2
-    mean = heads.mean()
+    mean = heads.combine(WeightedMean())
     assert torch.equal(mean["head.weight"], torch.tensor([4.5, 4.5], dtype=torch.float64))  # (15 + 3) / 4
     assert torch.equal(mean["head.bias"], torch.tensor([7.0], dtype=torch.float64))         # (24 + 4) / 4
 
@@ -168,12 +176,12 @@ def test_head_dictionary_mean_independent_of_store_order():
         heads = HeadDictionary()
         for index in order:
             heads.store(*entries[index])
-        means.append(heads.mean()["head.weight"])
+        means.append(heads.combine(WeightedMean())["head.weight"])
     assert torch.equal(means[0], means[1])
 
 
 def test_head_dictionary_empty_mean():
-    assert HeadDictionary().mean() == {}
+    assert HeadDictionary().combine(WeightedMean()) == {}
 
 
 def test_head_dictionary_non_positive_weight_fails_at_mean():
@@ -184,7 +192,7 @@ def test_head_dictionary_non_positive_weight_fails_at_mean():
     except ValueError:
         return  # rejected at store time (preferred)
     with pytest.raises(ValueError):
-        heads.mean()
+        heads.combine(WeightedMean())
 
 
 @pytest.mark.parametrize("weight", [0, -2.0])
@@ -201,5 +209,74 @@ def test_weights_are_exact_for_large_sample_counts():
     mean = WeightedMean()
     for weight in (1, 2**29 - 1, 12345):
         mean.add({"x": delta}, weight)
-    assert torch.equal(mean.means()["x"].to(torch.float32), delta)
-    assert math.isclose(mean.means()["x"][0].item(), float(delta[0]), rel_tol=0, abs_tol=0)
+    assert torch.equal(mean.result()["x"].to(torch.float32), delta)
+    assert math.isclose(mean.result()["x"][0].item(), float(delta[0]), rel_tol=0, abs_tol=0)
+
+
+def test_coordinate_median_by_hand():
+    median = CoordinateMedian()
+    for w, b in (([1.0, -5.0], 7.0), ([100.0, 2.0], -1.0), ([3.0, 0.5], 2.0)):
+        median.add({"w": torch.tensor(w), "b": torch.tensor([b])}, 1)
+    got = median.result()
+    assert got["w"].dtype == torch.float64
+    assert got["w"].tolist() == [3.0, 0.5]   # per coordinate: {1, 100, 3} -> 3, {-5, 2, 0.5} -> 0.5
+    assert got["b"].tolist() == [2.0]
+    median.add({"w": torch.tensor([4.0, 1e30]), "b": torch.tensor([3.0])}, 1)
+    got = median.result()                   # an even count: mean of the two middle values
+    assert got["w"].tolist() == [3.5, 1.25]  # {1, 3, 4, 100}, {-5, 0.5, 2, 1e30}
+    assert got["b"].tolist() == [2.5]        # {-1, 2, 3, 7}
+
+
+def test_coordinate_median_ignores_weights_and_tensors_a_result_did_not_send():
+    median = CoordinateMedian()
+    median.add({"w": torch.tensor([1.0]), "b": torch.tensor([10.0])}, 1)
+    median.add({"w": torch.tensor([2.0])}, 2**62)   # a claimed sample count does not buy influence
+    median.add({"w": torch.tensor([9.0]), "b": torch.tensor([20.0])}, 1)
+    got = median.result()
+    assert got["w"].tolist() == [2.0]
+    assert got["b"].tolist() == [15.0]               # over the two results that sent "b"
+
+
+def test_trimmed_mean_by_hand():
+    trimmed = CoordinateTrimmedMean(0.2)             # 5 values: drop 1 at each end
+    for value in (1.0, -1e6, 3.0, 5.0, 1e6):
+        trimmed.add({"x": torch.tensor([value, -value])}, 1)
+    assert trimmed.result()["x"].tolist() == [3.0, -3.0]  # mean of {1, 3, 5}
+    assert CoordinateTrimmedMean(0.2).trimmed(4) == 0     # floor(0.8)
+    assert CoordinateTrimmedMean(0.29).trimmed(100) == 29  # exact, although 0.29 * 100 < 29 in floats
+    untrimmed = CoordinateTrimmedMean(0.0)
+    for value in (1.0, 2.0, 6.0):
+        untrimmed.add({"x": torch.tensor([value])}, 1)
+    assert untrimmed.result()["x"].tolist() == [3.0]
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 0.5, 0.7])
+def test_trimmed_mean_rejects_a_fraction_outside_its_range(fraction):
+    with pytest.raises(ValueError, match="trim fraction"):
+        CoordinateTrimmedMean(fraction)
+
+
+@pytest.mark.parametrize("make", [CoordinateMedian, lambda: CoordinateTrimmedMean(0.2)],
+                         ids=["median", "trimmed_mean"])
+def test_robust_aggregators_do_not_depend_on_arrival_order(make):
+    deltas, weights, old = _random_round(0, clients=9, size=10_000)
+    old["b"][0, 0] = -0.0                           # old + (-0.0) and old + 0.0 differ in their bits
+    for client in range(9):                         # sorting leaves tied signed zeros in arrival order
+        deltas[client]["b"][0, 0] = -0.0 if client % 3 else 0.0
+    rng = np.random.default_rng(2)
+    results = []
+    for order in [list(range(9)), list(range(8, -1, -1))] + [rng.permutation(9).tolist() for _ in range(3)]:
+        aggregator = make()
+        for client in order:
+            aggregator.add(deltas[client], weights[client])
+        results.append(apply_deltas(old, aggregator.result(), 1.0))
+    for result in results[1:]:
+        for name in old:
+            assert torch.equal(result[name].view(torch.int32), results[0][name].view(torch.int32))
+
+
+def test_head_dictionary_combines_with_a_robust_aggregator():
+    heads = HeadDictionary()
+    for client, value in enumerate((1.0, 2.0, 1e9)):
+        heads.store(client, {"head.bias": torch.tensor([value])}, 1)
+    assert heads.combine(CoordinateMedian())["head.bias"].tolist() == [2.0]

@@ -1,0 +1,145 @@
+"""The aggregation step as the run configures it (the ``robust:`` section).
+
+A result is never trusted for more than its shape (DESIGN section 8). Before a result is folded,
+:meth:`AggregationStep.screen` caps its self-reported sample count (at the client's partition size
+where the server can compute the seeded partition itself, and at ``robust.max_samples``) and
+bounds the L2 norm of its delta over all its delta tensors (``clip`` scales it down to the bound,
+``reject`` refuses the result). The round's results are combined by the configured aggregator:
+the streaming weighted mean (default), or the coordinate-wise median or trimmed mean of Yin et
+al., ICML 2018. Norm clipping of client updates as a defence: Sun et al., "Can You Really Backdoor
+Federated Learning?", 2019.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from fedpart.common.config import RunConfig
+from fedpart.common.data import load_dataset
+from fedpart.common.partition import make_partition
+from fedpart.server.aggregation import (
+    Aggregator,
+    CoordinateMedian,
+    CoordinateTrimmedMean,
+    HeadDictionary,
+    WeightedMean,
+    apply_deltas,
+)
+
+
+class ResultRefused(ValueError):
+    """A result the aggregation step will not fold in; the message says why."""
+
+
+@dataclass
+class RobustCounts:
+    """What the defences did in one round (the ``robust`` entry of the round's metrics)."""
+
+    clipped: int = 0
+    rejected: int = 0
+    samples_capped: int = 0
+    non_finite: list[str] = field(default_factory=list)  # aggregated tensors refused, old value kept
+
+    def as_dict(self) -> dict[str, int | list[str]]:
+        return {"clipped": self.clipped, "rejected": self.rejected, "samples_capped": self.samples_capped,
+                "non_finite": list(self.non_finite)}
+
+
+@dataclass(frozen=True)
+class Screened:
+    """A result that passed screening: the deltas to fold, its counted samples and its weight."""
+
+    deltas: dict[str, torch.Tensor]
+    samples: int
+    weight: float
+    clipped: bool = False
+    samples_capped: bool = False
+    notes: tuple[str, ...] = ()  # what was changed, for the server log
+
+
+def delta_norm(deltas: Mapping[str, torch.Tensor]) -> float:
+    """L2 norm over all tensors of ``deltas`` together, accumulated in float64."""
+    return math.hypot(*(float(torch.linalg.vector_norm(t.to(torch.float64))) for t in deltas.values()))
+
+
+def partition_train_sizes(config: RunConfig) -> list[int]:
+    """Every client's train-split size, from the same seeded partition the clients compute.
+
+    Raises ``OSError``/``ValueError``/``ImportError`` when the server cannot load the dataset.
+    """
+    data = config.data
+    dataset = load_dataset(data.dataset, data.root, **data.options)
+    splits = make_partition(dataset.y_train, dataset.y_test, config.clients, data.partition.scheme, config.seed,
+                            num_classes=dataset.num_classes, **data.partition.options)
+    return [len(split.train) for split in splits]
+
+
+class AggregationStep:
+    """Screens each result and combines a round's results, as ``config.robust`` says."""
+
+    def __init__(self, config: RunConfig, log: Callable[[str], None] = print) -> None:
+        self.robust = config.robust
+        self.weighting = config.train.weighting
+        self.server_lr = config.train.server_lr
+        self.partition_sizes: list[int] | None = None
+        if self.robust.partition_sizes:
+            try:
+                self.partition_sizes = partition_train_sizes(config)
+            except (OSError, ValueError, ImportError) as error:
+                cap = self.robust.max_samples or "none"
+                log(f"warning: the server cannot compute the partition ({error}); reported sample counts "
+                    f"are capped only by robust.max_samples ({cap})")
+
+    def new_aggregator(self) -> Aggregator:
+        """A fresh aggregator of the configured kind."""
+        if self.robust.aggregator == "median":
+            return CoordinateMedian()
+        if self.robust.aggregator == "trimmed_mean":
+            return CoordinateTrimmedMean(self.robust.trim_fraction)
+        return WeightedMean()
+
+    def sample_cap(self, client_id: int) -> int | None:
+        """The most training samples client ``client_id`` can have, if the server knows a bound."""
+        caps = [self.partition_sizes[client_id]] if self.partition_sizes is not None else []
+        if self.robust.max_samples:
+            caps.append(self.robust.max_samples)
+        return min(caps) if caps else None
+
+    def screen(self, client_id: int, deltas: dict[str, torch.Tensor], num_samples: int) -> Screened:
+        """Cap the reported sample count and bound the delta's norm; raises :class:`ResultRefused`
+        (nothing changed) for a result the configuration refuses."""
+        notes = []
+        samples = num_samples
+        cap = self.sample_cap(client_id)
+        if cap is not None and num_samples > cap:
+            if cap == 0:
+                raise ResultRefused(f"reported {num_samples} training samples; client {client_id} has none")
+            samples = cap
+            notes.append(f"reported {num_samples} training samples, more than the {cap} it can have; counted {cap}")
+        clipped = False
+        bound = self.robust.norm_bound
+        if bound > 0 and deltas:
+            norm = delta_norm(deltas)
+            if norm > bound:
+                if self.robust.norm_action == "reject":
+                    raise ResultRefused(f"delta norm {norm:.6g} exceeds robust.norm_bound {bound:g}")
+                scale = bound / norm
+                deltas = {name: tensor * scale for name, tensor in deltas.items()}
+                clipped = True
+                notes.append(f"delta norm {norm:.6g} exceeds robust.norm_bound {bound:g}; scaled down to it")
+        weight = float(samples) if self.weighting == "samples" else 1.0
+        return Screened(deltas, samples, weight, clipped, samples != num_samples, tuple(notes))
+
+    def new_global(self, global_state: Mapping[str, torch.Tensor], deltas: Aggregator,
+                   heads: HeadDictionary | None) -> dict[str, torch.Tensor]:
+        """The updated global tensors: ``old + server_lr * combined delta``, and the collected
+        heads (FedHA) combined by the same kind of aggregator when ``heads`` is given."""
+        updated = apply_deltas(global_state, deltas.result(), self.server_lr)
+        if heads is not None and len(heads):
+            combined = heads.combine(self.new_aggregator())
+            updated.update({name: value.to(global_state[name].dtype) for name, value in combined.items()})
+        return updated
