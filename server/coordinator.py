@@ -541,7 +541,7 @@ class Coordinator:
     def snapshot(self, round_number: int, seconds: float) -> RunState:
         """The run state after ``round_number`` (call between rounds), for :meth:`restore`."""
         with self._cond:
-            next_task_id = next(self._task_ids)
+            next_task_id = next(self._task_ids)  # a peek: the counter goes on from the same id
             self._task_ids = itertools.count(next_task_id)
             personal = {c: sorted(parts) for c, parts in self._personal.items() if parts}
             failures = self._failures + self._left
