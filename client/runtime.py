@@ -3,7 +3,9 @@
 The process connects out to the coordinator, joins, loads its clients' data, then long-polls for
 tasks until the run is over. It keeps one cache of global tensors (with their versions) for all
 of its clients, so that an unchanged tensor crosses the wire once per process, and each client's
-personal parts in its :class:`ClientStore`.
+personal parts in its :class:`ClientStore`. When the server goes away the process keeps trying
+(capped exponential backoff, for ``--reconnect-timeout``) and joins a resumed server of the same
+run again with its cache and personal parts.
 """
 
 from __future__ import annotations
