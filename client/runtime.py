@@ -3,7 +3,9 @@
 The process connects out to the coordinator, joins, loads its clients' data, then long-polls for
 tasks until the run is over. It keeps one cache of global tensors (with their versions) for all
 of its clients, so that an unchanged tensor crosses the wire once per process, and each client's
-personal parts in its :class:`ClientStore`.
+personal parts in its :class:`ClientStore`. When the server goes away the process keeps trying
+(capped exponential backoff, for ``--reconnect-timeout``) and joins a resumed server of the same
+run again with its cache and personal parts.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -36,7 +39,10 @@ from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 
 POLL_SECONDS = 20.0
 TRANSFER_SECONDS = 600.0   # deadline for moving one task or result, on top of the poll
-CONNECT_SECONDS = 120.0    # how long to wait for the server to come up or come back
+CONNECT_SECONDS = 120.0    # how long to wait for the server to come up
+RECONNECT_SECONDS = 300.0  # default --reconnect-timeout: how long to keep trying a server that went away
+FIRST_RETRY_SECONDS = 0.5  # while the server is unreachable, attempts are this far apart at first,
+MAX_RETRY_SECONDS = 5.0    # doubling up to this (the channel's own reconnect backoff is the same)
 HEARTBEAT_SECONDS = 5.0    # at most; shorter when server.heartbeat_timeout is short
 
 
@@ -44,14 +50,46 @@ class ClientError(RuntimeError):
     """The client process cannot go on (message says why)."""
 
 
+class ServerUnreachable(Exception):
+    """The server did not answer (it is down, restarting or cut off)."""
+
+    def __init__(self, error: grpc.RpcError) -> None:
+        super().__init__(error.details())
+        self.error = error
+
+
+@dataclass
+class Backoff:
+    """Capped exponential backoff between attempts to reach a lost server, bounded in total."""
+
+    deadline: float
+    delay: float = FIRST_RETRY_SECONDS
+    attempts: int = 0
+
+    def next_delay(self) -> float | None:
+        """Seconds to wait before the next attempt; None once the deadline has passed."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        delay = min(self.delay, remaining)
+        self.delay = min(2 * self.delay, MAX_RETRY_SECONDS)
+        self.attempts += 1
+        return delay
+
+
+def _unreachable(error: grpc.RpcError) -> bool:
+    return error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 class ClientProcess:
     """The loop of one client process."""
 
     def __init__(self, server: str, client_ids: list[int], device: str = "cpu", data_root: str | None = None,
                  state_dir: str | Path = "fedpart-state", threads: int | None = None,
-                 security: ClientSecurity | None = None) -> None:
+                 security: ClientSecurity | None = None, reconnect_timeout: float | None = None) -> None:
         self.server = server
         self.security = security or ClientSecurity(insecure=True)
+        self.reconnect_timeout = RECONNECT_SECONDS if reconnect_timeout is None else reconnect_timeout
         self.client_ids = client_ids
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -64,6 +102,7 @@ class ClientProcess:
         self.cache: dict[str, torch.Tensor] = {}
         self.versions: dict[str, int] = {}
         self._stop = threading.Event()
+        self._outage: Backoff | None = None  # set while the server is unreachable
 
     def log(self, message: str) -> None:
         print(f"[client {self.name}] {message}", flush=True)
@@ -75,6 +114,8 @@ class ClientProcess:
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.initial_reconnect_backoff_ms", int(FIRST_RETRY_SECONDS * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(MAX_RETRY_SECONDS * 1000)),
         ])
         try:
             grpc.channel_ready_future(self.channel).result(timeout=CONNECT_SECONDS)
@@ -151,24 +192,14 @@ class ClientProcess:
             pass
 
     def _serve(self) -> int:
-        lost_since: float | None = None
         while True:
             request = pb.TaskRequest(session=self.session, held_versions=self.versions, wait_seconds=POLL_SECONDS)
             try:
-                header, tensors = decode_chunks(self.stub.GetTask(request, timeout=POLL_SECONDS + TRANSFER_SECONDS))
-                lost_since = None
-            except grpc.RpcError as error:
-                if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    lost_since = lost_since or time.monotonic()
-                    if time.monotonic() - lost_since > CONNECT_SECONDS:
-                        raise ClientError(f"lost the server at {self.server} for {CONNECT_SECONDS:.0f} s") from error
-                    self._stop.wait(1.0)
-                    continue
-                if error.code() == grpc.StatusCode.FAILED_PRECONDITION and "join again" in (error.details() or ""):
-                    self._rejoin()
-                    continue
-                raise ClientError(f"server refused the task request: {error.details()}") from error
-            if header.kind == pb.IDLE:
+                header, tensors = self._next_task(request)
+            except ServerUnreachable as lost:
+                self._wait_for_server(lost.error)
+                continue
+            if header is None or header.kind == pb.IDLE:
                 continue
             if header.kind == pb.DONE:
                 self.log("run finished")
@@ -177,13 +208,55 @@ class ClientProcess:
             result_header, uploads = self._execute(header)
             self._submit(result_header, uploads)
 
+    def _next_task(self, request: pb.TaskRequest) -> tuple[pb.TaskHeader | None, dict[str, torch.Tensor]]:
+        """One long poll; (None, {}) after joining again. Raises ServerUnreachable."""
+        try:
+            reply = decode_chunks(self.stub.GetTask(request, timeout=POLL_SECONDS + TRANSFER_SECONDS))
+        except grpc.RpcError as error:
+            if _unreachable(error):
+                raise ServerUnreachable(error) from error
+            if error.code() == grpc.StatusCode.FAILED_PRECONDITION and "join again" in (error.details() or ""):
+                self._rejoin()
+                return None, {}
+            raise ClientError(f"server refused the task request: {error.details()}") from error
+        self._server_back()
+        return reply
+
+    def _wait_for_server(self, error: grpc.RpcError) -> None:
+        """The server did not answer: wait before the next attempt (capped exponential backoff),
+        and give up once it has been unreachable for ``reconnect_timeout``."""
+        if self._outage is None:
+            self._outage = Backoff(time.monotonic() + self.reconnect_timeout)
+            self.log(f"lost the server at {self.server} ({error.code().name}); trying to reconnect for up to "
+                     f"{self.reconnect_timeout:.0f} s")
+        delay = self._outage.next_delay()
+        if delay is None:
+            raise ClientError(f"the server at {self.server} was unreachable for {self.reconnect_timeout:.0f} s "
+                              f"(--reconnect-timeout); last error: {error.code().name} {error.details()}")
+        self.log(f"server unreachable; attempt {self._outage.attempts} in {delay:.1f} s")
+        self._stop.wait(delay)
+
+    def _server_back(self) -> None:
+        if self._outage is not None:
+            self.log(f"the server answers again after {self._outage.attempts} attempts")
+            self._outage = None
+
     def _rejoin(self) -> None:
-        """The server dropped this session (e.g. missed heartbeats): join the same run again."""
-        reply = self._join()
+        """The server does not know this session (it dropped the process after missed heartbeats,
+        or it is a resumed server): join the same run again, keeping the cached tensors and the
+        personal parts. Raises ServerUnreachable, or ClientError for another run."""
+        try:
+            reply = self._join()
+        except ClientError as error:
+            if isinstance(error.__cause__, grpc.RpcError) and _unreachable(error.__cause__):
+                raise ServerUnreachable(error.__cause__) from error
+            raise
+        self._server_back()
         if reply.run_id != self.store.root.name:
-            raise ClientError(f"the server at {self.server} now runs another run ({reply.run_id}); stopping")
+            raise ClientError(f"the server at {self.server} now runs another run ({reply.run_id}, this process "
+                              f"served {self.store.root.name}); stopping")
         self.session = reply.session
-        self.log("the server had dropped this process; joined again")
+        self.log(f"joined run {reply.run_id} again (the server had dropped this process or was restarted)")
 
     def _absorb(self, header: pb.TaskHeader, tensors: dict[str, torch.Tensor]) -> None:
         """Store the received global tensors in the process cache."""
@@ -195,7 +268,7 @@ class ClientProcess:
 
     def _load_client_model(self, client: int, header: pb.TaskHeader) -> dict[str, torch.Tensor]:
         """Put global + personal tensors into the model; returns the client's personal tensors."""
-        personal = dict(self.store.personal(client))
+        personal = dict(self.store.personal(client, header.round))
         init_parts = set(header.personal_init)
         for name in self.algorithm.personal_names(self.model.state_dict()):
             if name not in personal and tensor_part(name) in init_parts:
@@ -229,7 +302,7 @@ class ClientProcess:
         uploads = {n: trained[n] - self.cache[n] for n in plan.upload_deltas}
         uploads.update({n: trained[n] for n in plan.upload_values})
         if personal:
-            self.store.save_personal(client, {n: trained[n] for n in personal})
+            self.store.save_personal(client, header.round, {n: trained[n] for n in personal})
         result.num_samples = outcome.samples
         result.metrics.update({
             "loss": outcome.loss, "steps": outcome.steps, "compute_seconds": outcome.compute_seconds,

@@ -1,9 +1,14 @@
 """Per-client state on the device: personal parts and personalized models, under the state dir.
 
 Layout: ``<state_dir>/<run_id>/client_<id>/personal.safetensors`` (tensors of the parts the
-algorithm keeps on the client) and ``personalized.safetensors`` (the fine-tuned model after
-evaluation); ``<state_dir>/latest_run`` names the run last served. The state survives a client
-process restart within a run; nothing here is ever sent unless the algorithm uploads it.
+algorithm keeps on the client, as the client's last training left them),
+``personal_start_<round>.safetensors`` (the personal parts that training round started from)
+and ``personalized.safetensors`` (the fine-tuned model after evaluation);
+``<state_dir>/latest_run`` names the run last served. The state survives a client process
+restart within a run; nothing here is ever sent unless the algorithm uploads it.
+
+A resumed server redoes the round it lost, which the client may already have trained: that round
+starts again from its start file, so the redone round gives the same result.
 """
 
 from __future__ import annotations
@@ -37,18 +42,34 @@ class ClientStore:
     def _dir(self, client: int) -> Path:
         return self.root / f"client_{client}"
 
-    def personal(self, client: int) -> dict[str, torch.Tensor]:
-        """The client's personal tensors (empty if it has none yet)."""
+    def _start_path(self, client: int, round_number: int) -> Path:
+        return self._dir(client) / f"personal_start_{round_number:04d}.safetensors"
+
+    def _latest(self, client: int) -> dict[str, torch.Tensor]:
+        """The client's personal tensors after its last training (empty if it has none yet)."""
         if client not in self._personal:
             path = self._dir(client) / "personal.safetensors"
             self._personal[client] = load_tensors(path) if path.is_file() else {}
         return self._personal[client]
 
+    def personal(self, client: int, round_number: int) -> dict[str, torch.Tensor]:
+        """The personal tensors round ``round_number`` starts from: the start of that round when
+        it is being trained again, else the latest."""
+        start = self._start_path(client, round_number)
+        return load_tensors(start) if start.is_file() else self._latest(client)
+
     def personal_parts(self, client: int) -> list[str]:
         """Parts (``body``/``head``) the client holds a personal copy of."""
-        return sorted({tensor_part(name) for name in self.personal(client)})
+        return sorted({tensor_part(name) for name in self._latest(client)})
 
-    def save_personal(self, client: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def save_personal(self, client: int, round_number: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Keep the tensors round ``round_number`` trained, and what it started from."""
+        start = self._start_path(client, round_number)
+        if not start.is_file():
+            save_tensors(start, self._latest(client))
+            for older in self._dir(client).glob("personal_start_*.safetensors"):
+                if older != start:
+                    older.unlink()
         cpu = {k: v.detach().to("cpu").clone() for k, v in tensors.items()}
         self._personal[client] = cpu
         save_tensors(self._dir(client) / "personal.safetensors", cpu)

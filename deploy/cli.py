@@ -9,7 +9,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from fedpart.common.config import ConfigError, load_config
+from fedpart.common.config import ConfigError, RunConfig, load_config
 
 DEFAULT_CONFIG = "quickstart"
 
@@ -35,7 +35,13 @@ def default_out_dir(name: str) -> str:
 def _server(args: argparse.Namespace) -> int:
     from fedpart.common.security import ServerSecurity
 
-    config = load_config(resolve_config_path(args.config), args.set)
+    if args.resume:
+        config, out = resume_config(args), args.resume
+    elif args.config is None:
+        raise ConfigError("fedpart server needs a CONFIG (or --resume RUN_DIR)")
+    else:
+        config = load_config(resolve_config_path(args.config), args.set)
+        out = args.out or default_out_dir(config.name)
     security = ServerSecurity.from_files(args.address, args.tls_cert, args.tls_key, args.client_ca,
                                          args.credentials, args.insecure)
     import torch
@@ -43,7 +49,21 @@ def _server(args: argparse.Namespace) -> int:
     from fedpart.server.main import main_server
 
     torch.set_num_threads(args.threads)
-    return main_server(config, args.address, args.out or default_out_dir(config.name), security)
+    return main_server(config, args.address, out, security, resume=bool(args.resume))
+
+
+def resume_config(args: argparse.Namespace) -> RunConfig:
+    """The config of the run ``--resume RUN_DIR`` continues: RUN_DIR/config.yaml, unchanged."""
+    if args.config is not None:
+        raise ConfigError(f"--resume takes the config from {args.resume}/config.yaml; give no CONFIG ({args.config})")
+    if args.set:
+        raise ConfigError(f"--resume continues the run as it was configured; --set {args.set[0]} would change it")
+    if args.out is not None and Path(args.out).resolve() != Path(args.resume).resolve():
+        raise ConfigError(f"--resume writes into {args.resume} itself; --out {args.out} names another directory")
+    path = Path(args.resume) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"--resume {args.resume}: not a run directory (no config.yaml)")
+    return load_config(path)
 
 
 def _client(args: argparse.Namespace) -> int:
@@ -56,7 +76,7 @@ def _client(args: argparse.Namespace) -> int:
     try:
         process = ClientProcess(args.server, parse_id_ranges(args.clients), device=args.device,
                                 data_root=args.data_root, state_dir=args.state_dir, threads=args.threads,
-                                security=security)
+                                security=security, reconnect_timeout=args.reconnect_timeout)
         return process.run()
     except (ClientError, OSError, ValueError, ImportError, TypeError) as error:
         print(f"fedpart client: error: {error}", file=sys.stderr, flush=True)
@@ -84,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     server = commands.add_parser("server", help="run the coordinator")
-    server.add_argument("config", help="config file or bundled config name")
+    server.add_argument("config", nargs="?", help="config file or bundled config name (not with --resume)")
     server.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT to listen on (port 0: any free)")
     server.add_argument("--out", help="run directory (default runs/<name>-<time>)")
     server.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
@@ -96,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--credentials", help="YAML naming the client processes admitted and their client ids")
     server.add_argument("--insecure", action="store_true",
                         help="plaintext without client authentication (needed off loopback without TLS)")
+    server.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the stopped run in RUN_DIR after its last completed round (same run id, "
+                             "config from RUN_DIR/config.yaml); its clients reconnect by themselves")
     server.set_defaults(handler=_server)
 
     client = commands.add_parser("client", help="run a client process hosting one or more clients")
@@ -111,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--cert", help="client certificate for mutual TLS (PEM)")
     client.add_argument("--key", help="client private key for mutual TLS (PEM)")
     client.add_argument("--insecure", action="store_true", help="plaintext, no TLS (the server must allow it)")
+    client.add_argument("--reconnect-timeout", type=float, metavar="SECONDS",
+                        help="how long to keep trying to reach a server that went away, e.g. while it is "
+                             "resumed (default 300)")
     client.set_defaults(handler=_client)
 
     run = commands.add_parser("run", help="run server and client processes on this machine")

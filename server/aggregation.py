@@ -165,6 +165,10 @@ class HeadDictionary:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def entries(self) -> dict[int, tuple[dict[str, torch.Tensor], float]]:
+        """A copy of the stored ``{client: (tensors, weight)}`` (for the run state)."""
+        return dict(self._entries)
+
     def combine(self, aggregator: Aggregator) -> dict[str, torch.Tensor]:
         """The stored copies combined by a fresh ``aggregator``, added in client-id order."""
         for client_id in sorted(self._entries):

@@ -26,9 +26,10 @@ from fedpart.common.experiment import build_run_model
 from fedpart.common.split_model import SplitModel, tensor_part
 from fedpart.common.wire import named_specs
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.server.accounting import ByteLedger
+from fedpart.server.accounting import DIRECTIONS, PROCESS, ByteLedger
 from fedpart.server.aggregation import Aggregator, HeadDictionary
 from fedpart.server.robust import AggregationStep, ResultRefused, RobustCounts
+from fedpart.server.run_state import EARLIER_ROUNDS, ResumeError, RunState
 from fedpart.server.sampling import sample_clients
 
 
@@ -165,8 +166,10 @@ class Coordinator:
             self._processes[session] = process
             for hosted in request.clients:
                 self._host[hosted.id] = session
-                if request.state_run_id == self.run_id:
-                    self._personal[hosted.id] = set(hosted.personal_parts)
+                # what the server recorded, less what the process no longer holds (a lost state dir):
+                # a part trained only in a round the server lost is initialised again
+                held = set(hosted.personal_parts) if request.state_run_id == self.run_id else set()
+                self._personal[hosted.id] = self._personal.get(hosted.id, set()) & held
             self._cond.notify_all()
         self.log(f"joined: {name} hosts clients {_id_ranges(ids)}")
         return pb.JoinReply(session=session, run_config_json=self.config.to_json(), run_id=self.run_id)
@@ -360,8 +363,8 @@ class Coordinator:
         self._cond.notify_all()
 
     def _take_over(self, old: ProcessState, new: ProcessState) -> None:
-        """A restarted process replaces its dead predecessor: queued tasks move over, tasks the
-        old process had taken are lost with it."""
+        """A restarted process replaces its dead predecessor: queued tasks move over, training
+        tasks the old process had taken are lost with it (evaluations are asked again)."""
         old.alive = False
         for task in old.pending:
             if task.client_id in new.clients:
@@ -371,7 +374,8 @@ class Coordinator:
         for task_id, task in list(self._outstanding.items()):
             if task.session == old.session:
                 del self._outstanding[task_id]
-                self._failures.append(f"round {task.round} client {task.client_id}: its process restarted")
+                if task.kind == pb.TRAIN:
+                    self._failures.append(f"round {task.round} client {task.client_id}: its process restarted")
         self.log(f"process {old.name} was restarted as {new.name}")
 
     def _reap_silent(self) -> None:
@@ -416,12 +420,17 @@ class Coordinator:
                 if not waiting or remaining <= 0:
                     break
                 self._cond.wait(min(remaining, 1.0))
-            unfinished = {t for t in task_ids if t in self._outstanding} | {
-                t.task_id for p in self._processes.values() for t in p.pending if t.task_id in task_ids}
-            for process in self._processes.values():
-                process.pending = deque(t for t in process.pending if t.task_id not in task_ids)
-            for task_id in task_ids:
-                self._outstanding.pop(task_id, None)
+            return self._close(task_ids)
+
+    def _close(self, task_ids: set[int]) -> set[int]:
+        """Drop those of ``task_ids`` still queued or outstanding (a late result is refused);
+        returns their ids."""
+        unfinished = {t for t in task_ids if t in self._outstanding} | {
+            t.task_id for p in self._processes.values() for t in p.pending if t.task_id in task_ids}
+        for process in self._processes.values():
+            process.pending = deque(t for t in process.pending if t.task_id not in task_ids)
+        for task_id in task_ids:
+            self._outstanding.pop(task_id, None)
         return unfinished
 
     # ------------------------------------------------------------------ the run
@@ -534,21 +543,59 @@ class Coordinator:
         }
 
     def evaluate_all(self) -> dict[int, dict[str, float]]:
-        """Every client evaluates and personalises the final model on its own data."""
+        """Every client evaluates and personalises the final model on its own data.
+
+        A client whose process is lost before it answers is asked again once a process hosts it
+        again (a restarted process taking over, or the process joining again), until
+        ``server.evaluation_timeout``. While no evaluation is open, the server waits at most
+        ``server.join_timeout`` for the lost clients to be hosted again.
+        """
         ev = self.config.evaluate
         plan = pb.EvalPlan(finetune_epochs=sorted(set(ev.finetune_epochs)), finetune_part=ev.part, lr=ev.lr,
                            momentum=ev.momentum, batch_size=ev.batch_size, headless=ev.headless,
                            seed=self.config.seed)
-        evaluation_round = self.config.rounds + 1
+        deadline = time.monotonic() + self.config.server.evaluation_timeout
+        asked: dict[int, Task] = {}  # the latest evaluation task of each client
+        unhosted_since: float | None = None
         with self._cond:
-            self._round = evaluation_round
+            self._round = self.config.rounds + 1
             self._evaluations = {}
-            tasks = [Task(task_id=next(self._task_ids), kind=pb.EVALUATE, round=evaluation_round, client_id=c,
-                          session=self._host[c], evaluate=plan, personal_init=self._personal_init(c))
-                     for c in range(self.config.clients) if self._available(c)]
-        self._await(self._dispatch(tasks), self.config.server.evaluation_timeout)
-        with self._cond:
+            while True:
+                self._reap_silent()
+                self._ask_for_evaluations(plan, asked)
+                missing = [c for c in range(self.config.clients) if c not in self._evaluations]
+                now = time.monotonic()
+                if not missing or now >= deadline:
+                    break
+                if self._waiting_on({t.task_id for t in asked.values()}):
+                    unhosted_since = None
+                elif all(self._available(c) for c in missing):
+                    break  # their processes answered what they could; nobody else will
+                else:
+                    unhosted_since = unhosted_since or now
+                    if now - unhosted_since >= self.config.server.join_timeout:
+                        break
+                self._cond.wait(min(deadline - now, 1.0))
+            self._close({t.task_id for t in asked.values()})
             return dict(self._evaluations)
+
+    def _ask_for_evaluations(self, plan: pb.EvalPlan, asked: dict[int, Task]) -> None:
+        """Queue an evaluation for every client not yet evaluated whose current process has not
+        been asked (holds the lock)."""
+        for client in range(self.config.clients):
+            if client in self._evaluations or not self._available(client):
+                continue
+            previous = asked.get(client)
+            if previous is not None and previous.session == self._host[client]:
+                continue
+            task = Task(task_id=next(self._task_ids), kind=pb.EVALUATE, round=self._round, client_id=client,
+                        session=self._host[client], evaluate=plan, personal_init=self._personal_init(client))
+            asked[client] = task
+            self._processes[task.session].pending.append(task)
+            if previous is not None:
+                self.log(f"client {client}: its process was lost during the evaluation; asking "
+                         f"{self._processes[task.session].name} again")
+        self._cond.notify_all()
 
     def finish(self) -> None:
         """Tell every process the run is over (their next poll returns DONE)."""
@@ -568,6 +615,47 @@ class Coordinator:
                 if remaining <= 0:
                     return False
                 self._cond.wait(min(remaining, 1.0))
+
+    # ------------------------------------------------------------------ resume
+
+    def snapshot(self, round_number: int, seconds: float) -> RunState:
+        """The run state after ``round_number`` (call between rounds), for :meth:`restore`."""
+        with self._cond:
+            next_task_id = next(self._task_ids)  # a peek: the counter goes on from the same id
+            self._task_ids = itertools.count(next_task_id)
+            personal = {c: sorted(parts) for c, parts in self._personal.items() if parts}
+            failures = self._failures + self._left
+            global_state = dict(self.global_state)
+            versions = dict(self.versions)
+        return RunState(
+            run_id=self.run_id, round=round_number, global_state=global_state, versions=versions,
+            next_task_id=next_task_id, personal=personal,
+            heads=self.heads.entries(),
+            failures=failures,
+            bytes_by_client={c: self.ledger.by_part(client=c) for c in [PROCESS, *range(self.config.clients)]},
+            seconds=seconds, config=self.config.to_dict(),
+        )
+
+    def restore(self, state: RunState) -> None:
+        """Continue the run saved in ``state`` (before any process joins)."""
+        expected = {n: (t.dtype, tuple(t.shape)) for n, t in self.global_state.items()}
+        saved = {n: (t.dtype, tuple(t.shape)) for n, t in state.global_state.items()}
+        if saved != expected:
+            differing = sorted(n for n in set(saved) | set(expected) if saved.get(n) != expected.get(n))
+            raise ResumeError(f"the saved global tensors do not fit the model of the config: {differing[:5]}")
+        with self._cond:
+            self.run_id = state.run_id
+            self._round = state.round
+            self.global_state = {n: t.clone() for n, t in state.global_state.items()}
+            self.versions = dict(state.versions)
+            self._task_ids = itertools.count(state.next_task_id)
+            self._personal = {c: set(parts) for c, parts in state.personal.items()}
+            self._failures = list(state.failures)
+        for client, (tensors, weight) in sorted(state.heads.items()):
+            self.heads.store(client, tensors, weight)
+        for client, by_part in state.bytes_by_client.items():
+            for direction in DIRECTIONS:
+                self.ledger.add(EARLIER_ROUNDS, client, direction, {p: n[direction] for p, n in by_part.items()})
 
     @property
     def failures(self) -> list[str]:

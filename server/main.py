@@ -1,4 +1,5 @@
-"""``fedpart server``: bind the gRPC service, run the rounds, evaluate, write the run directory."""
+"""``fedpart server``: bind the gRPC service, run the rounds, evaluate, write the run directory;
+or continue a run that was stopped (``--resume``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fedpart.server.auth import CallGuard, Principals, TokenGate
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.global_eval import GlobalEvaluator, has_global_model
 from fedpart.server.report import RunDirectory, build_summary, format_round, format_table
+from fedpart.server.run_state import mark_finished, read_run_state, write_run_state
 from fedpart.server.service import CoordinatorService
 
 # How long the server keeps answering after the run so that every process hears DONE.
@@ -57,25 +59,42 @@ def start_grpc(coordinator: Coordinator, address: str,
     return server, f"{host}:{bound}"
 
 
-def serve(config: RunConfig, address: str, out_dir: str | Path, security: ServerSecurity | None = None) -> int:
-    """Run a whole federated experiment as the coordinator; returns the exit code."""
+def serve(config: RunConfig, address: str, out_dir: str | Path, security: ServerSecurity | None = None,
+          resume: bool = False) -> int:
+    """Run a whole federated experiment as the coordinator; returns the exit code. With
+    ``resume``, continue the run in ``out_dir`` after its last completed round."""
     security = security or ServerSecurity()
     started = time.monotonic()
+    saved = read_run_state(out_dir, config.to_dict()) if resume else None  # refuses before writing anything
     coordinator = Coordinator(config, log=_log)  # builds model and algorithm: bad settings fail here
     evaluator = None
     if config.evaluate.global_test and has_global_model(coordinator.algorithm):
         evaluator = GlobalEvaluator(config)
-    run_dir = RunDirectory(out_dir)
-    run_dir.write_config(config)
-    run_dir.checkpoint(0, coordinator.global_state)
+    earlier_seconds = 0.0
+    if saved is None:
+        run_dir = RunDirectory(out_dir)
+        run_dir.write_config(config)
+        run_dir.checkpoint(0, coordinator.global_state)
+        write_run_state(run_dir.path, coordinator.snapshot(0, 0.0))
+        records = []
+    else:
+        coordinator.restore(saved)
+        run_dir = RunDirectory(out_dir, resume=True)
+        records = run_dir.rounds_up_to(saved.round)
+        earlier_seconds = saved.seconds
+
+    def seconds() -> float:
+        return earlier_seconds + time.monotonic() - started
+
     server, bound = start_grpc(coordinator, address, security)
     _log(f"fedpart server listening on {bound} (run {coordinator.run_id}, out {run_dir.path})")
     _log(f"{'warning: ' if not security.tls else ''}transport: {security.describe()}")
+    if saved is not None:
+        _log(f"resuming run {saved.run_id} after round {saved.round}/{config.rounds}")
     try:
         _log(f"waiting for {config.clients} clients to be hosted ...")
         coordinator.wait_for_clients()
-        records = []
-        for round_number in range(1, config.rounds + 1):
+        for round_number in range(len(records) + 1, config.rounds + 1):
             record = coordinator.run_round(round_number)
             every = config.evaluate.global_every
             if evaluator is not None and every and round_number % every == 0:
@@ -83,13 +102,15 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
             records.append(record)
             run_dir.append_round(record)
             run_dir.checkpoint(round_number, coordinator.global_state)
+            write_run_state(run_dir.path, coordinator.snapshot(round_number, seconds()))
             _log(format_round(record, config.rounds))
         _log("evaluating and personalising on every client ...")
         evaluations = coordinator.evaluate_all()
         global_metrics = evaluator.evaluate(coordinator.global_state) if evaluator is not None else None
         summary = build_summary(config, coordinator.model, records, evaluations, global_metrics,
-                                coordinator.ledger, coordinator.failures, time.monotonic() - started)
+                                coordinator.ledger, coordinator.failures, seconds())
         run_dir.write_summary(summary)
+        mark_finished(run_dir.path)
         _log(format_table(summary))
         missing = config.clients - len(evaluations)
         if missing:
@@ -104,9 +125,10 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
         server.stop(grace=2.0).wait()
 
 
-def main_server(config: RunConfig, address: str, out_dir: str, security: ServerSecurity | None = None) -> int:
+def main_server(config: RunConfig, address: str, out_dir: str, security: ServerSecurity | None = None,
+                resume: bool = False) -> int:
     try:
-        return serve(config, address, out_dir, security)
+        return serve(config, address, out_dir, security, resume)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -15,16 +15,45 @@ from fedpart.common.checkpoint import save_tensors
 from fedpart.common.config import RunConfig
 from fedpart.common.split_model import count_parameters
 from fedpart.server.accounting import ByteLedger
+from fedpart.server.run_state import ResumeError
 
 
 class RunDirectory:
     """Writes everything a run leaves behind in its out dir."""
 
-    def __init__(self, out_dir: str | Path) -> None:
+    def __init__(self, out_dir: str | Path, resume: bool = False) -> None:
+        """A new run starts an empty metrics.jsonl; a resumed one keeps it (see :meth:`rounds_up_to`)."""
         self.path = Path(out_dir)
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.path / "metrics.jsonl"
-        self.metrics_path.write_text("")
+        if not resume:
+            self.metrics_path.write_text("")
+
+    def rounds_up_to(self, last_round: int) -> list[dict[str, Any]]:
+        """The records of rounds 1..``last_round`` for a resumed run. Lines of a round that the
+        stopped server had not finished (it is redone), or cut short by the crash, are dropped
+        from metrics.jsonl (rewritten atomically); a missing or unreadable round is a ResumeError."""
+        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.is_file() else []
+        records, kept = [], []
+        for number, line in enumerate(lines, start=1):
+            try:
+                record = json.loads(line)
+                round_number = record["round"]
+            except (ValueError, KeyError, TypeError) as error:
+                if number == len(lines):
+                    break  # the last line was being written when the server stopped
+                raise ResumeError(f"{self.metrics_path}:{number}: not a round record ({error})") from error
+            if round_number <= last_round:
+                records.append(record)
+                kept.append(line + "\n")
+        found = [r["round"] for r in records]
+        if found != list(range(1, last_round + 1)):
+            raise ResumeError(f"{self.metrics_path} holds rounds {found}; the run state says rounds "
+                              f"1..{last_round} completed")
+        tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.metrics_path)
+        return records
 
     def write_config(self, config: RunConfig) -> None:
         (self.path / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

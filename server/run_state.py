@@ -1,0 +1,162 @@
+"""The server's run state at the end of each completed round: enough to resume the run after a
+crash with identical results (DESIGN.md section 8, ``fedpart server --resume RUN_DIR``).
+
+Layout in the run directory: ``server_state/round_NNNN.safetensors`` holds the global tensors
+and FedHA's head dictionary; ``server_state/state.json`` names that file and holds the rest (run
+id, last completed round, tensor versions, task-id counter, failures, which clients hold which
+personal parts, byte totals per client, the config the run started with). The tensors are
+written first and ``state.json`` is replaced atomically after them, so the state on disk is
+always that of one whole round. Never pickle.
+
+What is not saved is recomputed from the round number and the seed: client sampling
+(:func:`fedpart.server.sampling.sample_clients`), the learning-rate schedule
+(:func:`fedpart.common.algorithms.learning_rate`), the training plans and their seeds. The
+server has no optimizer state: ``train.server_lr`` is a constant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedpart.common.checkpoint import load_tensors, save_tensors
+
+FORMAT = 1
+STATE_DIR = "server_state"
+STATE_FILE = "state.json"
+# Ledger round under which a resumed server keeps the bytes counted before it was stopped; the
+# per-round bytes of those rounds stay in metrics.jsonl.
+EARLIER_ROUNDS = -1
+_GLOBAL = "global/"
+_HEADS = "heads/"
+
+ByPart = dict[str, dict[str, int]]  # {part: {"down": n, "up": n}}
+
+
+class ResumeError(ValueError):
+    """A run directory that cannot be resumed (the message says why)."""
+
+
+@dataclass
+class RunState:
+    """Everything the coordinator needs to continue a run after round ``round``."""
+
+    run_id: str
+    round: int                                  # last completed round (0: none yet)
+    global_state: dict[str, torch.Tensor]
+    versions: dict[str, int]
+    next_task_id: int
+    personal: dict[int, list[str]]              # parts each client holds a personal copy of
+    heads: dict[int, tuple[dict[str, torch.Tensor], float]]  # FedHA head dictionary: tensors, weight
+    failures: list[str]
+    bytes_by_client: dict[int, ByPart]          # byte ledger totals per client (-1: per process)
+    seconds: float                              # server wall time so far
+    config: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False                      # the final evaluation and summary are written
+
+
+def _state_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / STATE_DIR
+
+
+def _write_json(path: Path, content: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(content, indent=1))
+    os.replace(tmp, path)
+
+
+def write_run_state(run_dir: str | Path, state: RunState) -> None:
+    """Save ``state`` (tensors first, then the JSON that names them) and drop older tensor files."""
+    directory = _state_dir(run_dir)
+    tensor_file = f"round_{state.round:04d}.safetensors"
+    tensors = {_GLOBAL + name: tensor for name, tensor in state.global_state.items()}
+    for client, (head, _) in state.heads.items():
+        tensors.update({f"{_HEADS}{client}/{name}": tensor for name, tensor in head.items()})
+    save_tensors(directory / tensor_file, tensors)
+    _write_json(directory / STATE_FILE, {
+        "format": FORMAT,
+        "run_id": state.run_id,
+        "round": state.round,
+        "finished": state.finished,
+        "tensors": tensor_file,
+        "versions": state.versions,
+        "next_task_id": state.next_task_id,
+        "personal": {str(c): parts for c, parts in state.personal.items()},
+        "head_weights": {str(c): weight for c, (_, weight) in state.heads.items()},
+        "failures": state.failures,
+        "bytes_by_client": {str(c): by_part for c, by_part in state.bytes_by_client.items()},
+        "seconds": state.seconds,
+        "config": state.config,
+    })
+    for old in directory.glob("round_*.safetensors"):
+        if old.name != tensor_file:
+            old.unlink()
+
+
+def mark_finished(run_dir: str | Path) -> None:
+    """Record that the run is complete: a later ``--resume`` refuses it."""
+    path = _state_dir(run_dir) / STATE_FILE
+    content = json.loads(path.read_text())
+    content["finished"] = True
+    _write_json(path, content)
+
+
+def read_run_state(run_dir: str | Path, config: dict[str, Any]) -> RunState:
+    """The saved state of the run in ``run_dir``, started with ``config`` (``RunConfig.to_dict()``).
+
+    Raises :class:`ResumeError` when there is nothing to resume, the run already finished, its
+    config was changed since it started, or the state is unreadable.
+    """
+    path = _state_dir(run_dir) / STATE_FILE
+    if not path.is_file():
+        raise ResumeError(f"{run_dir} has no resumable run state ({STATE_DIR}/{STATE_FILE} is missing): "
+                          "not a run directory of a fedpart server, or its server never started a round")
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ResumeError(f"{path}: unreadable run state ({error})") from error
+    if content.get("format") != FORMAT:
+        raise ResumeError(f"{path}: run state format {content.get('format')!r}, this fedpart reads {FORMAT}")
+    if content["finished"]:
+        raise ResumeError(f"run {content['run_id']} in {run_dir} already finished (summary.json is written); "
+                          "nothing to resume")
+    changed = _differences(content["config"], config)
+    if changed:
+        raise ResumeError(f"{run_dir}/config.yaml differs from the config run {content['run_id']} started with "
+                          f"({', '.join(changed)}); a resumed run keeps its config")
+    try:
+        tensors = load_tensors(_state_dir(run_dir) / content["tensors"])
+    except (OSError, ValueError) as error:
+        raise ResumeError(f"run state of {run_dir}: {error}") from error
+    heads: dict[int, tuple[dict[str, torch.Tensor], float]] = {
+        int(c): ({}, weight) for c, weight in content["head_weights"].items()}
+    for key, tensor in tensors.items():
+        if key.startswith(_HEADS):
+            client, name = key[len(_HEADS):].split("/", 1)
+            heads[int(client)][0][name] = tensor
+    return RunState(
+        run_id=content["run_id"],
+        round=content["round"],
+        global_state={k[len(_GLOBAL):]: v for k, v in tensors.items() if k.startswith(_GLOBAL)},
+        versions=content["versions"],
+        next_task_id=content["next_task_id"],
+        personal={int(c): parts for c, parts in content["personal"].items()},
+        heads=heads,
+        failures=content["failures"],
+        bytes_by_client={int(c): by_part for c, by_part in content["bytes_by_client"].items()},
+        seconds=content["seconds"],
+        config=content["config"],
+    )
+
+
+def _differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested mappings."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return [key for name in sorted(set(saved) | set(current))
+                for key in _differences(saved.get(name), current.get(name), f"{prefix}{name}.")]
+    return [] if saved == current else [prefix.rstrip(".")]

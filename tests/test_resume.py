@@ -1,0 +1,279 @@
+"""Resuming a stopped server (``fedpart server --resume RUN_DIR``), clients that reconnect by
+themselves, and evaluations asked again of a client whose process came back. The end-to-end
+tests start real server and client processes on 127.0.0.1 and stop them with SIGKILL/SIGSTOP."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (
+    LineReader,
+    Processes,
+    fedpart_command,
+    read_metrics,
+    read_summary,
+    small_config,
+    start_server,
+    write_config,
+)
+from fedpart.client.runtime import Backoff
+from fedpart.common.config import config_from_dict
+from fedpart.deploy.cli import main as cli_main
+from fedpart.proto import fedpart_pb2 as pb
+from fedpart.server.coordinator import Coordinator
+from fedpart.server.report import RunDirectory
+from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
+
+WAIT = 240.0  # seconds: bound of every wait for a process or a line
+CLIENT_IDS = ("0-1", "2-3")
+
+
+def _start_clients(processes: Processes, address: str, root: Path, *extra: str) -> list[subprocess.Popen]:
+    """Two client processes (clients 0-1 and 2-3), logging to ``root/client_<i>.log``."""
+    root.mkdir(parents=True, exist_ok=True)
+    clients = []
+    for index, ids in enumerate(CLIENT_IDS):
+        with (root / f"client_{index}.log").open("w") as log:
+            clients.append(processes.start(
+                fedpart_command("client", "--server", address, "--clients", ids, "--threads", "1",
+                                "--state-dir", str(root / f"state_{index}"), *extra),
+                stdout=log, stderr=subprocess.STDOUT))
+    return clients
+
+
+def _client_logs(root: Path) -> list[str]:
+    return [(root / f"client_{index}.log").read_text() for index in range(len(CLIENT_IDS))]
+
+
+def _finish(server: subprocess.Popen, reader: LineReader, clients: list[subprocess.Popen], root: Path) -> str:
+    """Wait for the run to end; every process must succeed. Returns the server's output."""
+    output = reader.rest(timeout=WAIT)
+    assert server.wait(timeout=30) == 0, output
+    for client, log in zip(clients, _client_logs(root)):
+        assert client.wait(timeout=60) == 0, log
+    return output
+
+
+def _run_id(reader: LineReader) -> str:
+    return re.search(r"\(run (\w+),", reader.lines[-1]).group(1)
+
+
+def _wait_for_file(path: Path, timeout: float) -> None:
+    """Bounded wait for a file another process writes."""
+    deadline = time.monotonic() + timeout
+    while not path.is_file():
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.05)
+
+
+def _resume(processes: Processes, out: Path, address: str, *extra: str) -> subprocess.Popen:
+    return processes.start(fedpart_command("server", "--resume", str(out), "--address", address, *extra),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedper"])
+def test_a_killed_server_resumes_the_same_run_with_identical_results(tmp_path: Path, processes, algorithm) -> None:
+    """SIGKILL the server while round 3 of 4 is in flight (one client process held by SIGSTOP,
+    the other has trained and uploaded round 3, FedPer keeping its new heads), resume it: same
+    run id, the clients reconnect and join again, round 3 is redone, and the final accuracies and
+    checkpoint bytes equal those of an uninterrupted run."""
+    # local training of about 0.1 s per client: the stopped process cannot finish round 3 first
+    config = small_config(rounds=4, algorithm={"name": algorithm},
+                          train={"epochs": 2, "batch_size": 5, "lr": 0.02, "momentum": 0.5})
+    config_path = write_config(tmp_path / "config.yaml", config)
+
+    baseline = tmp_path / "baseline"
+    server, reader, address = start_server(processes, config_path, baseline)
+    _finish(server, reader, _start_clients(processes, address, tmp_path / "baseline-clients"), tmp_path / "baseline-clients")
+
+    out, root = tmp_path / "out", tmp_path / "clients"
+    server, reader, address = start_server(processes, config_path, out)
+    run_id = _run_id(reader)
+    clients = _start_clients(processes, address, root, "--reconnect-timeout", "120")
+    reader.wait_for(r"round\s+2/4", timeout=WAIT)
+    os.kill(clients[1].pid, signal.SIGSTOP)  # round 3 cannot complete
+    if algorithm == "fedper":  # the other process trained round 3 and kept the heads it trained
+        _wait_for_file(root / "state_0" / run_id / "client_1" / "personal_start_0003.safetensors", WAIT)
+    server.kill()
+    server.wait(timeout=30)
+    os.kill(clients[1].pid, signal.SIGCONT)
+
+    resumed = _resume(processes, out, address)
+    reader = LineReader(resumed)
+    reader.wait_for(rf"listening on {re.escape(address)} \(run {run_id},", timeout=WAIT)
+    output = _finish(resumed, reader, clients, root)
+    assert "resuming run" in output and "after round 2/4" in output
+    for log in _client_logs(root):
+        assert f"joined run {run_id} again" in log, log
+
+    assert [m["round"] for m in read_metrics(out)] == [1, 2, 3, 4], "round 3 was redone, no duplicate line"
+    assert [m["train_loss"] for m in read_metrics(out)] == [m["train_loss"] for m in read_metrics(baseline)]
+    final = "checkpoints/round_0004.safetensors"
+    assert (out / final).read_bytes() == (baseline / final).read_bytes()
+    summary, expected = read_summary(out), read_summary(baseline)
+    assert summary["accuracy"] == expected["accuracy"]
+    assert summary["failures"] == []
+    assert [c["initial"] for c in summary["per_client"]] == [c["initial"] for c in expected["per_client"]]
+
+    finished = subprocess.run(fedpart_command("server", "--resume", str(baseline)), capture_output=True, text=True,
+                              timeout=WAIT)
+    assert finished.returncode == 2 and "already finished" in finished.stderr, finished.stderr
+
+
+def test_resume_refuses_what_it_cannot_continue_and_changes_nothing(tmp_path: Path, capsys,
+                                                                     one_torch_thread) -> None:
+    config_only = tmp_path / "never-started"
+    config_only.mkdir()
+    write_config(config_only / "config.yaml", small_config())
+    cases = [
+        ([str(tmp_path / "empty")], "not a run directory (no config.yaml)"),
+        ([str(config_only)], "no resumable run state"),
+        ([str(config_only), "--set", "rounds=5"], "--set rounds=5 would change it"),
+        ([str(config_only), "quickstart"], "give no CONFIG"),
+        ([str(config_only), "--out", str(tmp_path / "elsewhere")], "names another directory"),
+    ]
+    for args, message in cases:
+        assert cli_main(["server", "--resume", *args]) == 2
+        assert message in capsys.readouterr().err, args
+    assert sorted(p.name for p in config_only.iterdir()) == ["config.yaml"]
+
+
+def test_run_state_round_trip_and_a_changed_config_is_refused(tmp_path: Path, one_torch_thread) -> None:
+    config = config_from_dict(small_config(algorithm={"name": "fedftha"}))
+    coordinator = Coordinator(config, log=lambda message: None)
+    head = {n: torch.full_like(t, 0.5) for n, t in coordinator.global_state.items() if n.startswith("head.")}
+    coordinator.heads.store(2, head, 3.0)
+    coordinator.ledger.add(1, 2, "up", {"body": 100, "control": 7})
+    write_run_state(tmp_path, coordinator.snapshot(1, 12.5))
+
+    restored = Coordinator(config, log=lambda message: None)
+    restored.restore(read_run_state(tmp_path, config.to_dict()))
+    assert restored.run_id == coordinator.run_id
+    assert all(torch.equal(restored.global_state[n], t) for n, t in coordinator.global_state.items())
+    assert restored.heads.mean().keys() == head.keys()
+    assert all(torch.equal(restored.heads.mean()[n].float(), head[n]) for n in head)
+    assert restored.ledger.totals(client=2) == {"down": 0, "up": 107}
+
+    changed = config_from_dict(small_config(algorithm={"name": "fedftha"}, seed=1))
+    with pytest.raises(ResumeError, match=r"differs .*\(seed\)"):
+        read_run_state(tmp_path, changed.to_dict())
+
+
+def test_metrics_of_an_unfinished_round_are_dropped(tmp_path: Path) -> None:
+    run_dir = RunDirectory(tmp_path)
+    for round_number in (1, 2, 3):
+        run_dir.append_round({"round": round_number})
+    with run_dir.metrics_path.open("a") as f:
+        f.write('{"round": 4, "samp')  # the server died while writing
+    records = RunDirectory(tmp_path, resume=True).rounds_up_to(2)
+    assert [r["round"] for r in records] == [1, 2]
+    assert [json.loads(line)["round"] for line in run_dir.metrics_path.read_text().splitlines()] == [1, 2]
+    with pytest.raises(ResumeError, match=r"holds rounds \[1, 2\]"):
+        run_dir.rounds_up_to(3)
+
+
+# ------------------------------------------------------------------------------------- reconnecting
+
+
+def test_backoff_doubles_up_to_its_cap_and_ends_at_the_deadline() -> None:
+    backoff = Backoff(deadline=time.monotonic() + 1000)
+    assert [backoff.next_delay() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert Backoff(deadline=time.monotonic() - 1).next_delay() is None
+
+
+def test_clients_reconnect_for_their_timeout_and_only_to_the_same_run(tmp_path: Path, processes) -> None:
+    """After SIGKILL of the server, a client with ``--reconnect-timeout 3`` gives up after its
+    backoff; the other keeps trying, reaches a new server on the same address and refuses it
+    because it runs another run."""
+    config_path = write_config(tmp_path / "config.yaml", small_config(rounds=3))
+    server, reader, address = start_server(processes, config_path, tmp_path / "first")
+    logs = [tmp_path / f"client_{index}.log" for index in range(2)]
+    clients = []
+    for ids, timeout, log_path in zip(CLIENT_IDS, ("120", "3"), logs):
+        with log_path.open("w") as log:
+            clients.append(processes.start(
+                fedpart_command("client", "--server", address, "--clients", ids, "--threads", "1",
+                                "--state-dir", str(tmp_path / f"state_{ids}"), "--reconnect-timeout", timeout),
+                stdout=log, stderr=subprocess.STDOUT))
+    reader.wait_for(r"round\s+1/3", timeout=WAIT)
+    server.kill()
+    server.wait(timeout=30)
+    assert clients[1].wait(timeout=WAIT) == 1
+    text = logs[1].read_text()
+    assert "trying to reconnect for up to 3 s" in text and "attempt 2 in 1.0 s" in text, text
+    assert "unreachable for 3 s (--reconnect-timeout)" in text, text
+    processes.start(fedpart_command("server", str(config_path), "--address", address, "--out", str(tmp_path / "second")),
+                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # a new run on the same address
+    assert clients[0].wait(timeout=WAIT) == 1
+    text = logs[0].read_text()
+    assert "the server answers again" in text and "now runs another run" in text, text
+
+
+# ------------------------------------------------------------------------- the final evaluation
+
+
+def test_a_process_lost_during_the_final_evaluation_is_asked_again(tmp_path: Path, processes) -> None:
+    """SIGSTOP one client process as the final evaluation starts, past the heartbeat timeout (the
+    server gives up on it), SIGKILL it and start it again: its clients are evaluated too."""
+    config = small_config(rounds=2, evaluate={"finetune_epochs": [1, 50], "batch_size": 10},
+                          server={"round_timeout": 120, "join_timeout": 120, "heartbeat_timeout": 5})
+    config_path = write_config(tmp_path / "config.yaml", config)
+    out, root = tmp_path / "out", tmp_path / "clients"
+    server, reader, address = start_server(processes, config_path, out)
+    clients = _start_clients(processes, address, root)
+    reader.wait_for(r"round\s+2/2", timeout=WAIT)
+    os.kill(clients[1].pid, signal.SIGSTOP)  # each evaluation takes about a second: it has not answered
+    reader.wait_for(r"process \S+ went silent", timeout=WAIT)
+    clients[1].kill()
+    clients[1].wait(timeout=30)
+    with (root / "client_1.log").open("a") as log:
+        restarted = processes.start(
+            fedpart_command("client", "--server", address, "--clients", CLIENT_IDS[1], "--threads", "1",
+                            "--state-dir", str(root / "state_1")),
+            stdout=log, stderr=subprocess.STDOUT)
+    output = reader.rest(timeout=WAIT)
+    assert server.wait(timeout=30) == 0, output
+    assert restarted.wait(timeout=60) == 0 and clients[0].wait(timeout=60) == 0
+    assert re.search(r"client [23]: its process was lost during the evaluation; asking \S+ again", output), output
+    summary = read_summary(out)
+    assert all(c["initial"] is not None for c in summary["per_client"]), summary["per_client"]
+    assert summary["failures"] == []
+
+
+def test_an_evaluation_taken_by_a_process_that_restarts_is_asked_again(one_torch_thread) -> None:
+    """The take-over path, in process: a process takes its evaluation and is replaced by its
+    restart (same instance) before answering; the restart is asked and no failure is recorded."""
+    coordinator = Coordinator(config_from_dict(small_config(clients=1, server={"heartbeat_timeout": 30})),
+                              log=lambda message: None)
+
+    def join() -> str:
+        return coordinator.join(pb.JoinRequest(protocol=1, process_name="p", instance="same",
+                                               clients=[pb.HostedClient(id=0)])).session
+
+    first = join()
+    evaluations: list[dict] = []
+    worker = threading.Thread(target=lambda: evaluations.append(coordinator.evaluate_all()), daemon=True)
+    worker.start()
+    taken = coordinator.next_task(first, 60)
+    assert taken.kind == pb.EVALUATE
+    second = join()
+    task = coordinator.next_task(second, 60)
+    assert task.kind == pb.EVALUATE and task.task_id != taken.task_id
+    metrics = {"initial_acc": 0.5, "train_samples": 10, "test_samples": 5}
+    coordinator.accept(task, pb.ResultHeader(metrics=metrics), {})
+    worker.join(timeout=60)
+    assert evaluations == [{0: metrics}]
+    assert coordinator.failures == []
