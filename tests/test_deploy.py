@@ -40,15 +40,20 @@ TORCH_PIN = "torch==2.13.0"
 FILE_OPTIONS = ("--tls-cert", "--tls-key", "--client-ca", "--credentials", "--ca", "--token-file", "--cert", "--key")
 
 
+def process_files(process: int) -> set[str]:
+    """The token, certificate and key ``fedpart certs`` writes for client process ``process``."""
+    return {f"process_{process}.{suffix}" for suffix in ("token", "pem", "key")}
+
+
 def certs_outputs(processes: int) -> set[str]:
     """The files ``fedpart certs --processes K`` writes (the interface fixed in the issue 6 brief)."""
-    per_process = {f"process_{k}.{suffix}" for k in range(processes) for suffix in ("token", "pem", "key")}
+    per_process = set().union(*(process_files(k) for k in range(processes)))
     return {"ca.pem", "ca.key", "server.pem", "server.key", "credentials.yaml"} | per_process
 
 
 def options(argv: list[str]) -> dict[str, str]:
     """``--flag value`` pairs of a command line (every deploy command passes values, no switches)."""
-    return {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--")}
+    return {flag: value for flag, value in zip(argv, argv[1:], strict=False) if flag.startswith("--")}
 
 
 def parse_fedpart(argv: list[str]) -> None:
@@ -59,13 +64,12 @@ def parse_fedpart(argv: list[str]) -> None:
         raise AssertionError(f"fedpart refuses: fedpart {shlex.join(argv)}") from None
 
 
-def check_server_command(argv: list[str]) -> dict[str, str]:
+def check_server_command(argv: list[str]) -> None:
     """The server runs the run config with TLS and tokens; --resume names its own --out."""
     flags = options(argv)
     assert argv[:2] == ["server", RUN_CONFIG]
     assert {"--tls-cert", "--tls-key", "--client-ca", "--credentials"} <= set(flags)
     assert flags.get("--resume", flags["--out"]) == flags["--out"]
-    return flags
 
 
 def check_client_command(argv: list[str]) -> int:
@@ -186,7 +190,8 @@ def test_compose_command_lines_read_their_mounted_secrets_and_cover_every_client
             for flag in FILE_OPTIONS:
                 if flag in flags:
                     path = PurePosixPath(flags[flag])
-                    assert path.parent == PurePosixPath("/run/secrets") and path.name in service["secrets"], (name, flag)
+                    assert path.parent == PurePosixPath("/run/secrets"), (name, flag)
+                    assert path.name in service["secrets"], (name, flag)
             if argv[0] == "server":
                 check_server_command(argv)
                 assert service["ports"] == [f"{port}:{port}"]
@@ -195,7 +200,7 @@ def test_compose_command_lines_read_their_mounted_secrets_and_cover_every_client
             else:
                 process = check_client_command(argv)
                 assert flags["--server"] == f"{SERVER_NAME}:{port}"
-                assert set(service["secrets"]) == {"ca.pem"} | {f"process_{process}.{s}" for s in ("token", "pem", "key")}
+                assert set(service["secrets"]) == {"ca.pem"} | process_files(process)
                 assert flags["--state-dir"] in mount_targets(service)
                 hosted.append(process)
         assert sorted(hosted) == list(range(PROCESSES))
@@ -259,7 +264,8 @@ def secret_mounts(spec: dict[str, Any]) -> dict[PurePosixPath, str]:
     """Mount path -> Secret name for the one container of a pod spec."""
     secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
     (container,) = spec["containers"]
-    return {PurePosixPath(m["mountPath"]): secrets[m["name"]] for m in container["volumeMounts"] if m["name"] in secrets}
+    mounts = [m for m in container["volumeMounts"] if m["name"] in secrets]
+    return {PurePosixPath(m["mountPath"]): secrets[m["name"]] for m in mounts}
 
 
 def fedpart_lines(spec: dict[str, Any], variables: dict[str, str]) -> list[list[str]]:
