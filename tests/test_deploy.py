@@ -1,0 +1,381 @@
+"""deploy/: the Dockerfiles, the Compose files and the Kubernetes manifests are well-formed, mount
+only files that ``fedpart certs`` writes (never the CA key), and run ``fedpart`` command lines that
+``fedpart``'s own parser accepts, each pointing at files its container really mounts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path, PurePosixPath
+from string import Template
+from typing import Any
+
+import pytest
+import yaml
+
+from fedpart.common.config import load_config
+from fedpart.deploy.cli import build_parser, resolve_config_path
+from fedpart.deploy.launcher import split_clients
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+COMPOSE_GPU = DEPLOY / "docker-compose.gpu.yml"
+K8S_BASE = DEPLOY / "k8s" / "base"
+K8S_GPU = DEPLOY / "k8s" / "gpu"
+DOCKERFILES = [DEPLOY / "Dockerfile", DEPLOY / "Dockerfile.cuda"]
+
+# The run the deploy files are written for: `fedpart certs --out deploy/secrets --server-names server
+# --clients 10 --processes 2` and the bundled quickstart config.
+RUN_CONFIG = "quickstart"
+CLIENTS = 10
+PROCESSES = 2
+SERVER_NAME = "server"
+TORCH_PIN = "torch==2.13.0"
+# Options whose value is a file the process reads: each must be a file its container mounts.
+FILE_OPTIONS = ("--tls-cert", "--tls-key", "--client-ca", "--credentials", "--ca", "--token-file", "--cert", "--key")
+
+
+def process_files(process: int) -> set[str]:
+    """The token, certificate and key ``fedpart certs`` writes for client process ``process``."""
+    return {f"process_{process}.{suffix}" for suffix in ("token", "pem", "key")}
+
+
+def certs_outputs(processes: int) -> set[str]:
+    """The files ``fedpart certs --processes K`` writes (the interface fixed in the issue 6 brief)."""
+    per_process = set().union(*(process_files(k) for k in range(processes)))
+    return {"ca.pem", "ca.key", "server.pem", "server.key", "credentials.yaml"} | per_process
+
+
+def options(argv: list[str]) -> dict[str, str]:
+    """``--flag value`` pairs of a command line (every deploy command passes values, no switches)."""
+    return {flag: value for flag, value in zip(argv, argv[1:], strict=False) if flag.startswith("--")}
+
+
+def parse_fedpart(argv: list[str]) -> None:
+    """Fail the test with the command line when ``fedpart``'s parser refuses it."""
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit:
+        raise AssertionError(f"fedpart refuses: fedpart {shlex.join(argv)}") from None
+
+
+def check_server_command(argv: list[str]) -> None:
+    """The server runs the run config with TLS and tokens; --resume names its own --out."""
+    flags = options(argv)
+    assert argv[:2] == ["server", RUN_CONFIG]
+    assert {"--tls-cert", "--tls-key", "--client-ca", "--credentials"} <= set(flags)
+    assert flags.get("--resume", flags["--out"]) == flags["--out"]
+
+
+def check_client_command(argv: list[str]) -> int:
+    """A client process K hosts the ids ``fedpart certs`` gave process_K, with process_K's files."""
+    flags = options(argv)
+    assert argv[0] == "client"
+    assert flags["--server-name"] == SERVER_NAME
+    process = int(re.fullmatch(r"process_(\d+)\.token", PurePosixPath(flags["--token-file"]).name)[1])
+    assert PurePosixPath(flags["--cert"]).name == f"process_{process}.pem"
+    assert PurePosixPath(flags["--key"]).name == f"process_{process}.key"
+    assert PurePosixPath(flags["--ca"]).name == "ca.pem"
+    assert flags["--clients"] == split_clients(CLIENTS, PROCESSES)[process]
+    return process
+
+
+def load_yaml(path: Path) -> list[Any]:
+    return list(yaml.safe_load_all(path.read_text()))
+
+
+# --------------------------------------------------------------------------------------- all YAML
+
+
+def deploy_yaml_files() -> list[Path]:
+    secrets = DEPLOY / "secrets"
+    return sorted(p for p in DEPLOY.rglob("*.y*ml") if secrets not in p.parents)
+
+
+def test_every_deploy_yaml_parses_into_mappings():
+    files = deploy_yaml_files()
+    assert {COMPOSE, COMPOSE_GPU, K8S_BASE / "kustomization.yaml", K8S_GPU / "kustomization.yaml"} <= set(files)
+    for path in files:
+        documents = load_yaml(path)
+        assert documents, path
+        assert all(isinstance(document, dict) for document in documents), path
+
+
+def test_deploy_files_are_written_for_the_run_config():
+    assert load_config(resolve_config_path(RUN_CONFIG)).clients == CLIENTS
+
+
+# ------------------------------------------------------------------------------------ Dockerfiles
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    lines = [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    instructions = []
+    for line in joined.splitlines():
+        if line.strip():
+            keyword, _, arguments = line.strip().partition(" ")
+            instructions.append((keyword.upper(), " ".join(arguments.split())))
+    return instructions
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_pins_torch_before_fedpart_and_never_installs_torchvision(path: Path):
+    instructions = dockerfile_instructions(path)
+    runs = [arguments for keyword, arguments in instructions if keyword == "RUN"]
+    assert not any("torchvision" in run for run in runs)
+    sources = [arguments.split()[-1] for keyword, arguments in instructions
+               if keyword == "COPY" and arguments.split()[0] == "."]
+    assert len(sources) == 1, "the repository is copied into the image once"
+    torch_index = next(i for i, run in enumerate(runs) if "pip install" in run and TORCH_PIN in run.split())
+    fedpart_index = next(i for i, run in enumerate(runs) if f"pip install {sources[0]}" in run)
+    assert torch_index < fedpart_index
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_runs_fedpart_as_a_non_root_user(path: Path):
+    instructions = dict(dockerfile_instructions(path))
+    assert instructions["USER"].split(":")[0] not in ("root", "0")
+    entrypoint = json.loads(instructions["ENTRYPOINT"])
+    assert entrypoint == ["fedpart"]
+    parse_fedpart(json.loads(instructions["CMD"]))
+
+
+def test_dockerignore_keeps_secrets_and_local_state_out_of_the_image():
+    ignored = set((REPO / ".dockerignore").read_text().split())
+    assert {"deploy/secrets", ".git", ".venv", "runs"} <= ignored
+
+
+# --------------------------------------------------------------------------------- Docker Compose
+
+
+def compose_services(*paths: Path) -> dict[str, dict[str, Any]]:
+    """Services of Compose files merged as ``docker compose -f A -f B`` does for the keys used here."""
+    services: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        for name, service in yaml.safe_load(path.read_text())["services"].items():
+            services[name] = {**services.get(name, {}), **service}
+    return services
+
+
+def mount_targets(service: dict[str, Any]) -> list[str]:
+    return [volume.split(":")[1] for volume in service.get("volumes", [])]
+
+
+def test_compose_mounts_only_files_that_fedpart_certs_writes():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    secrets = compose["secrets"]
+    for name, secret in secrets.items():
+        assert PurePosixPath(secret["file"]) == PurePosixPath("secrets") / name
+    assert set(secrets) <= certs_outputs(PROCESSES) - {"ca.key"}
+    for name, service in compose["services"].items():
+        assert set(service.get("secrets", [])) <= set(secrets), name
+
+
+def test_compose_command_lines_read_their_mounted_secrets_and_cover_every_client_once():
+    for variant in ([COMPOSE], [COMPOSE, COMPOSE_GPU]):
+        services = compose_services(*variant)
+        assert services["server-resume"]["networks"]["default"]["aliases"] == [SERVER_NAME]
+        port = options(services[SERVER_NAME]["command"])["--address"].rsplit(":", 1)[1]
+        hosted = []
+        for name, service in services.items():
+            argv = service["command"]
+            flags = options(argv)
+            for flag in FILE_OPTIONS:
+                if flag in flags:
+                    path = PurePosixPath(flags[flag])
+                    assert path.parent == PurePosixPath("/run/secrets"), (name, flag)
+                    assert path.name in service["secrets"], (name, flag)
+            if argv[0] == "server":
+                check_server_command(argv)
+                assert service["ports"] == [f"{port}:{port}"]
+                assert any(PurePosixPath(t) in PurePosixPath(flags["--out"]).parents for t in mount_targets(service))
+                assert ("--resume" in flags) == (name == "server-resume")
+            else:
+                process = check_client_command(argv)
+                assert flags["--server"] == f"{SERVER_NAME}:{port}"
+                assert set(service["secrets"]) == {"ca.pem"} | process_files(process)
+                assert flags["--state-dir"] in mount_targets(service)
+                hosted.append(process)
+        assert sorted(hosted) == list(range(PROCESSES))
+
+
+def test_compose_command_lines_parse():
+    for variant in ([COMPOSE], [COMPOSE, COMPOSE_GPU]):
+        for service in compose_services(*variant).values():
+            parse_fedpart(service["command"])
+
+
+def test_compose_gpu_variant_gives_each_client_its_own_gpu():
+    base = compose_services(COMPOSE)
+    gpu = yaml.safe_load(COMPOSE_GPU.read_text())["services"]
+    assert set(gpu) == {name for name, service in base.items() if service["command"][0] == "client"}
+    gpus = []
+    for name, service in gpu.items():
+        assert service["build"]["dockerfile"] == "deploy/Dockerfile.cuda"
+        assert (REPO / service["build"]["dockerfile"]).is_file()
+        device_index = service["command"].index("--device") + 1
+        assert service["command"][device_index] == "cuda:0"
+        expected = list(base[name]["command"])
+        expected[device_index] = "cuda:0"
+        assert service["command"] == expected, "the GPU command differs from the CPU one only in --device"
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        (gpu_id,) = device["device_ids"]
+        gpus.append(gpu_id)
+    assert len(set(gpus)) == len(gpus)
+
+
+# ------------------------------------------------------------------------------------- Kubernetes
+
+
+def k8s_objects(directory: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """The objects of a kustomization's resource files, keyed by (kind, name)."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    objects = {}
+    for resource in kustomization["resources"]:
+        for document in load_yaml(directory / resource):
+            objects[(document["kind"], document["metadata"]["name"])] = document
+    return objects
+
+
+def readme_secrets() -> dict[str, set[str]]:
+    """Secret name -> file names, from the ``kubectl create secret generic`` lines of the README."""
+    secrets = {}
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith("kubectl create secret generic "):
+            argv = shlex.split(line)
+            secrets[argv[4]] = {a.removeprefix("--from-file=") for a in argv[5:] if a.startswith("--from-file=")}
+    return secrets
+
+
+def pod_spec(objects: dict[tuple[str, str], dict[str, Any]], kind: str) -> dict[str, Any]:
+    (spec,) = [o["spec"]["template"]["spec"] for (k, _), o in objects.items() if k == kind]
+    return spec
+
+
+def secret_mounts(spec: dict[str, Any]) -> dict[PurePosixPath, str]:
+    """Mount path -> Secret name for the one container of a pod spec."""
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    (container,) = spec["containers"]
+    mounts = [m for m in container["volumeMounts"] if m["name"] in secrets]
+    return {PurePosixPath(m["mountPath"]): secrets[m["name"]] for m in mounts}
+
+
+def fedpart_lines(spec: dict[str, Any], variables: dict[str, str]) -> list[list[str]]:
+    """The ``exec fedpart ...`` lines of a container's ``sh -c`` script, shell variables filled in."""
+    (container,) = spec["containers"]
+    assert container["command"] == ["/bin/sh", "-c"]
+    (script,) = container["args"]
+    lines = [line.strip() for line in script.splitlines() if line.strip().startswith("exec fedpart ")]
+    return [shlex.split(Template(line).substitute(variables))[2:] for line in lines]
+
+
+def client_variables(spec: dict[str, Any], index: int) -> dict[str, str]:
+    """The pod's environment for completion index ``index``, with CLIENTS as its script computes it."""
+    (container,) = spec["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]} | {"JOB_COMPLETION_INDEX": str(index)}
+    (script,) = container["args"]
+    assignment = re.search(r"^CLIENTS=\$\((.*)\)$", script, re.MULTILINE)[1]
+    program = shlex.split(assignment)
+    assert program[:2] == ["python", "-c"]
+    result = subprocess.run([sys.executable, "-c", program[2]], env=dict(os.environ) | env, capture_output=True,
+                            text=True, timeout=120, check=True)
+    return env | {"CLIENTS": result.stdout.strip()}
+
+
+@pytest.fixture(scope="module")
+def k8s_command_lines() -> list[tuple[str, list[str], dict[str, Any]]]:
+    """(component, argv, pod spec) for the server's lines and every client index's line."""
+    objects = k8s_objects(K8S_BASE)
+    server, client = pod_spec(objects, "Deployment"), pod_spec(objects, "Job")
+    lines = [("server", argv, server) for argv in fedpart_lines(server, {})]
+    completions = objects[("Job", "fedpart-clients")]["spec"]["completions"]
+    for index in range(completions):
+        lines += [("client", argv, client) for argv in fedpart_lines(client, client_variables(client, index))]
+    return lines
+
+
+def test_k8s_objects_and_their_references():
+    objects = k8s_objects(K8S_BASE)
+    assert {kind for kind, _ in objects} == {"PersistentVolumeClaim", "Deployment", "Service", "Job"}
+    (deployment,) = [o for (k, _), o in objects.items() if k == "Deployment"]
+    (service,) = [o for (k, _), o in objects.items() if k == "Service"]
+    (job,) = [o for (k, _), o in objects.items() if k == "Job"]
+    assert deployment["apiVersion"] == "apps/v1" and job["apiVersion"] == "batch/v1"
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"] == labels == service["spec"]["selector"]
+    server_spec = deployment["spec"]["template"]["spec"]
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in server_spec["volumes"] if "persistentVolumeClaim" in v]
+    assert claims and all(("PersistentVolumeClaim", c) in objects for c in claims)
+    assert job["spec"]["completionMode"] == "Indexed"
+    env = {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == int(env["FEDPART_PROCESSES"]) == PROCESSES
+    assert int(env["FEDPART_CLIENTS"]) == CLIENTS
+    assert job["spec"]["template"]["spec"]["restartPolicy"] in ("OnFailure", "Never")
+
+
+def test_k8s_secrets_are_created_from_fedpart_certs_outputs():
+    secrets = readme_secrets()
+    assert set(secrets) == {"fedpart-server", "fedpart-clients"}
+    for files in secrets.values():
+        assert files <= certs_outputs(PROCESSES) - {"ca.key"}
+    objects = k8s_objects(K8S_BASE)
+    for kind in ("Deployment", "Job"):
+        assert set(secret_mounts(pod_spec(objects, kind)).values()) <= set(secrets)
+
+
+def test_k8s_command_lines_read_mounted_files_and_cover_every_client_once(k8s_command_lines):
+    objects = k8s_objects(K8S_BASE)
+    secrets = readme_secrets()
+    (service,) = [o for (k, _), o in objects.items() if k == "Service"]
+    (port,) = [p["port"] for p in service["spec"]["ports"]]
+    server_lines, hosted = [], []
+    for component, argv, spec in k8s_command_lines:
+        flags = options(argv)
+        mounts = secret_mounts(spec)
+        for flag in FILE_OPTIONS:
+            if flag in flags:
+                path = PurePosixPath(flags[flag])
+                assert path.parent in mounts and path.name in secrets[mounts[path.parent]], (component, flag)
+        assert argv[0] == component
+        if component == "server":
+            check_server_command(argv)
+            assert flags["--address"] == f"0.0.0.0:{port}"
+            (container,) = spec["containers"]
+            volume_paths = [PurePosixPath(m["mountPath"]) for m in container["volumeMounts"]]
+            assert any(p in PurePosixPath(flags["--out"]).parents for p in volume_paths if p not in mounts)
+            server_lines.append(argv)
+        else:
+            assert flags["--server"] == f"{service['metadata']['name']}:{port}"
+            hosted.append(check_client_command(argv))
+    assert sorted("--resume" in argv for argv in server_lines) == [False, True]
+    assert sorted(hosted) == list(range(PROCESSES))
+
+
+def test_k8s_command_lines_parse(k8s_command_lines):
+    for _, argv, _ in k8s_command_lines:
+        parse_fedpart(argv)
+
+
+def test_k8s_gpu_overlay_patches_the_client_container_with_one_gpu():
+    kustomization = yaml.safe_load((K8S_GPU / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../base"]
+    (patch_ref,) = kustomization["patches"]
+    (patch,) = load_yaml(K8S_GPU / patch_ref["path"])
+    base_job = k8s_objects(K8S_BASE)[(patch["kind"], patch["metadata"]["name"])]
+    (base_container,) = base_job["spec"]["template"]["spec"]["containers"]
+    (container,) = patch["spec"]["template"]["spec"]["containers"]
+    assert container["name"] == base_container["name"], "a patch with another name would add a container"
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env == {"FEDPART_DEVICE": "cuda:0"}
+    assert "FEDPART_DEVICE" in {e["name"] for e in base_container["env"]}
+    assert container["image"] != base_container["image"]
