@@ -32,6 +32,7 @@ DOCKERFILES = [DEPLOY / "Dockerfile", DEPLOY / "Dockerfile.cuda"]
 # The run the deploy files are written for: `fedpart certs --out deploy/secrets --server-names server
 # --clients 10 --processes 2` and the bundled quickstart config.
 RUN_CONFIG = "quickstart"
+RUN_DIR = "/runs/quickstart"
 CLIENTS = 10
 PROCESSES = 2
 SERVER_NAME = "server"
@@ -65,11 +66,14 @@ def parse_fedpart(argv: list[str]) -> None:
 
 
 def check_server_command(argv: list[str]) -> None:
-    """The server runs the run config with TLS and tokens; --resume names its own --out."""
+    """The server runs the run config into its run dir with TLS and tokens, or resumes that run dir
+    (whose config.yaml it reads: no CONFIG then)."""
     flags = options(argv)
-    assert argv[:2] == ["server", RUN_CONFIG]
     assert {"--tls-cert", "--tls-key", "--client-ca", "--credentials"} <= set(flags)
-    assert flags.get("--resume", flags["--out"]) == flags["--out"]
+    if "--resume" in flags:
+        assert argv[1] == "--resume" and flags["--resume"] == RUN_DIR and "--out" not in flags
+    else:
+        assert argv[:2] == ["server", RUN_CONFIG] and flags["--out"] == RUN_DIR
 
 
 def check_client_command(argv: list[str]) -> int:
@@ -195,7 +199,7 @@ def test_compose_command_lines_read_their_mounted_secrets_and_cover_every_client
             if argv[0] == "server":
                 check_server_command(argv)
                 assert service["ports"] == [f"{port}:{port}"]
-                assert any(PurePosixPath(t) in PurePosixPath(flags["--out"]).parents for t in mount_targets(service))
+                assert any(PurePosixPath(t) in PurePosixPath(flags.get("--out", flags.get("--resume"))).parents for t in mount_targets(service))
                 assert ("--resume" in flags) == (name == "server-resume")
             else:
                 process = check_client_command(argv)
@@ -351,7 +355,7 @@ def test_k8s_command_lines_read_mounted_files_and_cover_every_client_once(k8s_co
             assert flags["--address"] == f"0.0.0.0:{port}"
             (container,) = spec["containers"]
             volume_paths = [PurePosixPath(m["mountPath"]) for m in container["volumeMounts"]]
-            assert any(p in PurePosixPath(flags["--out"]).parents for p in volume_paths if p not in mounts)
+            assert any(p in PurePosixPath(flags.get("--out", flags.get("--resume"))).parents for p in volume_paths if p not in mounts)
             server_lines.append(argv)
         else:
             assert flags["--server"] == f"{service['metadata']['name']}:{port}"
