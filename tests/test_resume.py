@@ -31,6 +31,7 @@ from fedpart.common.config import config_from_dict
 from fedpart.deploy.cli import main as cli_main
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.coordinator import Coordinator
+from fedpart.server.aggregation import WeightedMean
 from fedpart.server.report import RunDirectory
 from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
 
@@ -163,8 +164,9 @@ def test_run_state_round_trip_and_a_changed_config_is_refused(tmp_path: Path, on
     restored.restore(read_run_state(tmp_path, config.to_dict()))
     assert restored.run_id == coordinator.run_id
     assert all(torch.equal(restored.global_state[n], t) for n, t in coordinator.global_state.items())
-    assert restored.heads.mean().keys() == head.keys()
-    assert all(torch.equal(restored.heads.mean()[n].float(), head[n]) for n in head)
+    combined = restored.heads.combine(WeightedMean())
+    assert combined.keys() == head.keys()
+    assert all(torch.equal(combined[n].float(), head[n]) for n in head)
     assert restored.ledger.totals(client=2) == {"down": 0, "up": 107}
 
     changed = config_from_dict(small_config(algorithm={"name": "fedftha"}, seed=1))
@@ -272,7 +274,8 @@ def test_an_evaluation_taken_by_a_process_that_restarts_is_asked_again(one_torch
     second = join()
     task = coordinator.next_task(second, 60)
     assert task.kind == pb.EVALUATE and task.task_id != taken.task_id
-    metrics = {"initial_acc": 0.5, "train_samples": 10, "test_samples": 5}
+    metrics = {"initial_acc": 0.5, "initial_loss": 1.0, "finetune_1_loss": 0.9, "finetune_2_loss": 0.8,
+               "train_samples": 10, "test_samples": 5}
     coordinator.accept(task, pb.ResultHeader(metrics=metrics), {})
     worker.join(timeout=60)
     assert evaluations == [{0: metrics}]

@@ -299,7 +299,7 @@ def test_unauthenticated_and_unbounded_calls_hold_nothing(secure) -> None:
         streams = [pool.submit(lambda: _code(lambda: anonymous.SubmitResult(silent(), timeout=BOUND)))
                    for _ in range(40)]
         polls = [pool.submit(lambda: _code(lambda: list(anonymous.GetTask(
-            pb.TaskRequest(session=session, wait_seconds=30), timeout=BOUND)))) for _ in range(200)]
+            pb.TaskRequest(session=session, wait_seconds=30), timeout=BOUND)))) for _ in range(600)]
         codes = {f.result(timeout=BOUND) for f in streams + polls}
         never.set()
     assert codes == {grpc.StatusCode.UNAUTHENTICATED}
