@@ -18,7 +18,7 @@ import torch
 
 from conftest import fedpart_command, small_config, write_config
 from fedpart.common.config import config_from_dict
-from fedpart.common.security import ClientSecurity, ServerSecurity, load_credentials
+from fedpart.common.security import ClientSecurity, ServerSecurity, hash_token, load_credentials
 from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.proto import fedpart_pb2 as pb
@@ -444,3 +444,21 @@ def test_client_strings_cannot_forge_log_lines(secure) -> None:
     assert harness.logs and all("\n" not in line and "\r" not in line for line in harness.logs)
     assert any("evil\\nerror: round 9 forged" in line for line in harness.logs)
     assert any("gone\\r\\nwarning: forged too" in line for line in harness.coordinator.failures)
+
+
+def test_certs_command_writes_private_files_and_never_overwrites(tmp_path) -> None:
+    out = tmp_path / "secrets"
+    args = ["certs", "--out", str(out), "--server-names", "server.example,10.0.0.7", "--clients", "5",
+            "--processes", "2"]
+    made = subprocess.run(fedpart_command(*args), capture_output=True, text=True, timeout=BOUND)
+    assert made.returncode == 0, made.stderr
+    principals = load_credentials(out / "credentials.yaml")
+    assert [sorted(p.clients) for p in principals] == [[0, 1], [2, 3, 4]]  # split_clients(5, 2)
+    for name in ("ca.key", "server.key", "process_0.token", "process_1.key", "credentials.yaml"):
+        assert (out / name).stat().st_mode & 0o777 == 0o600, name
+    token = (out / "process_1.token").read_text().strip()
+    assert principals[1].token_sha256 == hash_token(token)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = subprocess.run(fedpart_command(*args), capture_output=True, text=True, timeout=BOUND)
+    assert again.returncode == 2 and "already holds credentials" in again.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
