@@ -334,12 +334,14 @@ class Coordinator:
             self.log(f"warning: round {task.round} client {task.client_id}: {note}")
 
     def fail_task(self, task: Task, reason: str) -> None:
-        """Drop a task whose delivery or result failed; the round goes on without it."""
+        """Drop a task whose delivery or result failed; the round goes on without it. A task that
+        is no longer open (answered, or already dropped) is left alone."""
         reason = printable(reason, 500)
         with self._cond:
-            if self._outstanding.pop(task.task_id, None) is not None:
-                self._failures.append(f"round {task.round} client {task.client_id}: {reason}")
-                self._cond.notify_all()
+            if self._outstanding.pop(task.task_id, None) is None:
+                return
+            self._failures.append(f"round {task.round} client {task.client_id}: {reason}")
+            self._cond.notify_all()
         self.log(f"warning: round {task.round} client {task.client_id} dropped: {reason}")
 
     # ------------------------------------------------------------------ helpers (hold the lock)

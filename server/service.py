@@ -112,6 +112,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except Rejected as error:
                 self.coordinator.ledger.refuse(first.ByteSize())
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+            # A call that ends before its result is taken (cancelled, or broken by gRPC itself, e.g.
+            # an oversized message) drops the task at once; after acceptance this does nothing.
+            context.add_callback(lambda: self.coordinator.fail_task(task, "the result stream ended early"))
             received = Received(task)
             parts = [tensor_part(spec.name) for spec in header.tensors]
             received.add(_chunk_parts(first, parts), "up")

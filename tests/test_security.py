@@ -122,11 +122,11 @@ def _ready(stub, session: str) -> None:
 
 
 def _result(session: str, header: pb.TaskHeader, uploads: dict[str, torch.Tensor],
-            samples: int = 10, metrics: dict | None = None) -> Iterator[pb.ResultChunk]:
+            samples: int = 10, metrics: dict | None = None, chunk_bytes: int = 1 << 20) -> Iterator[pb.ResultChunk]:
     result = pb.ResultHeader(session=session, task_id=header.task_id, client_id=header.client_id,
                              round=header.round, num_samples=samples, metrics=metrics or {"loss": 1.0},
                              tensors=[make_spec(n, t) for n, t in uploads.items()])
-    return encode_chunks(pb.ResultChunk, result, list(uploads.values()))
+    return encode_chunks(pb.ResultChunk, result, list(uploads.values()), chunk_bytes)
 
 
 # ---------------------------------------------------------------------------- 1. identity
@@ -397,7 +397,8 @@ def test_an_oversized_message_inside_a_result_always_loses_the_result(secure) ->
     for attempt in range(4):
         harness = secure(server={"round_timeout": 5, "heartbeat_timeout": 30})
         stub, session, header, uploads = _train_task(harness)
-        chunks = list(_result(session, header, uploads))
+        chunks = list(_result(session, header, uploads, chunk_bytes=4096))
+        assert len(chunks) > 2
         oversized = pb.ResultChunk()
         oversized.pieces.add(index=len(uploads) - 1, data=b"\0" * (5 << 20))
         with pytest.raises(grpc.RpcError) as error:
