@@ -302,7 +302,9 @@ def test_unauthenticated_and_unbounded_calls_hold_nothing(secure) -> None:
             pb.TaskRequest(session=session, wait_seconds=30), timeout=BOUND)))) for _ in range(600)]
         codes = {f.result(timeout=BOUND) for f in streams + polls}
         never.set()
-    assert codes == {grpc.StatusCode.UNAUTHENTICATED}
+    # refused at once: by the token gate, or by the server's cap on concurrent calls
+    assert grpc.StatusCode.UNAUTHENTICATED in codes
+    assert codes <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}
     started = time.monotonic()
     assert stub.Heartbeat(pb.HeartbeatRequest(session=session), timeout=BOUND).known
     assert time.monotonic() - started < 5.0
