@@ -283,17 +283,24 @@ def test_server_refuses_plaintext_off_loopback(tmp_path) -> None:
 # ---------------------------------------------------------------------------- 3. exhaustion
 
 
+def _silent_stream(release: threading.Event):
+    """A result stream that sends no message until ``release`` is set (bounded), then ends."""
+
+    def silent() -> Iterator[pb.ResultChunk]:
+        release.wait(BOUND)
+        return
+        yield
+
+    return silent
+
+
 def test_unauthenticated_and_unbounded_calls_hold_nothing(secure) -> None:
     harness = secure()
     stub = harness.stub(0)
     session = _join(stub, [0, 1]).session
     anonymous = harness.stub(None)
     never = threading.Event()
-
-    def silent() -> Iterator[pb.ResultChunk]:
-        never.wait(BOUND)
-        return
-        yield
+    silent = _silent_stream(never)
 
     with futures.ThreadPoolExecutor(64) as pool:
         streams = [pool.submit(lambda: _code(lambda: anonymous.SubmitResult(silent(), timeout=BOUND)))
@@ -318,11 +325,7 @@ def test_one_credential_holds_a_bounded_number_of_calls(secure) -> None:
     stub = harness.stub(0)
     _join(stub, [0, 1])
     release = threading.Event()
-
-    def silent() -> Iterator[pb.ResultChunk]:
-        release.wait(BOUND)
-        return
-        yield
+    silent = _silent_stream(release)
 
     with futures.ThreadPoolExecutor(16) as pool:
         calls = [pool.submit(lambda: _code(lambda: stub.SubmitResult(silent(), timeout=BOUND))) for _ in range(12)]
