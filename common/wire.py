@@ -177,7 +177,8 @@ def measure_chunk(chunk) -> ChunkBytes:
 class TensorAssembler:
     """Rebuilds tensors from a header's specs and the pieces that follow, validating sizes."""
 
-    def __init__(self, specs: Iterable[pb.TensorSpec], max_total_bytes: int | None = None) -> None:
+    def __init__(self, specs: Iterable[pb.TensorSpec], max_total_bytes: int | None = None,
+                 into: Mapping[str, torch.Tensor] | None = None) -> None:
         self.specs = list(specs)
         names = [spec.name for spec in self.specs]
         if len(set(names)) != len(names):
@@ -185,7 +186,12 @@ class TensorAssembler:
         self._expected = [spec_nbytes(spec) for spec in self.specs]
         if max_total_bytes is not None and sum(self._expected) > max_total_bytes:
             raise WireError(f"message declares {sum(self._expected)} tensor bytes, more than the {max_total_bytes} allowed")
-        self._buffers: list[bytearray | None] = [None] * len(self.specs)  # allocated by the first piece
+        self._buffers: list = [None] * len(self.specs)  # allocated by the first piece
+        if into is not None:
+            self._buffers = [memoryview(into[spec.name].view(-1).view(torch.uint8).numpy()) for spec in self.specs]
+            self._into = into
+        else:
+            self._into = None
         self._filled = [0] * len(self.specs)
 
     def add(self, pieces: Iterable[pb.TensorPiece]) -> None:
@@ -205,6 +211,11 @@ class TensorAssembler:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The complete tensors by name; raises if any is short of bytes."""
+        if self._into is not None:
+            for spec, filled, expected in zip(self.specs, self._filled, self._expected):
+                if filled != expected:
+                    raise WireError(f"tensor {spec.name!r}: got {filled} of {expected} bytes")
+            return {spec.name: self._into[spec.name] for spec in self.specs}
         out: dict[str, torch.Tensor] = {}
         for spec, buffer, filled, expected in zip(self.specs, self._buffers, self._filled, self._expected):
             if filled != expected:

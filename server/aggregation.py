@@ -13,6 +13,7 @@ ICML 2018) must see every value of a coordinate at once, so they hold the round'
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from fractions import Fraction
 from typing import Protocol
@@ -62,6 +63,7 @@ class WeightedMean:
         self._sums: dict[str, CompensatedSum] = {}
         self._weights: dict[str, float] = {}
         self._scratch = torch.empty((3, 0), dtype=torch.float64)  # reused by every fold
+        self._lock = threading.Lock()
 
     def _scratch_for(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Three float64 scratch tensors shaped like ``tensor``, shared across tensors."""
@@ -72,6 +74,10 @@ class WeightedMean:
     def add(self, tensors: Mapping[str, torch.Tensor], weight: float) -> None:
         """Fold one client's tensors in with aggregation weight ``weight`` (> 0)."""
         _check_weight(weight)
+        with self._lock:
+            self._fold(tensors, weight)
+
+    def _fold(self, tensors: Mapping[str, torch.Tensor], weight: float) -> None:
         for name, tensor in tensors.items():
             if name not in self._sums:
                 self._sums[name] = CompensatedSum(tensor)
@@ -113,7 +119,7 @@ class CoordinateTrimmedMean:
         """Hold one result's tensors (``weight`` is checked like the mean's, then unused)."""
         _check_weight(weight)
         for name, tensor in tensors.items():
-            self._held.setdefault(name, []).append(tensor)
+            self._held.setdefault(name, []).append(tensor.clone())
 
     def __len__(self) -> int:
         return len(self._held)

@@ -1,8 +1,8 @@
 """Who is calling, and how much of the server a caller may hold.
 
-:class:`TokenGate` is a gRPC server interceptor: it runs on gRPC's serving thread before any
-handler is scheduled, so a call without a known bearer token is refused (UNAUTHENTICATED) before
-it holds a worker thread, a buffer or a task. With mutual TLS the handshake already refuses
+:class:`TokenGate` is a gRPC (asyncio) server interceptor: it runs before any handler is
+scheduled, so a call without a known bearer token is refused (UNAUTHENTICATED) before it holds a
+buffer or a task. With mutual TLS the handshake already refuses
 clients without a certificate from the client CA, and the certificate's common name is matched
 in :meth:`CallGuard.admit`.
 
@@ -15,10 +15,9 @@ peer), and caps the calls one principal has open at once.
 from __future__ import annotations
 
 import hmac
-import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import grpc
 
@@ -56,8 +55,8 @@ class Principals:
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as ``handler`` that refuses the call at once."""
 
-    def refuse(request, context):
-        context.abort(code, details)
+    async def refuse(request, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, details)
 
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(refuse)
@@ -68,15 +67,15 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-class TokenGate(grpc.ServerInterceptor):
+class TokenGate(grpc.aio.ServerInterceptor):
     """Refuses calls whose bearer token is missing or unknown, unless mutual TLS may vouch."""
 
     def __init__(self, principals: Principals, mutual_tls: bool) -> None:
         self.principals = principals
         self.mutual_tls = mutual_tls
 
-    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        handler = await continuation(handler_call_details)
         if handler is None:
             return None
         token = _bearer_token(handler_call_details.invocation_metadata)
@@ -90,15 +89,15 @@ class TokenGate(grpc.ServerInterceptor):
 
 
 class CallGuard:
-    """Admission of one call: principal, bounded deadline, per-principal concurrency."""
+    """Admission of one call: principal, bounded deadline, per-principal concurrency. Used from
+    the server's event loop only."""
 
     def __init__(self, principals: Principals | None, mutual_tls: bool = False) -> None:
         self.principals = principals
         self.mutual_tls = mutual_tls
-        self._lock = threading.Lock()
         self._open: dict[str, int] = defaultdict(int)
 
-    def identify(self, context: grpc.ServicerContext) -> Principal | None:
+    async def identify(self, context: grpc.aio.ServicerContext) -> Principal | None:
         """The caller's principal; None when the server admits anyone. Aborts if unknown."""
         if self.principals is None:
             return None
@@ -109,32 +108,30 @@ class CallGuard:
         if principal is None and token is None and name is not None:
             principal = self.principals.by_certificate.get(name)
         if principal is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "this server admits only client processes named in its credentials")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "this server admits only client processes named in its credentials")
         if self.mutual_tls and principal.certificate is not None and principal.certificate != name:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"credential {principal.name!r} requires its client certificate")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"credential {principal.name!r} requires its client certificate")
         return principal
 
-    @contextmanager
-    def admit(self, context: grpc.ServicerContext, max_seconds: float) -> Iterator[Principal | None]:
+    @asynccontextmanager
+    async def admit(self, context: grpc.aio.ServicerContext, max_seconds: float) -> AsyncIterator[Principal | None]:
         """Admit a call for its duration; aborts when it has no bounded deadline or the caller
         already holds :data:`CALLS_PER_PRINCIPAL` calls."""
         remaining = context.time_remaining()
         if remaining is None or remaining > max_seconds + 1.0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"every call needs a deadline of at most {max_seconds:.0f} s")
-        principal = self.identify(context)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"every call needs a deadline of at most {max_seconds:.0f} s")
+        principal = await self.identify(context)
         key = principal.name if principal is not None else None
         if key is not None:
-            with self._lock:
-                if self._open[key] >= CALLS_PER_PRINCIPAL:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"{principal.name} already has {CALLS_PER_PRINCIPAL} calls open")
-                self._open[key] += 1
+            if self._open[key] >= CALLS_PER_PRINCIPAL:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{principal.name} already has {CALLS_PER_PRINCIPAL} calls open")
+            self._open[key] += 1
         try:
             yield principal
         finally:
             if key is not None:
-                with self._lock:
-                    self._open[key] -= 1
+                self._open[key] -= 1

@@ -1,9 +1,16 @@
 """The round engine: sampling, task delivery, result validation, aggregation, evaluation.
 
-One :class:`Coordinator` owns the global model and every piece of run state. The gRPC service
-(``fedpart.server.service``) only translates calls into the methods below; the round loop
-(:meth:`Coordinator.run`) runs in the server's main thread and waits on a condition variable that
-the service threads notify, with a deadline on every wait.
+One :class:`Coordinator` owns the global model and every piece of run state, behind one lock that
+is only ever held for bookkeeping (never while waiting, sending, receiving or folding). The gRPC
+service (``fedpart.server.service``) translates calls into the non-blocking methods below from its
+event loop; results are validated and folded by a pool of fold threads, several at once. The round
+loop (:meth:`Coordinator.run_round`) runs in the server's main thread and waits on a condition
+variable with a deadline on every wait.
+
+Nothing is rescanned per event: a waiting long poll registers a :class:`Waiter` on its own process
+and only that process is woken when a task is queued for it; the round loop waits on the set of
+its open tasks and is woken when that set empties; readiness is a running count. Work per join,
+poll, result or heartbeat is O(1) in the number of clients and processes.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -44,6 +52,27 @@ class Denied(Rejected):
 # Bounds on what a result header may carry besides its tensor specs.
 MAX_METRICS = 64
 MAX_METRIC_NAME = 64
+# Silent processes are looked for at most this often (a scan over the live processes).
+REAP_INTERVAL_SECONDS = 1.0
+
+
+class Waiter(Protocol):
+    """A long poll waiting for its process's next task; woken from any thread."""
+
+    superseded: bool
+
+    def wake(self) -> None: ...
+
+
+class ThreadWaiter:
+    """A :class:`Waiter` for a caller that blocks its own thread (:meth:`Coordinator.next_task`)."""
+
+    def __init__(self) -> None:
+        self.superseded = False
+        self.event = threading.Event()
+
+    def wake(self) -> None:
+        self.event.set()
 
 
 @dataclass
@@ -58,6 +87,7 @@ class Task:
     train: pb.TrainPlan | None = None
     evaluate: pb.EvalPlan | None = None
     personal_init: tuple[str, ...] = ()
+    closed: bool = False  # answered, dropped or closed with its round; skipped if still queued
 
     def uploads(self) -> list[str]:
         """Names of the tensors its result must carry."""
@@ -66,7 +96,7 @@ class Task:
         return [*self.train.upload_deltas, *self.train.upload_values]
 
 
-@dataclass
+@dataclass(eq=False)
 class ProcessState:
     """One connected client process."""
 
@@ -74,14 +104,14 @@ class ProcessState:
     name: str
     clients: list[int]
     last_seen: float
-    pending: deque = field(default_factory=deque)
+    pending: deque = field(default_factory=deque)  # queued tasks (closed ones are skipped)
+    taken: set = field(default_factory=set)         # ids of tasks it took and has not answered
     alive: bool = True
     released: bool = False  # has been told the run is over
     ready: bool = False     # has loaded its data and asked for work
-    polling: int = 0        # open long polls: the process is alive while it waits for work
     instance: str = ""
     principal: Principal | None = None  # the credential it joined with (None: open server)
-    poll_generation: int = 0  # a new long poll supersedes an older one still waiting
+    waiter: Waiter | None = None  # its open long poll: the process is alive while it waits for work
 
 
 @dataclass
@@ -111,16 +141,24 @@ class Coordinator:
         self.heads = HeadDictionary()
         self.aggregation = AggregationStep(config, log)
 
-        self._cond = threading.Condition()
-        self._fold_lock = threading.Lock()  # taken before _cond, never inside it
+        self._cond = threading.Condition()  # the lock of all state below; the round loop waits on it
         self._processes: dict[str, ProcessState] = {}
+        self._by_instance: dict[str, str] = {}  # instance string -> latest session (open servers)
         self._host: dict[int, str] = {}
         self._personal: dict[int, set[str]] = {}
-        self._outstanding: dict[int, Task] = {}
+        self._open: dict[int, Task] = {}         # queued or taken, on a live process
+        self._outstanding: dict[int, Task] = {}  # taken and not yet answered
+        self._awaited: set[int] = set()          # open tasks the round loop waits for
+        self._ready_clients = 0                  # clients hosted by a live process that asked for work
+        self._folding = 0                        # results being folded right now
+        self._last_reap = 0.0
         self._task_ids = itertools.count(1)
         self._round = 0
         self._results: RoundResults | None = None
+        self._evaluating = False
+        self._rehosted: set[int] = set()         # clients hosted anew during the final evaluation
         self._evaluations: dict[int, dict[str, float]] = {}
+        self._unreleased: set[str] = set()       # live processes not yet told the run is over
         self._failures: list[str] = []
         self._left: list[str] = []  # processes that said why they stopped
         self._train_samples: dict[int, int] = {}  # last training sample count each client reported
@@ -153,8 +191,10 @@ class Coordinator:
         with self._cond:
             if self.done:
                 raise Rejected("the run is over")
-            self._reap_silent()
-            replaced = [p for p in self._processes.values() if p.alive and _same_process(p, request, principal)]
+            hosts = {self._processes[self._host[i]] for i in ids if i in self._host}
+            for host in hosts:
+                self._reap_if_silent(host, time.monotonic())
+            replaced = self._restarted(request, principal, hosts)
             taken = [i for i in ids if i in self._host and self._processes[self._host[i]].alive
                      and self._processes[self._host[i]] not in replaced]
             if taken:
@@ -164,15 +204,31 @@ class Coordinator:
             for old in replaced:
                 self._take_over(old, process)
             self._processes[session] = process
+            if request.instance and principal is None:
+                self._by_instance[request.instance] = session
             for hosted in request.clients:
                 self._host[hosted.id] = session
                 # what the server recorded, less what the process no longer holds (a lost state dir):
                 # a part trained only in a round the server lost is initialised again
                 held = set(hosted.personal_parts) if request.state_run_id == self.run_id else set()
                 self._personal[hosted.id] = self._personal.get(hosted.id, set()) & held
-            self._cond.notify_all()
+            if self._evaluating:
+                self._rehosted.update(ids)
+                self._cond.notify_all()
         self.log(f"joined: {name} hosts clients {_id_ranges(ids)}")
         return pb.JoinReply(session=session, run_config_json=self.config.to_json(), run_id=self.run_id)
+
+    def _restarted(self, request: pb.JoinRequest, principal: Principal | None,
+                   hosts: set[ProcessState]) -> list[ProcessState]:
+        """The live processes a join replaces (a restart): with credentials, those of the same
+        credential hosting some of the requested ids; on an open server, the live process of the
+        same ``instance`` string (holds the lock)."""
+        if principal is not None:
+            return [p for p in hosts if p.alive and p.principal == principal]
+        if not request.instance:
+            return []
+        previous = self._processes.get(self._by_instance.get(request.instance, ""))
+        return [previous] if previous is not None and previous.alive and previous.principal is None else []
 
     def leave(self, session: str, reason: str, principal: Principal | None = None) -> None:
         """A process that cannot go on: its clients become unavailable and the reason is kept."""
@@ -181,9 +237,8 @@ class Coordinator:
             process = self._session(session, principal)
             if process is None:
                 return
-            process.alive = False
             self._left.append(f"process {process.name} (clients {_id_ranges(process.clients)}) left: {reason}")
-            self._cond.notify_all()
+            self._gone(process)
         self.log(f"error: client process {process.name} left: {reason}")
 
     def heartbeat(self, session: str, principal: Principal | None = None) -> bool:
@@ -194,51 +249,64 @@ class Coordinator:
             process.last_seen = time.monotonic()
             return True
 
-    def next_task(self, session: str, wait_seconds: float, principal: Principal | None = None) -> Task | None:
-        """Block up to ``wait_seconds`` for this process's next task; None means poll again.
+    def poll(self, session: str, waiter: Waiter, principal: Principal | None = None) -> Task | None:
+        """One look for this process's next task, without blocking.
 
-        Raises :class:`Rejected` for an unknown session and returns a DONE task at the end. A
-        process has one waiting poll at most: a newer poll makes an older one return at once.
+        Returns the task (it is now outstanding), a DONE task at the end of the run, or None: then
+        ``waiter`` is registered and woken when something changes for this process, and the
+        caller polls again. A newer poll of the same process supersedes an older waiting one (its
+        waiter is woken with ``superseded`` set, and its poll returns None). Raises
+        :class:`Rejected` for an unknown session.
         """
-        deadline = time.monotonic() + max(0.0, min(wait_seconds, 60.0))
         with self._cond:
             process = self._session(session, principal)
             if process is None:
                 raise Rejected("unknown or expired session: join again")
-            process.polling += 1
-            process.poll_generation += 1
-            self._cond.notify_all()
-            try:
-                return self._wait_for_task(session, deadline, process.poll_generation)
-            finally:
-                if process is not None:
-                    process.polling -= 1
-                    process.last_seen = time.monotonic()
-
-    def _wait_for_task(self, session: str, deadline: float, generation: int) -> Task | None:
-        """The body of :meth:`next_task` (holds the lock)."""
-        while True:
-            process = self._processes.get(session)
-            if process is None or not process.alive:
-                raise Rejected("unknown or expired session: join again")
-            if process.poll_generation != generation:
-                return None
             process.last_seen = time.monotonic()
+            if waiter.superseded:
+                return None
             if not process.ready:
                 process.ready = True
-                self._cond.notify_all()
-            if process.pending:
+                self._ready_clients += len(process.clients)
+                if self._ready_clients >= self.config.clients:
+                    self._cond.notify_all()
+            while process.pending:
                 task = process.pending.popleft()
-                self._outstanding[task.task_id] = task
-                return task
+                if not task.closed:
+                    process.taken.add(task.task_id)
+                    self._outstanding[task.task_id] = task
+                    return task
             if self.done:
-                process.released = True
-                self._cond.notify_all()
+                self._release(process)
                 return Task(task_id=0, kind=pb.DONE, round=self._round, client_id=0, session=session)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            self._cond.wait(remaining)
+            if process.waiter is not None and process.waiter is not waiter:
+                process.waiter.superseded = True
+                process.waiter.wake()
+            process.waiter = waiter
+            return None
+
+    def end_poll(self, session: str, waiter: Waiter) -> None:
+        """A long poll is over (answered, expired or cancelled)."""
+        with self._cond:
+            process = self._processes.get(session)
+            if process is not None and process.waiter is waiter:
+                process.waiter = None
+                process.last_seen = time.monotonic()
+
+    def next_task(self, session: str, wait_seconds: float, principal: Principal | None = None) -> Task | None:
+        """Block this thread up to ``wait_seconds`` for the process's next task (see :meth:`poll`)."""
+        deadline = time.monotonic() + max(0.0, min(wait_seconds, 60.0))
+        waiter = ThreadWaiter()
+        try:
+            while True:
+                waiter.event.clear()
+                task = self.poll(session, waiter, principal)
+                remaining = deadline - time.monotonic()
+                if task is not None or waiter.superseded or remaining <= 0:
+                    return task
+                waiter.event.wait(remaining)
+        finally:
+            self.end_poll(session, waiter)
 
     def task_tensors(self, task: Task, held: Mapping[str, int]) -> tuple[list[pb.TensorSpec], list[torch.Tensor]]:
         """Global tensors a task carries: shared ones newer than what the process holds, plus
@@ -285,7 +353,12 @@ class Coordinator:
     def accept(self, task: Task, header: pb.ResultHeader, tensors: dict[str, torch.Tensor],
                commit: Callable[[], None] = lambda: None) -> None:
         """Validate a complete result and fold it in; raises Rejected and changes nothing if bad.
-        ``commit`` (the result's byte accounting) runs just before the task is closed."""
+        ``commit`` (the result's byte accounting) runs just before the task is closed.
+
+        Safe to call from several threads at once: folds of different results run in parallel
+        and a round closes only after the folds it admitted are done. ``tensors`` are only read
+        while this call runs (the caller may reuse their buffers afterwards).
+        """
         metrics = dict(header.metrics)
         bad_metrics = [printable(k) for k, v in metrics.items() if not math.isfinite(v)]
         if bad_metrics:
@@ -314,15 +387,18 @@ class Coordinator:
                 if self._results is not None and task.task_id in self._outstanding:
                     self._results.robust.rejected += 1
             raise Rejected(str(error)) from error
-        with self._fold_lock:  # folds run outside the task-queue lock, one at a time
-            with self._cond:
-                self._check_current(task)
-                results = self._results
+        with self._cond:
+            self._check_current(task)  # from here on the round waits for this fold
+            results = self._results
+            self._folding += 1
+        try:
             if screened.deltas:
                 results.deltas.add(screened.deltas, screened.weight)
             if values:
                 self.heads.store(task.client_id, values, screened.weight)
+        finally:
             with self._cond:
+                self._folding -= 1
                 results.metrics[task.client_id] = metrics
                 results.samples[task.client_id] = screened.samples
                 results.robust.clipped += screened.clipped
@@ -330,19 +406,23 @@ class Coordinator:
                 self._train_samples[task.client_id] = int(header.num_samples)
                 commit()
                 self._finish(task)
+                if not self._folding:
+                    self._cond.notify_all()
         for note in screened.notes:
             self.log(f"warning: round {task.round} client {task.client_id}: {note}")
 
-    def fail_task(self, task: Task, reason: str) -> None:
+    def fail_task(self, task: Task, reason: str) -> bool:
         """Drop a task whose delivery or result failed; the round goes on without it. A task that
-        is no longer open (answered, or already dropped) is left alone."""
+        is no longer open (answered, or already dropped) is left alone. Returns whether it dropped
+        the task."""
         reason = printable(reason, 500)
         with self._cond:
-            if self._outstanding.pop(task.task_id, None) is None:
-                return
+            if task.task_id not in self._outstanding:
+                return False
+            self._close_task(task)
             self._failures.append(f"round {task.round} client {task.client_id}: {reason}")
-            self._cond.notify_all()
         self.log(f"warning: round {task.round} client {task.client_id} dropped: {reason}")
+        return True
 
     # ------------------------------------------------------------------ helpers (hold the lock)
 
@@ -357,82 +437,124 @@ class Coordinator:
         if task.task_id not in self._outstanding:
             raise Rejected(f"task {task.task_id} was closed before its result arrived")
 
+    def _close_task(self, task: Task) -> None:
+        """Take a task out of every queue; wakes the round loop when its last awaited task closes."""
+        task.closed = True
+        self._open.pop(task.task_id, None)
+        if self._outstanding.pop(task.task_id, None) is not None:
+            self._processes[task.session].taken.discard(task.task_id)
+        if task.task_id in self._awaited:
+            self._awaited.discard(task.task_id)
+            if not self._awaited:
+                self._cond.notify_all()
+
     def _finish(self, task: Task) -> None:
-        """Close a task (it may already be closed when its result was folded as the round closed)."""
-        self._outstanding.pop(task.task_id, None)
+        """Close an answered task (it may already be closed when its result was folded as the
+        round closed)."""
+        self._close_task(task)
         if task.personal_init:
             self._personal.setdefault(task.client_id, set()).update(task.personal_init)
-        self._cond.notify_all()
+
+    def _queue(self, task: Task) -> None:
+        process = self._processes[task.session]
+        process.pending.append(task)
+        self._open[task.task_id] = task
+        if process.waiter is not None:
+            process.waiter.wake()
+
+    def _gone(self, process: ProcessState) -> None:
+        """A process is no longer there: its clients become unavailable, its open tasks close."""
+        if not process.alive:
+            return
+        process.alive = False
+        if process.ready:
+            self._ready_clients -= len(process.clients)
+        for task in [*process.pending, *(self._outstanding[t] for t in list(process.taken))]:
+            self._close_task(task)
+        process.pending.clear()
+        if process.waiter is not None:
+            process.waiter.wake()  # its poll now finds the session gone
+        self._release(process)
+
+    def _release(self, process: ProcessState) -> None:
+        """The process was told the run is over, or is gone."""
+        process.released = True
+        if process.session in self._unreleased:
+            self._unreleased.discard(process.session)
+            if not self._unreleased:
+                self._cond.notify_all()
 
     def _take_over(self, old: ProcessState, new: ProcessState) -> None:
-        """A restarted process replaces its dead predecessor: queued tasks move over, training
-        tasks the old process had taken are lost with it (evaluations are asked again)."""
-        old.alive = False
+        """A restarted process replaces its predecessor: queued tasks move over, training tasks
+        the old process had taken are lost with it (evaluations are asked again)."""
+        moved = []
         for task in old.pending:
-            if task.client_id in new.clients:
-                task.session = new.session
-                new.pending.append(task)
+            if task.client_id in new.clients and not task.closed:
+                moved.append(task)
+            else:
+                self._close_task(task)
         old.pending.clear()
-        for task_id, task in list(self._outstanding.items()):
-            if task.session == old.session:
-                del self._outstanding[task_id]
-                if task.kind == pb.TRAIN:
-                    self._failures.append(f"round {task.round} client {task.client_id}: its process restarted")
+        for task_id in sorted(old.taken):
+            task = self._outstanding[task_id]
+            if task.kind == pb.TRAIN:
+                self._failures.append(f"round {task.round} client {task.client_id}: its process restarted")
+        self._gone(old)
+        for task in moved:
+            task.session = new.session
+            new.pending.append(task)
         self.log(f"process {old.name} was restarted as {new.name}")
 
+    def _reap_if_silent(self, process: ProcessState, now: float) -> None:
+        if process.alive and process.waiter is None and now - process.last_seen > self.config.server.heartbeat_timeout:
+            self._gone(process)
+            self.log(f"warning: process {process.name} went silent; its clients are unavailable")
+
     def _reap_silent(self) -> None:
-        """Mark processes silent for longer than the heartbeat timeout as gone."""
+        """Mark processes silent for longer than the heartbeat timeout as gone (a scan over the
+        processes, at most every :data:`REAP_INTERVAL_SECONDS`)."""
         now = time.monotonic()
-        for process in self._processes.values():
-            if process.alive and not process.polling and now - process.last_seen > self.config.server.heartbeat_timeout:
-                process.alive = False
-                self.log(f"warning: process {process.name} went silent; its clients are unavailable")
+        if now - self._last_reap < REAP_INTERVAL_SECONDS:
+            return
+        self._last_reap = now
+        for process in list(self._processes.values()):
+            self._reap_if_silent(process, now)
 
     def _available(self, client_id: int) -> bool:
         session = self._host.get(client_id)
         return session is not None and self._processes[session].alive
 
-    def _waiting_on(self, task_ids: set[int]) -> set[int]:
-        """Task ids still open whose process is alive (queued or outstanding)."""
-        open_ids = set()
-        for process in self._processes.values():
-            if process.alive:
-                open_ids.update(t.task_id for t in process.pending if t.task_id in task_ids)
-        open_ids.update(t for t, task in self._outstanding.items()
-                        if t in task_ids and self._processes[task.session].alive)
-        return open_ids
-
     def _dispatch(self, tasks: list[Task]) -> set[int]:
-        """Queue tasks to their hosting processes; returns their ids."""
+        """Queue tasks to their hosting processes and await them; returns their ids."""
         with self._cond:
             for task in tasks:
-                self._processes[task.session].pending.append(task)
-            self._cond.notify_all()
+                self._queue(task)
+                self._awaited.add(task.task_id)
         return {t.task_id for t in tasks}
 
     def _await(self, task_ids: set[int], timeout: float) -> set[int]:
         """Wait until every task is answered, dropped or its process gone, or the deadline; then
-        close the leftovers. Returns the ids that did not finish."""
+        close the leftovers and wait for the folds already under way. Returns the ids that did
+        not finish."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
                 self._reap_silent()
-                waiting = self._waiting_on(task_ids)
                 remaining = deadline - time.monotonic()
-                if not waiting or remaining <= 0:
+                if not self._awaited or remaining <= 0:
                     break
-                self._cond.wait(min(remaining, 1.0))
-            return self._close(task_ids)
+                self._cond.wait(min(remaining, REAP_INTERVAL_SECONDS))
+            unfinished = self._close(task_ids)
+            while self._folding:
+                self._cond.wait(REAP_INTERVAL_SECONDS)
+            return unfinished
 
     def _close(self, task_ids: set[int]) -> set[int]:
-        """Drop those of ``task_ids`` still queued or outstanding (a late result is refused);
+        """Close those of ``task_ids`` still queued or outstanding (a late result is refused);
         returns their ids."""
-        unfinished = {t for t in task_ids if t in self._outstanding} | {
-            t.task_id for p in self._processes.values() for t in p.pending if t.task_id in task_ids}
-        for process in self._processes.values():
-            process.pending = deque(t for t in process.pending if t.task_id not in task_ids)
-        for task_id in task_ids:
-            self._outstanding.pop(task_id, None)
+        unfinished = {t for t in task_ids if t in self._open}
+        for task_id in unfinished:
+            self._close_task(self._open[task_id])
+        self._awaited -= task_ids
         return unfinished
 
     # ------------------------------------------------------------------ the run
@@ -444,17 +566,17 @@ class Coordinator:
         with self._cond:
             while True:
                 self._reap_silent()
-                missing = [c for c in range(self.config.clients)
-                           if not (self._available(c) and self._processes[self._host[c]].ready)]
-                if not missing:
+                if self._ready_clients >= self.config.clients:
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    missing = [c for c in range(self.config.clients)
+                               if not (self._available(c) and self._processes[self._host[c]].ready)]
                     reasons = "".join(f"; {line}" for line in self._left)
                     raise TimeoutError(f"after {self.config.server.join_timeout:.0f} s clients "
                                        f"{_id_ranges(missing)} are still not hosted by a ready client process"
                                        f"{reasons}")
-                self._cond.wait(min(remaining, 1.0))
+                self._cond.wait(min(remaining, REAP_INTERVAL_SECONDS))
 
     def round_plan(self, round_number: int, client_id: int) -> pb.TrainPlan:
         """The training plan of one client in one round."""
@@ -491,7 +613,7 @@ class Coordinator:
                           personal_init=self._personal_init(c))
                      for c in sampled if self._available(c)]
         self._await(self._dispatch(tasks), self.config.server.round_timeout)
-        with self._fold_lock, self._cond:
+        with self._cond:
             results = self._results
             self._results = None
         heads = self.heads if self.algorithm.head is Role.COLLECTED else None
@@ -562,29 +684,33 @@ class Coordinator:
         with self._cond:
             self._round = self.config.rounds + 1
             self._evaluations = {}
+            self._evaluating = True
+            self._rehosted = set(range(self.config.clients))
             while True:
                 self._reap_silent()
-                self._ask_for_evaluations(plan, asked)
-                missing = [c for c in range(self.config.clients) if c not in self._evaluations]
+                if self._rehosted:
+                    self._ask_for_evaluations(plan, asked, sorted(self._rehosted))
+                    self._rehosted = set()
                 now = time.monotonic()
-                if not missing or now >= deadline:
+                if len(self._evaluations) >= self.config.clients or now >= deadline:
                     break
-                if self._waiting_on({t.task_id for t in asked.values()}):
+                if self._awaited:
                     unhosted_since = None
-                elif all(self._available(c) for c in missing):
+                elif all(self._available(c) for c in range(self.config.clients) if c not in self._evaluations):
                     break  # their processes answered what they could; nobody else will
                 else:
                     unhosted_since = unhosted_since or now
                     if now - unhosted_since >= self.config.server.join_timeout:
                         break
-                self._cond.wait(min(deadline - now, 1.0))
+                self._cond.wait(min(deadline - now, REAP_INTERVAL_SECONDS))
+            self._evaluating = False
             self._close({t.task_id for t in asked.values()})
             return dict(self._evaluations)
 
-    def _ask_for_evaluations(self, plan: pb.EvalPlan, asked: dict[int, Task]) -> None:
-        """Queue an evaluation for every client not yet evaluated whose current process has not
-        been asked (holds the lock)."""
-        for client in range(self.config.clients):
+    def _ask_for_evaluations(self, plan: pb.EvalPlan, asked: dict[int, Task], clients: list[int]) -> None:
+        """Queue an evaluation for each of ``clients`` not yet evaluated whose current process
+        has not been asked (holds the lock)."""
+        for client in clients:
             if client in self._evaluations or not self._available(client):
                 continue
             previous = asked.get(client)
@@ -593,16 +719,20 @@ class Coordinator:
             task = Task(task_id=next(self._task_ids), kind=pb.EVALUATE, round=self._round, client_id=client,
                         session=self._host[client], evaluate=plan, personal_init=self._personal_init(client))
             asked[client] = task
-            self._processes[task.session].pending.append(task)
+            self._queue(task)
+            self._awaited.add(task.task_id)
             if previous is not None:
                 self.log(f"client {client}: its process was lost during the evaluation; asking "
                          f"{self._processes[task.session].name} again")
-        self._cond.notify_all()
 
     def finish(self) -> None:
         """Tell every process the run is over (their next poll returns DONE)."""
         with self._cond:
             self.done = True
+            self._unreleased = {s for s, p in self._processes.items() if p.alive and not p.released}
+            for process in self._processes.values():
+                if process.waiter is not None:
+                    process.waiter.wake()
             self._cond.notify_all()
 
     def wait_until_released(self, timeout: float) -> bool:
@@ -611,12 +741,12 @@ class Coordinator:
         with self._cond:
             while True:
                 self._reap_silent()
-                if all(p.released or not p.alive for p in self._processes.values()):
+                if not self._unreleased:
                     return True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._cond.wait(min(remaining, 1.0))
+                self._cond.wait(min(remaining, REAP_INTERVAL_SECONDS))
 
     # ------------------------------------------------------------------ resume
 
@@ -696,14 +826,6 @@ def _id_ranges(ids: list[int]) -> str:
 
 def _torch_dtype_name(wire_name: str) -> str:
     return f"torch.{printable(wire_name, 20)}"
-
-
-def _same_process(process: ProcessState, request: pb.JoinRequest, principal: Principal | None) -> bool:
-    """Whether a join comes from a restart of ``process``: the same credential and overlapping
-    client ids; on an open server (no credentials), the same ``instance`` string."""
-    if principal is not None:
-        return process.principal == principal and bool(set(process.clients) & {c.id for c in request.clients})
-    return bool(request.instance) and process.principal is None and process.instance == request.instance
 
 
 def printable(text: str, limit: int = 200) -> str:

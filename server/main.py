@@ -3,7 +3,10 @@ or continue a run that was stopped (``--resume``)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import sys
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -22,41 +25,84 @@ from fedpart.server.service import CoordinatorService
 
 # How long the server keeps answering after the run so that every process hears DONE.
 SHUTDOWN_GRACE_SECONDS = 10.0
+# Calls one client may have open at once, for the server-wide cap (a poll, an upload, a heartbeat).
+MAX_CALLS_PER_CLIENT = 3
 
 
 def _log(message: str) -> None:
     print(message, flush=True)
 
 
-def start_grpc(coordinator: Coordinator, address: str,
-               security: ServerSecurity | None = None) -> tuple[grpc.Server, str]:
-    """Start the gRPC server; returns it and the address it is listening on (port 0 = free port).
+class GrpcServer:
+    """The gRPC (asyncio) server on an event loop of its own thread, with the fold threads.
 
-    Calls beyond the worker count are refused at once (RESOURCE_EXHAUSTED) instead of queueing,
+    A waiting client costs a coroutine and a socket, not a thread. Calls beyond
+    ``maximum_concurrent_rpcs`` are refused at once (RESOURCE_EXHAUSTED) instead of queueing,
     and with credentials each client process may hold only a few calls at a time.
     """
-    security = security or ServerSecurity()
-    principals = Principals(security.principals) if security.principals is not None else None
-    workers = min(512, 2 * coordinator.config.clients + 16)
-    interceptors = [TokenGate(principals, security.client_ca is not None)] if principals else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=interceptors,
-                         maximum_concurrent_rpcs=workers, options=[
-        ("grpc.so_reuseport", 0),
-        # clients ping every 30 s to keep NAT mappings alive while they train for minutes
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        ("grpc.http2.max_ping_strikes", 0),
-    ])
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorService(coordinator, CallGuard(principals, security.client_ca is not None)), server)
-    host, _, port = address.rpartition(":")
-    if security.tls:
-        bound = server.add_secure_port(address, security.grpc_credentials())
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot listen on {address}")
-    server.start()
-    return server, f"{host}:{bound}"
+
+    def __init__(self, coordinator: Coordinator, address: str, security: ServerSecurity) -> None:
+        server_config = coordinator.config.server
+        workers = server_config.fold_workers or os.cpu_count() or 1
+        self._fold_pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fold")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-server", daemon=True)
+        self._thread.start()
+        start = self._start(coordinator, address, security, server_config.upload_slots or 4 * workers,
+                            server_config.download_slots)
+        try:
+            self._server, self.address = asyncio.run_coroutine_threadsafe(start, self._loop).result()
+        except BaseException:
+            self._close_loop()
+            raise
+
+    async def _start(self, coordinator: Coordinator, address: str, security: ServerSecurity,
+                     upload_slots: int, download_slots: int) -> tuple[grpc.aio.Server, str]:
+        principals = Principals(security.principals) if security.principals is not None else None
+        mutual_tls = security.client_ca is not None
+        server = grpc.aio.server(
+            interceptors=[TokenGate(principals, mutual_tls)] if principals else [],
+            maximum_concurrent_rpcs=MAX_CALLS_PER_CLIENT * coordinator.config.clients + 64,
+            options=[
+                ("grpc.so_reuseport", 0),
+                # clients ping every 30 s to keep NAT mappings alive while they train for minutes
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.http2.max_ping_strikes", 0),
+            ])
+        service = CoordinatorService(coordinator, CallGuard(principals, mutual_tls), self._fold_pool,
+                                     upload_slots, download_slots)
+        pb_grpc.add_CoordinatorServicer_to_server(service, server)
+        host, _, _ = address.rpartition(":")
+        try:
+            if security.tls:
+                bound = server.add_secure_port(address, security.grpc_credentials())
+            else:
+                bound = server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise OSError(f"cannot listen on {address}: {error}") from error
+        if bound == 0:
+            raise OSError(f"cannot listen on {address}")
+        await server.start()
+        return server, f"{host}:{bound}"
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving (calls still open get ``grace`` seconds), then the loop and fold threads."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result()
+        self._close_loop()
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self._fold_pool.shutdown(wait=True)
+
+
+def start_grpc(coordinator: Coordinator, address: str, security: ServerSecurity | None = None) -> GrpcServer:
+    """Start the gRPC server; its ``address`` is where it listens (port 0 = a free port)."""
+    return GrpcServer(coordinator, address, security or ServerSecurity())
 
 
 def serve(config: RunConfig, address: str, out_dir: str | Path, security: ServerSecurity | None = None,
@@ -86,8 +132,8 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
     def seconds() -> float:
         return earlier_seconds + time.monotonic() - started
 
-    server, bound = start_grpc(coordinator, address, security)
-    _log(f"fedpart server listening on {bound} (run {coordinator.run_id}, out {run_dir.path})")
+    server = start_grpc(coordinator, address, security)
+    _log(f"fedpart server listening on {server.address} (run {coordinator.run_id}, out {run_dir.path})")
     _log(f"{'warning: ' if not security.tls else ''}transport: {security.describe()}")
     if saved is not None:
         _log(f"resuming run {saved.run_id} after round {saved.round}/{config.rounds}")
@@ -122,7 +168,7 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
     finally:
         coordinator.finish()
         coordinator.wait_until_released(SHUTDOWN_GRACE_SECONDS)
-        server.stop(grace=2.0).wait()
+        server.stop(grace=2.0)
 
 
 def main_server(config: RunConfig, address: str, out_dir: str, security: ServerSecurity | None = None,

@@ -1,17 +1,25 @@
-"""gRPC service: translates the wire protocol into :class:`Coordinator` calls and counts the
-serialized size of every message it sends or receives.
+"""gRPC service (asyncio): translates the wire protocol into :class:`Coordinator` calls and
+counts the serialized size of every message it sends or receives.
+
+Every handler runs on one event loop, so a waiting client costs a coroutine, not a thread: a long
+poll registers a waiter with the coordinator and sleeps until its own process has work. Validating
+and folding a result runs on the fold threads; the event loop only moves bytes.
 
 Every call is admitted by :class:`~fedpart.server.auth.CallGuard` (caller, bounded deadline,
 per-caller concurrency) before it does anything. A result stream is read against what its task
 asked for: the header must declare exactly the expected tensors (names, dtypes, shapes) before
-any piece is read, every later chunk must carry tensor bytes and nothing else, and a tensor's
-buffer is allocated when its first byte arrives, so memory is bounded by the task, never by a
-declared size. Bytes of a refused result are counted as refused, not as traffic of the round.
+any piece is read, every later chunk must carry tensor bytes and nothing else, and pieces are
+copied into the staging tensors of an upload slot (:mod:`fedpart.server.transfers`), so memory is
+bounded by the slots, never by a declared size or the number of uploads. Bytes of a refused result
+are counted as refused, not as traffic of the round.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Executor
+from functools import partial
 
 import grpc
 
@@ -22,56 +30,79 @@ from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 from fedpart.server.accounting import PROCESS
 from fedpart.server.auth import CallGuard
 from fedpart.server.coordinator import Coordinator, Denied, Rejected, Task
+from fedpart.server.transfers import UploadSlots
 
 # Longest deadline a unary call may ask for (join, heartbeat, leave answer at once).
 UNARY_CALL_SECONDS = 120.0
+# Longest a single long poll waits for work before answering IDLE.
+MAX_POLL_SECONDS = 60.0
 
 
 def _control(size: int) -> dict[str, int]:
     return {"control": size}
 
 
-class CoordinatorService(pb_grpc.CoordinatorServicer):
-    """The five RPCs of ``proto/fedpart.proto``."""
+class LoopWaiter:
+    """A long poll waiting on the event loop; :meth:`wake` may be called from any thread."""
 
-    def __init__(self, coordinator: Coordinator, guard: CallGuard) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.superseded = False
+        self.loop = loop
+        self.event = asyncio.Event()
+
+    def wake(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:  # the loop is closed: the server is stopping
+            pass
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    """The five RPCs of ``proto/fedpart.proto``. Create it inside the server's event loop."""
+
+    def __init__(self, coordinator: Coordinator, guard: CallGuard, fold_pool: Executor,
+                 upload_slots: int, download_slots: int) -> None:
         self.coordinator = coordinator
         self.guard = guard
+        self.fold_pool = fold_pool
+        self.uploads = UploadSlots(upload_slots)
+        self.downloads = asyncio.Semaphore(download_slots)
         self.stream_seconds = coordinator.config.server.call_timeout
 
-    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        with self.guard.admit(context, UNARY_CALL_SECONDS) as principal:
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
+        async with self.guard.admit(context, UNARY_CALL_SECONDS) as principal:
             try:
                 reply = self.coordinator.join(request, principal)
             except Denied as error:
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(error))
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(error))
             except Rejected as error:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
             self.coordinator.account(None, PROCESS, "up", _control(request.ByteSize()))
             self.coordinator.account(None, PROCESS, "down", _control(reply.ByteSize()))
             return reply
 
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        with self.guard.admit(context, UNARY_CALL_SECONDS) as principal:
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
+        async with self.guard.admit(context, UNARY_CALL_SECONDS) as principal:
             reply = pb.HeartbeatReply(known=self.coordinator.heartbeat(request.session, principal))
             self.coordinator.account(None, PROCESS, "up", _control(request.ByteSize()))
             self.coordinator.account(None, PROCESS, "down", _control(reply.ByteSize()))
             return reply
 
-    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
-        with self.guard.admit(context, UNARY_CALL_SECONDS) as principal:
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
+        async with self.guard.admit(context, UNARY_CALL_SECONDS) as principal:
             self.coordinator.leave(request.session, request.reason, principal)
             reply = pb.LeaveReply()
             self.coordinator.account(None, PROCESS, "up", _control(request.ByteSize()))
             self.coordinator.account(None, PROCESS, "down", _control(reply.ByteSize()))
             return reply
 
-    def GetTask(self, request: pb.TaskRequest, context: grpc.ServicerContext) -> Iterator[pb.TaskChunk]:
-        with self.guard.admit(context, self.stream_seconds) as principal:
+    async def GetTask(self, request: pb.TaskRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TaskChunk]:
+        async with self.guard.admit(context, self.stream_seconds) as principal:
             try:
-                task = self.coordinator.next_task(request.session, request.wait_seconds, principal)
+                task = await self._wait_for_task(request, principal)
             except Rejected as error:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
             if task is None or task.kind == pb.DONE:
                 chunk = pb.TaskChunk(header=pb.TaskHeader(kind=pb.DONE if task else pb.IDLE))
                 self.coordinator.account(None, PROCESS, "up", _control(request.ByteSize()))
@@ -80,15 +111,37 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 return
             self.coordinator.account(task.round, task.client_id, "up", _control(request.ByteSize()))
             try:
-                yield from self._send_task(task, request)
-            except GeneratorExit:
+                async with self.downloads:
+                    for chunk in self._task_chunks(task, request):
+                        yield chunk
+            except (asyncio.CancelledError, GeneratorExit):
                 self.coordinator.fail_task(task, "the client went away while the task was being sent")
                 raise
             except Exception as error:  # noqa: BLE001 - any failure while sending drops only this task
                 self.coordinator.fail_task(task, f"sending the task failed: {error}")
                 raise
 
-    def _send_task(self, task: Task, request: pb.TaskRequest) -> Iterator[pb.TaskChunk]:
+    async def _wait_for_task(self, request: pb.TaskRequest, principal) -> Task | None:
+        """Long-poll: the process's next task, DONE, or None after ``wait_seconds`` (or when a
+        newer poll of the same process supersedes this one)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, min(request.wait_seconds, MAX_POLL_SECONDS))
+        waiter = LoopWaiter(loop)
+        try:
+            while True:
+                waiter.event.clear()
+                task = self.coordinator.poll(request.session, waiter, principal)
+                remaining = deadline - loop.time()
+                if task is not None or waiter.superseded or remaining <= 0:
+                    return task
+                try:
+                    await asyncio.wait_for(waiter.event.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.coordinator.end_poll(request.session, waiter)
+
+    def _task_chunks(self, task: Task, request: pb.TaskRequest) -> Iterator[pb.TaskChunk]:
         specs, tensors = self.coordinator.task_tensors(task, request.held_versions)
         header = pb.TaskHeader(kind=task.kind, task_id=task.task_id, round=task.round, client_id=task.client_id,
                                tensors=specs, personal_init=list(task.personal_init))
@@ -101,45 +154,47 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.coordinator.account(task.round, task.client_id, "down", _chunk_parts(chunk, parts))
             yield chunk
 
-    def SubmitResult(self, request_iterator: Iterator[pb.ResultChunk], context: grpc.ServicerContext) -> pb.SubmitReply:
-        with self.guard.admit(context, self.stream_seconds) as principal:
-            first = next(request_iterator, None)
+    async def SubmitResult(self, request_iterator: AsyncIterator[pb.ResultChunk],
+                           context: grpc.aio.ServicerContext) -> pb.SubmitReply:
+        async with self.guard.admit(context, self.stream_seconds) as principal:
+            chunks = aiter(request_iterator)
+            first = await anext(chunks, None)
             if first is None or not first.HasField("header"):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a result stream must start with a header")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a result stream must start with a header")
             header = first.header
             try:
                 task = self.coordinator.result_task(header, principal)
             except Rejected as error:
                 self.coordinator.ledger.refuse(first.ByteSize())
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
-            # A call that ends before its result is taken (cancelled, or broken by gRPC itself, e.g.
-            # an oversized message) drops the task at once; after acceptance this does nothing.
-            context.add_callback(lambda: self.coordinator.fail_task(task, "the result stream ended early"))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
             received = Received(task)
             parts = [tensor_part(spec.name) for spec in header.tensors]
             received.add(_chunk_parts(first, parts), "up")
             reply = pb.SubmitReply(accepted=True)
             try:
                 self.coordinator.check_declared(task, header)
-                tensors = self._receive(received, first, request_iterator, parts)
-                received.add(_control(reply.ByteSize()), "down")
-                self.coordinator.accept(task, header, tensors, commit=lambda: received.commit(self.coordinator))
+                async with self.uploads.staging(header.tensors) as staging:
+                    tensors = await self._receive(received, first, chunks, parts, staging)
+                    received.add(_control(reply.ByteSize()), "down")
+                    accept = partial(self.coordinator.accept, task, header, tensors,
+                                     commit=lambda: received.commit(self.coordinator))
+                    await _run_to_end(asyncio.get_running_loop().run_in_executor(self.fold_pool, accept))
             except (Rejected, WireError) as error:
-                self.coordinator.ledger.refuse(received.total())
-                self.coordinator.fail_task(task, f"result rejected: {error}")
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"result rejected: {error}")
-            except grpc.RpcError:
-                self.coordinator.ledger.refuse(received.total())
-                self.coordinator.fail_task(task, "the result stream broke off")
+                if self.coordinator.fail_task(task, f"result rejected: {error}"):
+                    self.coordinator.ledger.refuse(received.total())
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"result rejected: {error}")
+            except BaseException:  # cancelled, or the stream broke off: the round goes on without it
+                if self.coordinator.fail_task(task, "the result stream ended early"):
+                    self.coordinator.ledger.refuse(received.total())
                 raise
             return reply
 
-    def _receive(self, received: Received, first: pb.ResultChunk, rest: Iterator[pb.ResultChunk],
-                 parts: list[str]) -> dict:
+    async def _receive(self, received: Received, first: pb.ResultChunk, rest: AsyncIterator[pb.ResultChunk],
+                       parts: list[str], staging: dict) -> dict:
         """Read the pieces of a result whose header was checked against its task."""
-        assembler = TensorAssembler(first.header.tensors)
+        assembler = TensorAssembler(first.header.tensors, into=staging)
         assembler.add(first.pieces)
-        for chunk in rest:
+        async for chunk in rest:
             size = measure_chunk(chunk)
             received.add(_chunk_parts(chunk, parts, size), "up")
             if chunk.HasField("header"):
@@ -148,6 +203,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 raise WireError("a result chunk after the header must carry tensor bytes and nothing else")
             assembler.add(chunk.pieces)
         return assembler.tensors()
+
+
+async def _run_to_end(future: asyncio.Future) -> None:
+    """Await a fold even when the call is cancelled meanwhile: the staging tensors it reads
+    return to the pool only after it ended."""
+    try:
+        await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        raise
 
 
 class Received:

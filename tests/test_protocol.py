@@ -31,7 +31,8 @@ class Harness:
         self.logs: list[str] = []
         self.coordinator = Coordinator(self.config, log=self.logs.append)
         self.initial = {k: v.clone() for k, v in self.coordinator.global_state.items()}
-        self.server, address = start_grpc(self.coordinator, "127.0.0.1:0")
+        self.server = start_grpc(self.coordinator, "127.0.0.1:0")
+        address = self.server.address
         self.server_port = int(address.rpartition(":")[2])
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
@@ -76,7 +77,7 @@ class Harness:
     def close(self) -> None:
         self.coordinator.finish()
         self.channel.close()
-        self.server.stop(grace=None).wait()
+        self.server.stop(grace=None)
 
 
 @pytest.fixture
@@ -211,8 +212,8 @@ def test_a_dropped_client_process_joins_again_and_keeps_working(harness_factory,
     harness.wait_rounds()
     assert harness.records[0]["completed"] == [0]
     with harness.coordinator._cond:  # the server drops the process, as after missed heartbeats
-        for process in harness.coordinator._processes.values():
-            process.alive = False
+        for process in list(harness.coordinator._processes.values()):
+            harness.coordinator._gone(process)
     harness.coordinator.run_round(2)  # dispatches to nobody: the process is gone
     harness.start_rounds_from(3, 3)
     harness.wait_rounds()

@@ -197,7 +197,8 @@ class InProcessServer:
         self.logs: list[str] = []
         self.coordinator = Coordinator(self.config, log=self.logs.append)
         self.initial = {k: v.clone() for k, v in self.coordinator.global_state.items()}
-        self.server, self.address = start_grpc(self.coordinator, "127.0.0.1:0")
+        self.server = start_grpc(self.coordinator, "127.0.0.1:0")
+        self.address = self.server.address
         self.records: list[dict] = []
         self._thread = threading.Thread(target=self._drive, daemon=True)
 
@@ -219,7 +220,7 @@ class InProcessServer:
 
     def close(self) -> None:
         self.coordinator.finish()
-        self.server.stop(grace=None).wait()
+        self.server.stop(grace=None)
 
 
 @pytest.fixture

@@ -50,7 +50,8 @@ class SecureHarness:
                                   private_key=(secrets / "server.key").read_bytes(),
                                   client_ca=(secrets / "ca.pem").read_bytes() if mutual else None,
                                   principals=load_credentials(secrets / "credentials.yaml"))
-        self.server, self.address = start_grpc(self.coordinator, "127.0.0.1:0", security)
+        self.server = start_grpc(self.coordinator, "127.0.0.1:0", security)
+        self.address = self.server.address
         self.secrets = secrets
         self.channels: list[grpc.Channel] = []
         self._thread: threading.Thread | None = None
@@ -80,7 +81,7 @@ class SecureHarness:
         self.coordinator.finish()
         for channel in self.channels:
             channel.close()
-        self.server.stop(grace=None).wait()
+        self.server.stop(grace=None)
 
 
 @pytest.fixture
@@ -255,7 +256,8 @@ def harness_plain(secrets):
     """The same coordinator on plaintext loopback (no credentials), for comparison."""
     config = config_from_dict(small_config(clients=4, rounds=1))
     coordinator = Coordinator(config, log=lambda m: None)
-    server, address = start_grpc(coordinator, "127.0.0.1:0")
+    server = start_grpc(coordinator, "127.0.0.1:0")
+    address = server.address
 
     class Plain:
         pass
@@ -266,7 +268,7 @@ def harness_plain(secrets):
     coordinator.finish()
     for channel in plain.channels:
         channel.close()
-    server.stop(grace=None).wait()
+    server.stop(grace=None)
 
 
 def test_server_refuses_plaintext_off_loopback(tmp_path) -> None:
@@ -345,7 +347,7 @@ def test_a_newer_poll_releases_the_older_one(secure) -> None:
         older = pool.submit(lambda: decode_chunks(stub.GetTask(pb.TaskRequest(session=session, wait_seconds=50),
                                                                timeout=BOUND)))
         deadline = time.monotonic() + BOUND
-        while not any(p.polling for p in harness.coordinator._processes.values()) and time.monotonic() < deadline:
+        while not any(p.waiter for p in harness.coordinator._processes.values()) and time.monotonic() < deadline:
             futures.wait([older], timeout=0.05)
         started = time.monotonic()
         newer = pool.submit(lambda: decode_chunks(stub.GetTask(pb.TaskRequest(session=session, wait_seconds=1),

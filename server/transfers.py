@@ -1,0 +1,65 @@
+"""Bounds on the bytes in flight between the server and its client processes.
+
+Uploads: a result is read only while it holds one of a fixed number of *upload slots*, each with
+staging tensors that are reused from result to result (allocating and clearing fresh pages for
+every result cost the server more than copying into them). A result stream that finds every slot
+taken is simply not read: gRPC's flow control then stops its sender, so server memory is
+O(slots x model), whatever the number of uploads in flight.
+
+Downloads: a task is sent only while it holds one of a fixed number of *download slots*; every
+sent chunk is awaited until the transport took it, so at most one chunk per slot is buffered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+
+import torch
+
+from fedpart.common.wire import DTYPES
+from fedpart.proto import fedpart_pb2 as pb
+
+Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+def layout_of(specs: Iterable[pb.TensorSpec]) -> Layout:
+    """Names, dtypes and shapes of a result's tensors: results with equal layouts share buffers."""
+    return tuple((spec.name, spec.dtype, tuple(spec.shape)) for spec in specs)
+
+
+class UploadSlots:
+    """A bounded set of upload slots with reusable staging tensors (created in the event loop)."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._free = asyncio.Semaphore(slots)
+        self._idle: OrderedDict[int, tuple[Layout, dict[str, torch.Tensor]]] = OrderedDict()
+        self._keys = 0
+
+    @asynccontextmanager
+    async def staging(self, specs: Iterable[pb.TensorSpec]) -> AsyncIterator[dict[str, torch.Tensor]]:
+        """Wait for a free slot; yields staging tensors for ``specs`` (checked by the caller
+        against the task beforehand), which return to the pool on exit."""
+        layout = layout_of(specs)
+        async with self._free:
+            buffers = self._take(layout)
+            try:
+                yield buffers
+            finally:
+                self._give_back(layout, buffers)
+
+    def _take(self, layout: Layout) -> dict[str, torch.Tensor]:
+        for key, (idle_layout, buffers) in self._idle.items():
+            if idle_layout == layout:
+                del self._idle[key]
+                return buffers
+        return {name: torch.empty(shape, dtype=DTYPES[dtype]) for name, dtype, shape in layout}
+
+    def _give_back(self, layout: Layout, buffers: dict[str, torch.Tensor]) -> None:
+        self._keys += 1
+        self._idle[self._keys] = (layout, buffers)
+        while len(self._idle) > self.slots:  # a layout no longer used makes room, oldest first
+            self._idle.popitem(last=False)
