@@ -1,0 +1,496 @@
+"""The coordinator at cross-device scale: a real ``fedpart server`` against virtual client processes,
+beside the floor for the same bytes, measured in one run (issue 7).
+
+Workload per row ``N x K``: FedAvg, ``--model`` (default cnn2, 582,026 float32 parameters =
+2.33 MB per result) on MNIST's dimensions, N clients, ``--fraction`` of them per round,
+``--rounds`` rounds, then the final evaluation of every client. The server holds no data:
+``evaluate.global_test`` and ``robust.partition_sizes`` are off (the only features for which the
+server reads the dataset), so the numbers are the coordinator's own. The clients are K virtual
+client processes (``fedpart.client.virtual``: the client protocol without training, each with its
+own TCP connection) multiplexed over ``--generators`` OS processes, started together: each
+generator loads, prints ``ready``, and connects when the driver says go.
+
+Columns:
+
+- *results per round*: clients that completed each round (all sampled ones, or the row says so);
+- *joined-in s*: from "go" to the last virtual process's join reply;
+- *round s*: the server's per-round record ``seconds`` in ``metrics.jsonl`` (dispatch, task
+  streams, result uploads, validation, folds, new global model);
+- *server peak RSS*: ``VmHWM`` of the server process (``/proc/PID/status``);
+- *server CPU s/round*: user + system CPU of the server (``/proc/PID/stat``, sampled every
+  50 ms) over each round's window, which ends at the round's log line and is ``seconds`` long,
+  averaged over the rounds;
+- *heartbeats missed*: server log lines "went silent";
+- *final evaluation s*: from the server's "evaluating" line to the line after it (every client
+  evaluated and the summary written);
+- *floor s*: the same bytes in one process: ``results x result bytes`` through one loopback TCP
+  connection (a plain socket pair) plus the fold of as many model-sized float32 deltas with the
+  server's :class:`~fedpart.server.aggregation.WeightedMean` on one core; *round/floor* is the
+  mean round time over it. For reference, a plain float32 ``add_`` of the same tensors (the
+  physical summation) is printed beside it.
+
+Linux only (``/proc``). Every process is stopped by PID when a row ends, however it ends.
+
+    python benchmarks/server_scale.py --rows 1000x100,1000x600 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from fedpart.common.config import config_from_dict
+from fedpart.common.experiment import build_run_model
+from fedpart.deploy.launcher import split_clients
+from fedpart.server.aggregation import WeightedMean
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+SAMPLE_SECONDS = 0.05
+LISTEN_SECONDS = 120.0
+READY_SECONDS = 300.0
+STOP_SECONDS = 10.0
+FOLD_POOL = 4  # distinct delta sets the fold floor cycles through, so it does not run from cache
+_LISTENING = re.compile(r"listening on (\S+:\d+)")
+_ROUND_LINE = re.compile(r"^round\s+(\d+)/")
+_EVALUATING = "evaluating and personalising"
+_SILENT = "went silent"
+
+
+@dataclass(frozen=True)
+class Row:
+    clients: int
+    processes: int
+
+
+def parse_rows(text: str) -> list[Row]:
+    """``"1000x100,10000x2000"`` -> rows (clients x virtual processes)."""
+    rows = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)x(\d+)\s*", part)
+        if not match:
+            raise argparse.ArgumentTypeError(f"row {part!r}: expected CLIENTSxPROCESSES, e.g. 1000x100")
+        row = Row(int(match.group(1)), int(match.group(2)))
+        if not 1 <= row.processes <= row.clients:
+            raise argparse.ArgumentTypeError(f"row {part!r}: needs 1 <= processes <= clients")
+        rows.append(row)
+    return rows
+
+
+def scale_config(clients: int, rounds: int, fraction: float, model: str, timeout: float) -> dict:
+    """The server's run config for one row."""
+    return {
+        "name": "server_scale", "seed": 0, "rounds": rounds, "clients": clients,
+        "sampling": {"fraction": fraction},
+        "data": {"dataset": "mnist", "partition": {"scheme": "iid"}},
+        "model": {"name": model},
+        "algorithm": {"name": "fedavg"},
+        "train": {"epochs": 1, "batch_size": 10, "lr": 0.01},
+        "evaluate": {"finetune_epochs": [1, 5], "global_test": False},
+        "robust": {"partition_sizes": False},
+        "server": {"join_timeout": timeout, "round_timeout": timeout, "evaluation_timeout": timeout},
+    }
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    """Terminate by PID, then kill whatever is still there after a bounded wait."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + STOP_SECONDS
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+class Lines:
+    """A process's output lines with the time each arrived, read on a thread."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._changed = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._pump, args=(process.stdout,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in iter(stream.readline, ""):
+            with self._changed:
+                self.lines.append((time.monotonic(), line.rstrip("\n")))
+                self._changed.notify_all()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def wait_for(self, pattern: re.Pattern, timeout: float, what: str) -> re.Match:
+        """The first line matching ``pattern``; raises RuntimeError at the deadline or at the end."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for _, line in self.lines:
+                    match = pattern.search(line)
+                    if match:
+                        return match
+                remaining = deadline - time.monotonic()
+                if self._closed or remaining <= 0:
+                    tail = "\n".join(line for _, line in self.lines[-20:])
+                    raise RuntimeError(f"no {what} ({'output ended' if self._closed else f'{timeout:.0f} s'}):\n{tail}")
+                self._changed.wait(remaining)
+
+    def snapshot(self) -> list[tuple[float, str]]:
+        with self._changed:
+            return list(self.lines)
+
+
+class ProcSampler:
+    """CPU seconds (user + system) and peak RSS of one process, sampled from ``/proc``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.samples: list[tuple[float, float]] = []
+        self.peak_rss_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                stat = Path(f"/proc/{self.pid}/stat").read_text()
+                status = Path(f"/proc/{self.pid}/status").read_text()
+            except OSError:
+                return  # the process is gone
+            fields = stat.rpartition(")")[2].split()
+            cpu = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+            self.samples.append((time.monotonic(), cpu))
+            for line in status.splitlines():
+                if line.startswith("VmHWM:"):
+                    self.peak_rss_bytes = int(line.split()[1]) * 1024
+            self._stop.wait(SAMPLE_SECONDS)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def cpu_at(self, moment: float) -> float:
+        """CPU seconds at ``moment``, interpolated between the samples around it."""
+        before = [s for s in self.samples if s[0] <= moment]
+        after = [s for s in self.samples if s[0] >= moment]
+        if not before:
+            return self.samples[0][1]
+        if not after:
+            return self.samples[-1][1]
+        (t0, c0), (t1, c1) = before[-1], after[0]
+        return c0 if t1 == t0 else c0 + (c1 - c0) * (moment - t0) / (t1 - t0)
+
+
+@dataclass
+class RowResult:
+    row: Row
+    generators: int
+    server_exit: int | None
+    results_per_round: list[int]
+    sampled_per_round: list[int]
+    joined_in: float | None
+    round_seconds: list[float]
+    peak_rss_bytes: int
+    cpu_per_round: float | None
+    heartbeats_missed: int
+    evaluation_seconds: float | None
+    generator_exits: list[int | None]
+    load: dict = field(default_factory=dict)  # the generators' counts, summed
+    problems: list[str] = field(default_factory=list)
+
+
+def _generator_slices(row: Row, generators: int) -> list[tuple[str, int]]:
+    """(client ids, virtual processes) per generator: whole ``split_clients(N, K)`` slices."""
+    slices = split_clients(row.clients, row.processes)
+    out = []
+    for spec in split_clients(len(slices), generators):
+        first, last = (int(x) for x in spec.split("-"))
+        low = slices[first].split("-")[0]
+        high = slices[last].split("-")[1]
+        out.append((f"{low}-{high}", last - first + 1))
+    return out
+
+
+def _sum_loads(loads: list[dict]) -> dict:
+    total: dict = {"errors": {}, "failures": [], "join_times": []}
+    for load in loads:
+        for key, value in load.items():
+            if key == "errors":
+                for code, count in value.items():
+                    total["errors"][code] = total["errors"].get(code, 0) + count
+            elif isinstance(value, list):
+                total[key] += value
+            elif key != "started_at":
+                total[key] = total.get(key, 0) + value
+    return total
+
+
+def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
+    """One real server and the row's virtual processes; every process is stopped by PID at the end."""
+    config_path = work / "config.yaml"
+    config_path.write_text(yaml.safe_dump(scale_config(row.clients, args.rounds, args.fraction, args.model,
+                                                       args.timeout)))
+    out = work / "run"
+    started: list[subprocess.Popen] = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    sampler = None
+    try:
+        server = subprocess.Popen([sys.executable, "-m", "fedpart.deploy.cli", "server", str(config_path),
+                                   "--address", "127.0.0.1:0", "--out", str(out)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        started.append(server)
+        sampler = ProcSampler(server.pid)
+        server_lines = Lines(server)
+        address = server_lines.wait_for(_LISTENING, LISTEN_SECONDS, "listening line from the server").group(1)
+        generators = []
+        for index, (ids, processes) in enumerate(_generator_slices(row, args.generators)):
+            generator = subprocess.Popen(
+                [sys.executable, "-m", "fedpart.client.virtual", "--server", address, "--clients", ids,
+                 "--processes", str(processes), "--hold", "--stats", str(work / f"load_{index}.json")],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            started.append(generator)
+            generators.append((generator, Lines(generator)))
+        for _, lines in generators:
+            lines.wait_for(re.compile(r"^ready$"), READY_SECONDS, "'ready' from a load generator")
+        go = time.monotonic()
+        for generator, _ in generators:
+            generator.stdin.write("go\n")
+            generator.stdin.close()
+        try:
+            server.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        for generator, _ in generators:
+            try:
+                generator.wait(timeout=STOP_SECONDS * 3)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        _stop(started)
+        if sampler is not None:
+            sampler.close()
+    return _collect(row, args, work, out, go, server, server_lines, sampler, generators)
+
+
+def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: float, server: subprocess.Popen,
+             server_lines: Lines, sampler: ProcSampler, generators: list) -> RowResult:
+    """Read what the row's processes left behind into its result."""
+    problems = []
+    metrics_path = out / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.is_file() else []
+    if len(records) < args.rounds:
+        problems.append(f"{len(records)} of {args.rounds} rounds completed")
+    lines = server_lines.snapshot()
+    round_lines = {int(m.group(1)): t for t, line in lines if (m := _ROUND_LINE.search(line))}
+    cpu = [sampler.cpu_at(round_lines[r["round"]]) - sampler.cpu_at(round_lines[r["round"]] - r["seconds"])
+           for r in records if r["round"] in round_lines]
+    evaluation = None
+    for index, (moment, line) in enumerate(lines):
+        if _EVALUATING in line and index + 1 < len(lines):
+            evaluation = lines[index + 1][0] - moment
+    loads = []
+    for index, (generator, _) in enumerate(generators):
+        path = work / f"load_{index}.json"
+        if path.is_file():
+            loads.append(json.loads(path.read_text()))
+        else:
+            problems.append(f"load generator {index} wrote no counts (exit {generator.returncode})")
+    load = _sum_loads(loads)
+    if server.returncode != 0:
+        problems.append(f"server exit {server.returncode}: "
+                        + "; ".join(line for _, line in lines if "error" in line.lower())[:500])
+    if load["failures"]:
+        problems.append(f"{len(load['failures'])} virtual processes failed, e.g. {load['failures'][0]}")
+    return RowResult(
+        row=row, generators=len(generators), server_exit=server.returncode,
+        results_per_round=[len(r["completed"]) for r in records],
+        sampled_per_round=[len(r["sampled"]) for r in records],
+        joined_in=max(load["join_times"]) - go if len(load["join_times"]) == row.processes else None,
+        round_seconds=[r["seconds"] for r in records],
+        peak_rss_bytes=sampler.peak_rss_bytes,
+        cpu_per_round=statistics.fmean(cpu) if cpu else None,
+        heartbeats_missed=sum(_SILENT in line for _, line in lines),
+        evaluation_seconds=evaluation,
+        generator_exits=[generator.returncode for generator, _ in generators],
+        load=load, problems=problems,
+    )
+
+
+# ------------------------------------------------------------------------------------ the floor
+
+
+def result_tensors(model: str) -> dict[str, torch.Tensor]:
+    """Float32 tensors shaped like one FedAvg result of ``model`` on MNIST (every parameter)."""
+    config = config_from_dict(scale_config(1, 1, 1.0, model, 1.0))
+    return {name: tensor.detach().clone() for name, tensor in build_run_model(config).state_dict().items()
+            if tensor.is_floating_point()}
+
+
+def transfer_seconds(results: int, result_bytes: int) -> float:
+    """Seconds to move ``results x result_bytes`` through one loopback TCP connection."""
+    payload = memoryview(bytearray(result_bytes))
+    total = results * result_bytes
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender = socket.create_connection(listener.getsockname())
+        receiver, _ = listener.accept()
+
+        def send() -> None:
+            with sender:
+                for _ in range(results):
+                    sender.sendall(payload)
+
+        buffer = memoryview(bytearray(1 << 20))
+        started = time.perf_counter()
+        thread = threading.Thread(target=send)
+        thread.start()
+        with receiver:
+            received = 0
+            while received < total:
+                count = receiver.recv_into(buffer)
+                if count == 0:
+                    raise RuntimeError(f"loopback transfer ended after {received} of {total} bytes")
+                received += count
+        seconds = time.perf_counter() - started
+        thread.join()
+    return seconds
+
+
+def fold_seconds(results: int, tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """Seconds to fold ``results`` deltas shaped like ``tensors`` on one core: with the server's
+    WeightedMean, and as a plain float32 sum."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        pool = [{n: torch.randn(t.shape, generator=generator) * 1e-3 for n, t in tensors.items()}
+                for _ in range(FOLD_POOL)]
+        mean = WeightedMean()
+        started = time.perf_counter()
+        for index in range(results):
+            mean.add(pool[index % FOLD_POOL], 15.0)
+        mean.result()
+        weighted = time.perf_counter() - started
+        sums = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        started = time.perf_counter()
+        for index in range(results):
+            for name, delta in pool[index % FOLD_POOL].items():
+                sums[name].add_(delta)
+        plain = time.perf_counter() - started
+    finally:
+        torch.set_num_threads(threads)
+    return weighted, plain
+
+
+@dataclass
+class Floor:
+    results: int
+    result_bytes: int
+    transfer: float
+    fold: float
+    plain_sum: float
+
+    @property
+    def seconds(self) -> float:
+        return self.transfer + self.fold
+
+
+def measure_floor(results: int, model: str) -> Floor:
+    tensors = result_tensors(model)
+    result_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    fold, plain = fold_seconds(results, tensors)
+    return Floor(results, result_bytes, transfer_seconds(results, result_bytes), fold, plain)
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def format_table(results: list[tuple[RowResult, Floor]]) -> str:
+    header = ["clients N", "processes K", "results per round", "joined-in s", "round s", "server peak RSS",
+              "server CPU s/round", "heartbeats missed", "final evaluation s", "floor s", "round/floor"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for result, floor in results:
+        rounds = ", ".join(f"{s:.2f}" for s in result.round_seconds) or "-"
+        per_round = ", ".join(str(c) if c == s else f"{c} of {s}"
+                              for c, s in zip(result.results_per_round, result.sampled_per_round)) or "-"
+        ratio = statistics.fmean(result.round_seconds) / floor.seconds if result.round_seconds else None
+        lines.append("| " + " | ".join([
+            f"{result.row.clients:,}", f"{result.row.processes:,}", per_round, _fmt(result.joined_in), rounds,
+            f"{result.peak_rss_bytes / 1e9:.2f} GB", _fmt(result.cpu_per_round), str(result.heartbeats_missed),
+            _fmt(result.evaluation_seconds), f"{floor.seconds:.2f}", _fmt(ratio, "{:.1f}x"),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def format_details(result: RowResult, floor: Floor) -> str:
+    load = result.load
+    errors = ", ".join(f"{k} x{v}" for k, v in sorted(load.get("errors", {}).items())) or "none"
+    lines = [
+        f"{result.row.clients}x{result.row.processes}: server exit {result.server_exit}, "
+        f"{result.generators} load generators exit {result.generator_exits}; virtual processes joined "
+        f"{load.get('joins', 0)}, told DONE {load.get('done', 0)}, training results {load.get('train_results', 0)}, "
+        f"evaluations {load.get('evaluations', 0)}, heartbeats {load.get('heartbeats', 0)}; errors: {errors}",
+        f"  floor for {floor.results} results of {floor.result_bytes:,} bytes: loopback transfer "
+        f"{floor.transfer:.3f} s + WeightedMean fold {floor.fold:.3f} s (1 core) = {floor.seconds:.3f} s; "
+        f"plain float32 sum {floor.plain_sum:.3f} s",
+    ]
+    lines += [f"  problem: {problem}" for problem in result.problems]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=parse_rows, default=parse_rows("1000x100"),
+                        help="CLIENTSxPROCESSES, comma-separated (default 1000x100)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--fraction", type=float, default=0.1, help="clients sampled per round")
+    parser.add_argument("--model", default="cnn2")
+    parser.add_argument("--generators", type=int, default=os.cpu_count() or 1,
+                        help="OS processes the virtual processes are spread over (default: the cores)")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="bound on a row's run, and the server's join/round/evaluation timeouts")
+    parser.add_argument("--keep", type=Path, help="keep each row's run directory and counts under this directory")
+    args = parser.parse_args(argv)
+    results = []
+    floors: dict[int, Floor] = {}
+    for row in args.rows:
+        if args.keep is not None:
+            work = args.keep / f"{row.clients}x{row.processes}"
+            work.mkdir(parents=True, exist_ok=False)
+            result = run_row(row, args, work)
+        else:
+            with tempfile.TemporaryDirectory(prefix="fedpart-scale-") as tmp:
+                result = run_row(row, args, Path(tmp))
+        count = max(result.sampled_per_round, default=max(1, int(args.fraction * row.clients + 1e-9)))
+        if count not in floors:
+            floors[count] = measure_floor(count, args.model)
+        results.append((result, floors[count]))
+        print(format_details(result, floors[count]), flush=True)
+    print(f"\nFedAvg, {args.model}, fraction {args.fraction}, {args.rounds} rounds, {os.cpu_count()} cores")
+    print(format_table(results))
+    return 0 if all(not result.problems for result, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,533 @@
+"""Virtual client processes: fedpart's client protocol without training, for load tests.
+
+One OS process stands in for thousands of client processes. Each :class:`VirtualProcess` hosts a
+slice of the client ids (split as ``fedpart.deploy.launcher.split_clients`` splits them) over its
+own gRPC channel and TCP connection and behaves on the wire like ``fedpart client``
+(``client/runtime.py``): it joins, heartbeats at the same interval, long-polls ``GetTask`` with the
+versions of the global tensors it has received, reads every task stream to its end (checking its
+size, discarding the bytes) and answers each task without computing anything: a training task with
+exactly the tensors its plan asks for, shaped like the global model (small seeded deltas), an
+evaluation with the metrics a real client reports. Failures are handled as the real client handles
+them: an unreachable server is retried with capped backoff, a lost session joins again, a refused
+join or task request ends the virtual process, a refused result or heartbeat is counted and the
+process goes on.
+
+Every virtual process of an OS process shares one asyncio event loop, one model built from the
+run config of the join reply, and one pre-encoded set of result chunks per upload list: from one
+result to the next only the header differs. :class:`LoadStats` counts what happened (joins,
+heartbeats, results, evaluations, errors by RPC and status code, join times) for tests and
+``benchmarks/server_scale.py``.
+
+    python -m fedpart.client.virtual --server 127.0.0.1:50051 --clients 0-999 --processes 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import random
+import resource
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+import yaml
+
+from fedpart.client.runtime import (
+    CONNECT_SECONDS,
+    FIRST_RETRY_SECONDS,
+    HEARTBEAT_SECONDS,
+    MAX_RETRY_SECONDS,
+    POLL_SECONDS,
+    RECONNECT_SECONDS,
+    TRANSFER_SECONDS,
+    Backoff,
+)
+from fedpart.common.config import RunConfig, config_from_dict
+from fedpart.common.experiment import build_run_model, dataset_dims
+from fedpart.common.security import ClientSecurity, SecurityError, parse_id_ranges
+from fedpart.common.wire import encode_chunks, named_specs, spec_nbytes
+from fedpart.deploy.launcher import split_clients
+from fedpart.proto import fedpart_pb2 as pb
+from fedpart.proto import fedpart_pb2_grpc as pb_grpc
+
+JOIN_SECONDS = 60.0   # deadline of a join, as fedpart client's
+LEAVE_SECONDS = 10.0  # deadline of a leave, as fedpart client's
+DELTA_SCALE = 1e-3    # standard deviation of the seeded deltas a virtual client uploads
+CHANNEL_OPTIONS: list[tuple[str, object]] = [  # fedpart client's, plus a connection of its own
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", int(FIRST_RETRY_SECONDS * 1000)),
+    ("grpc.max_reconnect_backoff_ms", int(MAX_RETRY_SECONDS * 1000)),
+    # without it gRPC shares one TCP connection between channels with equal arguments
+    ("grpc.use_local_subchannel_pool", 1),
+]
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class VirtualClientError(RuntimeError):
+    """A virtual process cannot go on (the message says why)."""
+
+
+def heartbeat_interval(config: RunConfig) -> float:
+    """Seconds between heartbeats: a few per ``server.heartbeat_timeout``, as fedpart client beats."""
+    return max(0.2, min(HEARTBEAT_SECONDS, config.server.heartbeat_timeout / 4))
+
+
+def train_samples(client_id: int) -> int:
+    """The training-set size a virtual client reports: deterministic, 10 to 20 samples (a
+    cross-device client holds little data); its evaluation reports the same count."""
+    return 10 + client_id % 11
+
+
+def test_samples(client_id: int) -> int:
+    """The test-set size a virtual client reports in its evaluation."""
+    return 2 + client_id % 3
+
+
+def train_metrics(plan: pb.TrainPlan, client_id: int, trainable_parameters: int) -> dict[str, float]:
+    """The metrics fedpart client reports with a training result; no compute was spent."""
+    batches = math.ceil(train_samples(client_id) / max(plan.batch_size, 1))
+    steps = sum(phase.epochs for phase in plan.phases if phase.trainable) * batches
+    return {"loss": 1.0 + (client_id % 10) / 10, "steps": float(steps), "compute_seconds": 0.0,
+            "trainable_parameters": float(trainable_parameters), "train_flops": 0.0}
+
+
+def evaluation_metrics(plan: pb.EvalPlan, client_id: int, classification: bool) -> dict[str, float]:
+    """The metrics fedpart client reports with an evaluation (see ``client/evaluation.py``);
+    they pass the server's ``check_evaluation``."""
+    kinds = ("loss", "acc") if classification else ("loss",)
+    metrics = {"train_samples": float(train_samples(client_id)), "test_samples": float(test_samples(client_id))}
+    metrics.update({f"initial_{kind}": 0.5 for kind in kinds})
+    if plan.headless and classification:
+        metrics.update({"headless_acc": 0.5, "headless_cosine_acc": 0.5})
+    for epochs in sorted(set(plan.finetune_epochs)):
+        metrics.update({f"finetune_{epochs}_{kind}": 0.6 for kind in kinds})
+    return metrics
+
+
+@dataclass
+class LoadStats:
+    """What the virtual processes of one OS process did, counted as it happens."""
+
+    processes: int = 0
+    joins: int = 0              # first joins of a virtual process
+    rejoins: int = 0            # joins again after the server lost the session
+    heartbeats: int = 0         # answered heartbeats
+    heartbeats_unknown: int = 0  # of those, the server did not know the session
+    polls: int = 0              # answered task requests (IDLE included)
+    idle_polls: int = 0
+    train_results: int = 0      # training results the server accepted
+    evaluations: int = 0        # evaluation results the server accepted
+    done: int = 0               # virtual processes told the run is over
+    bytes_down: int = 0         # tensor bytes of the task streams
+    bytes_up: int = 0           # tensor bytes of the accepted results
+    errors: Counter = field(default_factory=Counter)  # "Rpc STATUS" -> count
+    started_at: float = 0.0     # time.monotonic() when the virtual processes started connecting
+    join_times: list[float] = field(default_factory=list)  # time.monotonic() of every first join
+    failures: list[str] = field(default_factory=list)      # why virtual processes ended before DONE
+
+    def error(self, rpc: str, code: grpc.StatusCode) -> None:
+        self.errors[f"{rpc} {code.name}"] += 1
+
+    def as_dict(self) -> dict[str, object]:
+        out = dataclasses.asdict(self)
+        out["errors"] = dict(self.errors)
+        return out
+
+    def summary(self) -> str:
+        """A few lines for the terminal."""
+        joined = f"{max(self.join_times) - self.started_at:.2f} s" if self.join_times else "-"
+        errors = ", ".join(f"{key} x{count}" for key, count in sorted(self.errors.items())) or "none"
+        return (f"virtual processes {self.processes}: joined {self.joins} (all in {joined}), rejoined "
+                f"{self.rejoins}, told DONE {self.done}\n"
+                f"tasks answered: {self.train_results} training results, {self.evaluations} evaluations; "
+                f"polls {self.polls} ({self.idle_polls} idle); heartbeats {self.heartbeats} "
+                f"({self.heartbeats_unknown} unknown session)\n"
+                f"tensor bytes down {self.bytes_down:,}, up {self.bytes_up:,}\n"
+                f"errors by status code: {errors}")
+
+
+class Payloads:
+    """What the virtual processes of one OS process upload in one run, built once from its config:
+    per upload list, the result chunks encoded once; a result differs only in its header."""
+
+    def __init__(self, run_config_json: str) -> None:
+        self.config = config_from_dict(json.loads(run_config_json))
+        self.global_state = {name: tensor.detach() for name, tensor in build_run_model(self.config).state_dict().items()}
+        self.classification = dataset_dims(self.config)[1] > 0
+        self._encoded: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[list[pb.ResultChunk], int, int]] = {}
+
+    def result_chunks(self, header: pb.ResultHeader, plan: pb.TrainPlan) -> tuple[list[pb.ResultChunk], int]:
+        """The chunk stream of a training result with ``header`` (its specs are added) and its
+        tensor bytes."""
+        chunks, tensor_bytes, _ = self._encoded_for(plan)
+        first = pb.ResultChunk()
+        first.CopyFrom(chunks[0])
+        first.header.MergeFrom(header)
+        return [first, *chunks[1:]], tensor_bytes
+
+    def trainable_parameters(self, plan: pb.TrainPlan) -> int:
+        return self._encoded_for(plan)[2]
+
+    def _encoded_for(self, plan: pb.TrainPlan) -> tuple[list[pb.ResultChunk], int, int]:
+        key = (tuple(plan.upload_deltas), tuple(plan.upload_values))
+        if key not in self._encoded:
+            self._encoded[key] = self._encode(*key)
+        return self._encoded[key]
+
+    def _encode(self, deltas: tuple[str, ...], values: tuple[str, ...]) -> tuple[list[pb.ResultChunk], int, int]:
+        unknown = sorted(set(deltas + values) - set(self.global_state))
+        if unknown:
+            raise VirtualClientError(f"the plan asks for tensors {unknown[:5]} the run's model does not have")
+        generator = torch.Generator().manual_seed(self.config.seed)
+        tensors: dict[str, torch.Tensor] = {}
+        for name in (*deltas, *values):
+            like = self.global_state[name]
+            noise = (torch.randn(like.shape, generator=generator, dtype=torch.float64) * DELTA_SCALE).to(like.dtype) \
+                if like.is_floating_point() else torch.zeros_like(like)
+            tensors[name] = noise if name in deltas else like + noise
+        header = pb.ResultHeader(tensors=named_specs(tensors))
+        chunks = list(encode_chunks(pb.ResultChunk, header, list(tensors.values()), self.config.server.chunk_bytes))
+        tensor_bytes = sum(len(piece.data) for chunk in chunks for piece in chunk.pieces)
+        return chunks, tensor_bytes, sum(t.numel() for t in tensors.values())
+
+
+def aio_channel(security: ClientSecurity, target: str, options: list[tuple[str, object]]) -> grpc.aio.Channel:
+    """An asyncio channel to ``target`` with the credentials ``ClientSecurity.channel`` uses."""
+    if security.insecure:
+        return grpc.aio.insecure_channel(target, options=options)
+    credentials = grpc.ssl_channel_credentials(root_certificates=security.ca, private_key=security.private_key,
+                                               certificate_chain=security.certificate)
+    if security.token:
+        credentials = grpc.composite_channel_credentials(credentials, grpc.access_token_call_credentials(security.token))
+    if security.server_name:
+        options = [*options, ("grpc.ssl_target_name_override", security.server_name)]
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+class VirtualHost:
+    """The state the virtual processes of one OS process share: where the server is, the run's
+    payloads (built at the first join) and the counts."""
+
+    def __init__(self, server: str, reconnect_timeout: float = RECONNECT_SECONDS) -> None:
+        self.server = server
+        self.reconnect_timeout = reconnect_timeout
+        self.stats = LoadStats()
+        self._payloads: dict[str, Payloads] = {}
+
+    def payloads(self, run_config_json: str) -> Payloads:
+        if run_config_json not in self._payloads:
+            self._payloads[run_config_json] = Payloads(run_config_json)
+        return self._payloads[run_config_json]
+
+
+class VirtualProcess:
+    """One client process on the wire: its own channel, session, held tensor versions and
+    heartbeats; it answers tasks for ``client_ids`` until the server says the run is over."""
+
+    def __init__(self, host: VirtualHost, index: int, client_ids: list[int], security: ClientSecurity) -> None:
+        self.host = host
+        self.index = index
+        self.client_ids = client_ids
+        self.security = security
+        self.name = f"{socket.gethostname()}:{os.getpid()}/virtual-{index}"
+        self.instance = f"virtual:{self.name}:{client_ids[0]}-{client_ids[-1]}"
+        self.versions: dict[str, int] = {}
+        self.session = ""
+        self.run_id = ""
+        self._outage: Backoff | None = None
+        self.channel: grpc.aio.Channel
+        self.stub: pb_grpc.CoordinatorStub
+        self.payloads: Payloads  # the run's, from the join reply
+
+    async def run(self) -> None:
+        """Serve until told DONE; raises :class:`VirtualClientError` when the process cannot go on."""
+        self.channel = aio_channel(self.security, self.host.server, CHANNEL_OPTIONS)
+        try:
+            self.stub = pb_grpc.CoordinatorStub(self.channel)
+            try:
+                await asyncio.wait_for(self.channel.channel_ready(), CONNECT_SECONDS)
+            except asyncio.TimeoutError as error:
+                raise VirtualClientError(f"no server answered at {self.host.server} within "
+                                         f"{CONNECT_SECONDS:.0f} s") from error
+            await self._join()
+            self.host.stats.joins += 1
+            self.host.stats.join_times.append(time.monotonic())
+            beats = asyncio.create_task(self._heartbeats(heartbeat_interval(self.payloads.config)))
+            try:
+                await self._serve()
+            except VirtualClientError as error:
+                await self._leave(str(error))
+                raise
+            finally:
+                beats.cancel()
+                await asyncio.gather(beats, return_exceptions=True)
+        finally:
+            await self.channel.close()
+
+    def _stream_seconds(self, wanted: float) -> float:
+        """A stream's deadline: what fedpart client asks for, within the server's call limit."""
+        return min(wanted, self.payloads.config.server.call_timeout)
+
+    async def _join(self) -> None:
+        request = pb.JoinRequest(protocol=1, process_name=self.name, instance=self.instance,
+                                 clients=[pb.HostedClient(id=c) for c in self.client_ids])
+        try:
+            reply = await self.stub.Join(request, timeout=JOIN_SECONDS)
+        except grpc.aio.AioRpcError as error:
+            self.host.stats.error("Join", error.code())
+            raise VirtualClientError(f"join refused ({error.code().name}): {error.details()}") from error
+        if self.run_id and reply.run_id != self.run_id:
+            raise VirtualClientError(f"the server now runs another run ({reply.run_id}, this process "
+                                     f"served {self.run_id})")
+        self.session, self.run_id = reply.session, reply.run_id
+        self.payloads = self.host.payloads(reply.run_config_json)
+
+    async def _heartbeats(self, interval: float) -> None:
+        # virtual processes join in a burst; a seeded phase spreads their beats as real start-ups do
+        await asyncio.sleep(random.Random(self.index).uniform(0.0, interval))
+        while True:
+            try:
+                reply = await self.stub.Heartbeat(pb.HeartbeatRequest(session=self.session),
+                                                  timeout=max(interval, 1.0))
+            except grpc.aio.AioRpcError as error:
+                self.host.stats.error("Heartbeat", error.code())
+            else:
+                self.host.stats.heartbeats += 1
+                self.host.stats.heartbeats_unknown += not reply.known
+            await asyncio.sleep(interval)
+
+    async def _leave(self, reason: str) -> None:
+        """Tell the server why this process stops (best effort)."""
+        try:
+            await self.stub.Leave(pb.LeaveRequest(session=self.session, reason=reason), timeout=LEAVE_SECONDS)
+        except grpc.aio.AioRpcError as error:
+            self.host.stats.error("Leave", error.code())
+
+    async def _serve(self) -> None:
+        stats = self.host.stats
+        while True:
+            request = pb.TaskRequest(session=self.session, held_versions=self.versions, wait_seconds=POLL_SECONDS)
+            try:
+                header = await self._next_task(request)
+            except grpc.aio.AioRpcError as error:
+                stats.error("GetTask", error.code())
+                await self._recover(error)
+                continue
+            self._outage = None
+            stats.polls += 1
+            if header.kind == pb.IDLE:
+                stats.idle_polls += 1
+            elif header.kind == pb.DONE:
+                stats.done += 1
+                return
+            elif header.client_id not in self.client_ids:
+                raise VirtualClientError(f"the server sent a task for client {header.client_id}, which this "
+                                         "process does not host")
+            elif header.kind == pb.TRAIN:
+                await self._submit_training(header)
+            elif header.kind == pb.EVALUATE:
+                await self._submit_evaluation(header)
+            else:
+                raise VirtualClientError(f"task {header.task_id} has unknown kind {header.kind}")
+
+    async def _next_task(self, request: pb.TaskRequest) -> pb.TaskHeader:
+        """One long poll, read to the end; the received versions are held from then on."""
+        call = self.stub.GetTask(request, timeout=self._stream_seconds(POLL_SECONDS + TRANSFER_SECONDS))
+        header: pb.TaskHeader | None = None
+        received = 0
+        async for chunk in call:
+            if chunk.HasField("header"):
+                if header is not None:
+                    raise VirtualClientError("a second header inside one task stream")
+                header = chunk.header
+            elif header is None:
+                raise VirtualClientError("the first chunk of a task stream carries no header")
+            received += sum(len(piece.data) for piece in chunk.pieces)
+        if header is None:
+            raise VirtualClientError("an empty task stream")
+        expected = sum(spec_nbytes(spec) for spec in header.tensors)
+        if received != expected:
+            raise VirtualClientError(f"task {header.task_id}: {received} tensor bytes, its header declares {expected}")
+        self.versions.update({spec.name: spec.version for spec in header.tensors})
+        self.host.stats.bytes_down += received
+        return header
+
+    async def _recover(self, error: grpc.aio.AioRpcError) -> None:
+        """After a failed task request: wait for an unreachable server, join again when the
+        server lost the session; any other refusal ends the process, as it ends fedpart client."""
+        if error.code() in _UNREACHABLE:
+            if self._outage is None:
+                self._outage = Backoff(time.monotonic() + self.host.reconnect_timeout)
+            delay = self._outage.next_delay()
+            if delay is None:
+                raise VirtualClientError(f"the server at {self.host.server} was unreachable for "
+                                         f"{self.host.reconnect_timeout:.0f} s; last error: {error.code().name} "
+                                         f"{error.details()}")
+            await asyncio.sleep(delay)
+        elif error.code() == grpc.StatusCode.FAILED_PRECONDITION and "join again" in (error.details() or ""):
+            await self._join()
+            self.host.stats.rejoins += 1
+        else:
+            raise VirtualClientError(f"server refused the task request ({error.code().name}): {error.details()}")
+
+    async def _submit_training(self, task: pb.TaskHeader) -> None:
+        client = task.client_id
+        plan = task.train
+        header = pb.ResultHeader(session=self.session, task_id=task.task_id, client_id=client, round=task.round,
+                                 num_samples=train_samples(client),
+                                 metrics=train_metrics(plan, client, self.payloads.trainable_parameters(plan)))
+        chunks, tensor_bytes = self.payloads.result_chunks(header, plan)
+        if await self._submit(chunks):
+            self.host.stats.train_results += 1
+            self.host.stats.bytes_up += tensor_bytes
+
+    async def _submit_evaluation(self, task: pb.TaskHeader) -> None:
+        metrics = evaluation_metrics(task.evaluate, task.client_id, self.payloads.classification)
+        header = pb.ResultHeader(session=self.session, task_id=task.task_id, client_id=task.client_id,
+                                 round=task.round, metrics=metrics)
+        if await self._submit([pb.ResultChunk(header=header)]):
+            self.host.stats.evaluations += 1
+
+    async def _submit(self, chunks: list[pb.ResultChunk]) -> bool:
+        """Send one result; False when the server did not take it (counted; the process goes on,
+        as fedpart client does)."""
+        try:
+            reply = await self.stub.SubmitResult(iter(chunks), timeout=self._stream_seconds(TRANSFER_SECONDS))
+        except grpc.aio.AioRpcError as error:
+            self.host.stats.error("SubmitResult", error.code())
+            return False
+        return reply.accepted
+
+
+def slice_clients(client_ids: list[int], processes: int) -> list[list[int]]:
+    """Contiguous, even slices of ``client_ids``, one per process, as ``split_clients`` cuts them."""
+    if not 1 <= processes <= len(client_ids):
+        raise ValueError(f"--processes {processes}: give 1 to {len(client_ids)} (one client id at least per process)")
+    slices = []
+    for spec in split_clients(len(client_ids), processes):
+        low, high = (int(x) for x in spec.split("-"))
+        slices.append(client_ids[low:high + 1])
+    return slices
+
+
+def tokens_by_slice(token_dir: Path, slices: list[list[int]]) -> list[str]:
+    """Each slice's bearer token from a ``fedpart certs`` directory: the process entry of its
+    ``credentials.yaml`` that names exactly the slice's client ids, and that entry's token file."""
+    path = token_dir / "credentials.yaml"
+    try:
+        entries = yaml.safe_load(path.read_text())["processes"]
+        names = {tuple(parse_id_ranges(entry["clients"])): entry["name"] for entry in entries}
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as error:
+        raise SecurityError(f"--token-dir: cannot read the process entries of {path}: {error}") from error
+    tokens = []
+    for ids in slices:
+        name = names.get(tuple(ids))
+        if name is None:
+            raise SecurityError(f"--token-dir: {path} names no process hosting exactly clients {ids[0]}-{ids[-1]}; "
+                                "make the credentials with `fedpart certs` for the same clients and processes")
+        token_file = token_dir / f"{name}.token"
+        try:
+            tokens.append(token_file.read_text().strip())
+        except OSError as error:
+            raise SecurityError(f"--token-dir: cannot read {token_file}: {error.strerror or error}") from error
+    return tokens
+
+
+async def run_virtual_processes(host: VirtualHost, slices: list[list[int]],
+                                security: list[ClientSecurity]) -> LoadStats:
+    """Run one virtual process per slice (with the matching credentials) until each is told DONE
+    or fails; every failure is recorded in the returned counts."""
+    stats = host.stats
+    stats.processes = len(slices)
+    stats.started_at = time.monotonic()
+    processes = [VirtualProcess(host, index, ids, credentials)
+                 for index, (ids, credentials) in enumerate(zip(slices, security))]
+    outcomes = await asyncio.gather(*(process.run() for process in processes), return_exceptions=True)
+    for process, outcome in zip(processes, outcomes):
+        if isinstance(outcome, BaseException):
+            stats.failures.append(f"{process.name} (clients {process.client_ids[0]}-{process.client_ids[-1]}): "
+                                  f"{type(outcome).__name__}: {outcome}")
+    return stats
+
+
+def raise_file_limit() -> int:
+    """Raise the soft limit of open files to the hard limit (every virtual process holds a
+    socket); returns the new soft limit."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fedpart.client.virtual", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", required=True, help="coordinator HOST:PORT")
+    parser.add_argument("--clients", required=True, help="client ids, e.g. 0-999 or 3,5,7")
+    parser.add_argument("--processes", type=int, required=True, help="virtual client processes to split them over")
+    parser.add_argument("--ca", help="CA certificate that signed the server's (PEM)")
+    parser.add_argument("--server-name", help="name to expect in the server certificate (default: the host)")
+    parser.add_argument("--token-file", help="one bearer token for every virtual process")
+    parser.add_argument("--token-dir", type=Path,
+                        help="a `fedpart certs` directory: each virtual process uses the token of the process "
+                             "entry of credentials.yaml that names exactly its client ids")
+    parser.add_argument("--insecure", action="store_true", help="plaintext, no TLS (the server must allow it)")
+    parser.add_argument("--reconnect-timeout", type=float, default=RECONNECT_SECONDS, metavar="SECONDS",
+                        help="how long a virtual process keeps retrying an unreachable server")
+    parser.add_argument("--hold", action="store_true",
+                        help="print 'ready' and wait for a line on stdin before connecting (a driver starts "
+                             "several generators together)")
+    parser.add_argument("--stats", type=Path, help="also write the counts as JSON to this file")
+    return parser
+
+
+def _security(args: argparse.Namespace, slices: list[list[int]]) -> list[ClientSecurity]:
+    if args.token_dir is not None and args.token_file:
+        raise SecurityError("--token-file and --token-dir exclude each other")
+    base = ClientSecurity.from_options(args.server, args.ca, args.server_name, args.token_file, None, None,
+                                       args.insecure)
+    if args.token_dir is None:
+        return [base] * len(slices)
+    if base.insecure:
+        raise SecurityError("--token-dir needs TLS (--ca): tokens never travel in clear")
+    return [dataclasses.replace(base, token=token) for token in tokens_by_slice(args.token_dir, slices)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the virtual processes; 0 only when every one of them was told the run is over."""
+    args = build_parser().parse_args(argv)
+    try:
+        slices = slice_clients(parse_id_ranges(args.clients), args.processes)
+        security = _security(args, slices)
+    except (ValueError, SecurityError) as error:
+        print(f"fedpart virtual clients: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    raise_file_limit()
+    if args.hold:
+        print("ready", flush=True)
+        sys.stdin.readline()
+    host = VirtualHost(args.server, args.reconnect_timeout)
+    stats = asyncio.run(run_virtual_processes(host, slices, security))
+    print(stats.summary(), flush=True)
+    if args.stats is not None:
+        args.stats.write_text(json.dumps(stats.as_dict()))
+    if stats.done == stats.processes:
+        return 0
+    shown = "; ".join(stats.failures[:5]) or "no failure recorded"
+    print(f"fedpart virtual clients: error: {stats.processes - stats.done} of {stats.processes} virtual processes "
+          f"were not told the run is over: {shown}", file=sys.stderr, flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
