@@ -121,13 +121,7 @@ def test_a_killed_server_resumes_the_same_run_with_identical_results(tmp_path: P
         assert f"joined run {run_id} again" in log, log
 
     assert [m["round"] for m in read_metrics(out)] == [1, 2, 3, 4], "round 3 was redone, no duplicate line"
-    if [m["train_loss"] for m in read_metrics(out)] != [m["train_loss"] for m in read_metrics(baseline)]:
-        import json
-        print("RESUMED", json.dumps([{k: m[k] for k in ("round","sampled","completed","train_loss","bytes_down","bytes_up")} for m in read_metrics(out)]))
-        print("BASE", json.dumps([{k: m[k] for k in ("round","sampled","completed","train_loss","bytes_down","bytes_up")} for m in read_metrics(baseline)]))
-        print("OUTPUT", output)
-        for log in _client_logs(root): print("CLIENTLOG", log)
-        assert False
+    assert [m["train_loss"] for m in read_metrics(out)] == [m["train_loss"] for m in read_metrics(baseline)]
     final = "checkpoints/round_0004.safetensors"
     assert (out / final).read_bytes() == (baseline / final).read_bytes()
     summary, expected = read_summary(out), read_summary(baseline)
