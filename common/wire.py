@@ -138,19 +138,20 @@ def iter_piece_groups(tensors: Iterable[torch.Tensor],
 def encode_chunks(chunk_type: type, header, tensors: Iterable[torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator:
     """A chunk stream: the header in the first chunk, the tensors' pieces spread over all chunks.
 
-    ``header`` must already list the specs of ``tensors`` in the same order. Each piece's bytes
+    ``header`` must already list the specs of ``tensors`` in the same order; with ``header``
+    None the chunks carry pieces only (to follow a header sent on its own). Each piece's bytes
     are copied once, straight into its chunk.
     """
     first = True
     for group in iter_piece_groups(tensors, chunk_bytes):
         chunk = chunk_type()
-        if first:
+        if first and header is not None:
             chunk.header.CopyFrom(header)
-            first = False
+        first = False
         for index, view in group:
             chunk.pieces.add(index=index, data=view.tobytes())
         yield chunk
-    if first:
+    if first and header is not None:
         yield chunk_type(header=header)
 
 

@@ -24,13 +24,13 @@ from functools import partial
 import grpc
 
 from fedpart.common.split_model import tensor_part
-from fedpart.common.wire import TensorAssembler, WireError, encode_chunks, measure_chunk
+from fedpart.common.wire import TensorAssembler, WireError, measure_chunk
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 from fedpart.server.accounting import PROCESS
 from fedpart.server.auth import CallGuard
 from fedpart.server.coordinator import Coordinator, Denied, Rejected, Task
-from fedpart.server.transfers import UploadSlots
+from fedpart.server.transfers import TaskPayloads, UploadSlots, bytes_by_part
 
 # Longest deadline a unary call may ask for (join, heartbeat, leave answer at once).
 UNARY_CALL_SECONDS = 120.0
@@ -67,6 +67,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.fold_pool = fold_pool
         self.uploads = UploadSlots(upload_slots)
         self.downloads = asyncio.Semaphore(download_slots)
+        self.payloads = TaskPayloads(coordinator.config.server.chunk_bytes)
         self.stream_seconds = coordinator.config.server.call_timeout
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
@@ -142,6 +143,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.coordinator.end_poll(request.session, waiter)
 
     def _task_chunks(self, task: Task, request: pb.TaskRequest) -> Iterator[pb.TaskChunk]:
+        """The header alone, then the shared chunks of the tensors the process lacks."""
         specs, tensors = self.coordinator.task_tensors(task, request.held_versions)
         header = pb.TaskHeader(kind=task.kind, task_id=task.task_id, round=task.round, client_id=task.client_id,
                                tensors=specs, personal_init=list(task.personal_init))
@@ -149,9 +151,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             header.train.CopyFrom(task.train)
         if task.evaluate is not None:
             header.evaluate.CopyFrom(task.evaluate)
-        parts = [tensor_part(spec.name) for spec in specs]
-        for chunk in encode_chunks(pb.TaskChunk, header, tensors, self.coordinator.config.server.chunk_bytes):
-            self.coordinator.account(task.round, task.client_id, "down", _chunk_parts(chunk, parts))
+        first = pb.TaskChunk(header=header)
+        self.coordinator.account(task.round, task.client_id, "down", _control(first.ByteSize()))
+        yield first
+        for chunk, by_part in self.payloads.chunks(specs, tensors, [tensor_part(spec.name) for spec in specs]):
+            self.coordinator.account(task.round, task.client_id, "down", by_part)
             yield chunk
 
     async def SubmitResult(self, request_iterator: AsyncIterator[pb.ResultChunk],
@@ -169,7 +173,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
             received = Received(task)
             parts = [tensor_part(spec.name) for spec in header.tensors]
-            received.add(_chunk_parts(first, parts), "up")
+            received.add(bytes_by_part(first, parts), "up")
             reply = pb.SubmitReply(accepted=True)
             try:
                 self.coordinator.check_declared(task, header)
@@ -196,7 +200,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         assembler.add(first.pieces)
         async for chunk in rest:
             size = measure_chunk(chunk)
-            received.add(_chunk_parts(chunk, parts, size), "up")
+            received.add(bytes_by_part(chunk, parts, size), "up")
             if chunk.HasField("header"):
                 raise WireError("a second header inside one result stream")
             if size.control or not chunk.pieces:
@@ -234,13 +238,3 @@ class Received:
     def commit(self, coordinator: Coordinator) -> None:
         for direction, by_part in self.by_direction.items():
             coordinator.account(self.task.round, self.task.client_id, direction, by_part)
-
-
-def _chunk_parts(chunk, parts: list[str], size=None) -> dict[str, int]:
-    """Serialized bytes of ``chunk`` by part (tensor bytes by their tensor's part, the rest control)."""
-    size = size or measure_chunk(chunk)
-    by_part = {"control": size.control}
-    for index, count in size.by_tensor.items():
-        part = parts[index] if index < len(parts) else "control"
-        by_part[part] = by_part.get(part, 0) + count
-    return by_part

@@ -8,6 +8,9 @@ O(slots x model), whatever the number of uploads in flight.
 
 Downloads: a task is sent only while it holds one of a fixed number of *download slots*; every
 sent chunk is awaited until the transport took it, so at most one chunk per slot is buffered.
+The tensor chunks themselves are encoded once per set of tensors and versions
+(:class:`TaskPayloads`) and shared by every task that sends the same tensors, as a round sends
+the same global model to every sampled client.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from contextlib import asynccontextmanager
 
 import torch
 
-from fedpart.common.wire import DTYPES
+from fedpart.common.wire import DTYPES, encode_chunks, measure_chunk
 from fedpart.proto import fedpart_pb2 as pb
 
 Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
@@ -63,3 +66,39 @@ class UploadSlots:
         self._idle[self._keys] = (layout, buffers)
         while len(self._idle) > self.slots:  # a layout no longer used makes room, oldest first
             self._idle.popitem(last=False)
+
+
+class TaskPayloads:
+    """Encoded tensor chunks of task streams with their bytes by part, for the last few sets of
+    (tensor name, version) sent. Used from the event loop only."""
+
+    def __init__(self, chunk_bytes: int, keep: int = 8) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.keep = keep
+        self._encoded: OrderedDict[tuple, list[tuple[pb.TaskChunk, dict[str, int]]]] = OrderedDict()
+
+    def chunks(self, specs: list[pb.TensorSpec], tensors: list[torch.Tensor],
+               parts: list[str]) -> list[tuple[pb.TaskChunk, dict[str, int]]]:
+        """The chunks carrying ``tensors`` (described by ``specs``, in order), each with its
+        serialized bytes by part (a piece's bytes count for its tensor's part, the rest as control)."""
+        key = tuple((spec.name, spec.version) for spec in specs)
+        encoded = self._encoded.get(key)
+        if encoded is None:
+            encoded = [(chunk, bytes_by_part(chunk, parts))
+                       for chunk in encode_chunks(pb.TaskChunk, None, tensors, self.chunk_bytes)]
+            self._encoded[key] = encoded
+            while len(self._encoded) > self.keep:
+                self._encoded.popitem(last=False)
+        else:
+            self._encoded.move_to_end(key)
+        return encoded
+
+
+def bytes_by_part(chunk, parts: list[str], size=None) -> dict[str, int]:
+    """Serialized bytes of ``chunk`` by part (tensor bytes by their tensor's part, the rest control)."""
+    size = size or measure_chunk(chunk)
+    by_part = {"control": size.control}
+    for index, count in size.by_tensor.items():
+        part = parts[index] if index < len(parts) else "control"
+        by_part[part] = by_part.get(part, 0) + count
+    return by_part
