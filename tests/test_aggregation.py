@@ -3,6 +3,7 @@ independence, server step, FedHA heads."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 
@@ -128,6 +129,61 @@ def test_fold_order_does_not_change_the_result():
         # Within float32 rounding of the exact value: at most half an ulp (plus float64 noise).
         ulp = torch.finfo(torch.float32).eps * expected.abs().clamp_min(torch.finfo(torch.float32).tiny)
         assert bool(((got - expected).abs() <= 0.5 * ulp + 1e-12).all())
+
+
+# SHA-256 of the means of _pinned_round() (float64 bytes, tensors in name order), computed with
+# the unblocked one-result-at-a-time fold of commit 152867a: the arithmetic must never change.
+PINNED_MEANS_SHA256 = "717b8165756dba42d935ba098f572812250a447b12f1499161ec1505fa69538a"
+PINNED_SHAPES = {"cnn2_sized": (582_026,), "odd": (7, 3), "one": (1,), "two_blocks_and_one": (65_537,),
+                 "conv": (32, 1, 5, 5)}
+PINNED_WEIGHTS = [1, 600, 37, 512, 3, 999]
+
+
+def _wide_float32(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 values built bit by bit from PCG64's raw output (no library sampling algorithm that
+    could change): random sign and mantissa, exponent in [-40, 0]. Times weights below 2**10 and
+    summed over six results, the exact sums span about 77 bits: more than float64 holds (a plain
+    float64 sum differs), less than the double-double holds, so the exact mean is computed and its
+    bits do not depend on the order of the terms."""
+    raw = np.random.PCG64(seed).random_raw(math.prod(shape))
+    sign = (raw >> np.uint64(63)) << np.uint64(31)
+    exponent = (np.uint64(127) - (raw >> np.uint64(32)) % np.uint64(41)) << np.uint64(23)
+    bits = (sign | exponent | (raw & np.uint64(0x7FFFFF))).astype(np.uint32)
+    return torch.from_numpy(bits.view(np.float32).copy()).reshape(shape)
+
+
+def _pinned_round() -> list[tuple[dict[str, torch.Tensor], int]]:
+    """Six results with integer weights; the third does not send "odd"."""
+    return [({name: _wide_float32(1000 * index + position, shape)
+              for position, (name, shape) in enumerate(PINNED_SHAPES.items()) if (name, index) != ("odd", 2)},
+             weight)
+            for index, weight in enumerate(PINNED_WEIGHTS)]
+
+
+def _means_sha256(means: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(means):
+        digest.update(name.encode())
+        digest.update(means[name].to(torch.float64).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [3, 1, 5, 0, 2, 4]])
+def test_fold_gives_the_pinned_bits(order):
+    results = _pinned_round()
+    mean = WeightedMean()
+    for index in order:
+        mean.add(*results[index])
+    means = mean.result()
+    assert {name: tuple(tensor.shape) for name, tensor in means.items()} == PINNED_SHAPES
+    assert _means_sha256(means) == PINNED_MEANS_SHA256
+
+
+def test_pinned_round_needs_the_compensation():
+    results = _pinned_round()
+    plain = {name: sum(tensors[name].double() * weight for tensors, weight in results if name in tensors)
+             / sum(weight for tensors, weight in results if name in tensors) for name in PINNED_SHAPES}
+    assert _means_sha256(plain) != PINNED_MEANS_SHA256
 
 
 def test_apply_deltas_by_hand():
