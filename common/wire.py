@@ -176,7 +176,15 @@ def measure_chunk(chunk) -> ChunkBytes:
 
 
 class TensorAssembler:
-    """Rebuilds tensors from a header's specs and the pieces that follow, validating sizes."""
+    """Rebuilds tensors from a header's specs and the pieces that follow, validating sizes.
+
+    By default each tensor gets its own buffer at its first piece. With ``into``, a tensor whose
+    name it holds is assembled into that caller's tensor instead (it must be a contiguous CPU
+    tensor of the spec's dtype and shape, not shared with another name), so a server can reuse a
+    bounded pool of staging buffers across results; the other tensors get their own buffers, and
+    tensors of ``into`` that the specs do not name are left alone. Pieces fill each tensor from its
+    start, so a complete tensor holds no byte of its previous contents.
+    """
 
     def __init__(self, specs: Iterable[pb.TensorSpec], max_total_bytes: int | None = None,
                  into: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -187,12 +195,11 @@ class TensorAssembler:
         self._expected = [spec_nbytes(spec) for spec in self.specs]
         if max_total_bytes is not None and sum(self._expected) > max_total_bytes:
             raise WireError(f"message declares {sum(self._expected)} tensor bytes, more than the {max_total_bytes} allowed")
-        self._buffers: list = [None] * len(self.specs)  # allocated by the first piece
-        if into is not None:
-            self._buffers = [memoryview(into[spec.name].view(-1).view(torch.uint8).numpy()) for spec in self.specs]
-            self._into = into
-        else:
-            self._into = None
+        into = into or {}
+        self._targets = [_checked_target(spec, into[spec.name]) if spec.name in into else None for spec in self.specs]
+        _check_disjoint([(spec.name, target) for spec, target in zip(self.specs, self._targets) if target is not None])
+        self._buffers: list[memoryview | None] = [  # writable bytes; allocated by the first piece if not given
+            _writable_bytes(target) if target is not None else None for target in self._targets]
         self._filled = [0] * len(self.specs)
 
     def add(self, pieces: Iterable[pb.TensorPiece]) -> None:
@@ -206,23 +213,24 @@ class TensorAssembler:
                 spec = self.specs[piece.index]
                 raise WireError(f"tensor {spec.name!r}: more bytes than its dtype {spec.dtype} and shape {list(spec.shape)} hold")
             if self._buffers[piece.index] is None:
-                self._buffers[piece.index] = bytearray(self._expected[piece.index])
+                self._buffers[piece.index] = memoryview(bytearray(self._expected[piece.index]))
             self._buffers[piece.index][start:end] = piece.data
             self._filled[piece.index] = end
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The complete tensors by name; raises if any is short of bytes."""
-        if self._into is not None:
-            for spec, filled, expected in zip(self.specs, self._filled, self._expected):
-                if filled != expected:
-                    raise WireError(f"tensor {spec.name!r}: got {filled} of {expected} bytes")
-            return {spec.name: self._into[spec.name] for spec in self.specs}
-        out: dict[str, torch.Tensor] = {}
-        for spec, buffer, filled, expected in zip(self.specs, self._buffers, self._filled, self._expected):
+        """The complete tensors by name (the caller's own tensor for a name of ``into``); raises if
+        any is short of bytes."""
+        for spec, filled, expected in zip(self.specs, self._filled, self._expected):
             if filled != expected:
                 raise WireError(f"tensor {spec.name!r}: got {filled} of {expected} bytes")
+        out: dict[str, torch.Tensor] = {}
+        for spec, target, buffer, expected in zip(self.specs, self._targets, self._buffers, self._expected):
             dtype = DTYPES[spec.dtype]
-            if expected == 0:
+            if target is not None:
+                if not _LITTLE_ENDIAN and dtype.itemsize > 1:
+                    target.view(-1).copy_(_swap_bytes(target.view(-1)))
+                tensor = target
+            elif expected == 0:
                 tensor = torch.empty(tuple(spec.shape), dtype=dtype)
             else:
                 tensor = torch.frombuffer(buffer, dtype=dtype)
@@ -231,6 +239,39 @@ class TensorAssembler:
                 tensor = tensor.reshape(tuple(spec.shape))
             out[spec.name] = tensor
         return out
+
+
+def _checked_target(spec: pb.TensorSpec, target: torch.Tensor) -> torch.Tensor:
+    """``target`` if it can receive the tensor ``spec`` describes; raises WireError otherwise."""
+    dtype = DTYPES[spec.dtype]
+    problems = []
+    if target.dtype != dtype:
+        problems.append(f"dtype {target.dtype}, the message declares {dtype}")
+    if tuple(target.shape) != tuple(spec.shape):
+        problems.append(f"shape {list(target.shape)}, the message declares {list(spec.shape)}")
+    if target.device.type != "cpu":
+        problems.append(f"device {target.device}, not the CPU")
+    if not target.is_contiguous():
+        problems.append("not contiguous")
+    if target.requires_grad:
+        problems.append("requires grad")
+    if problems:
+        raise WireError(f"tensor {spec.name!r}: the buffer to assemble it into has " + "; ".join(problems))
+    return target
+
+
+def _check_disjoint(targets: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise WireError if two of the named target tensors share bytes."""
+    spans = sorted((target.data_ptr(), target.data_ptr() + target.nbytes, name)
+                   for name, target in targets if target.nbytes)
+    for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:
+            raise WireError(f"tensors {name!r} and {other!r} would be assembled into overlapping buffers")
+
+
+def _writable_bytes(target: torch.Tensor) -> memoryview:
+    """The target's bytes as a writable memoryview (no copy)."""
+    return memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 def decode_chunks(chunks: Iterable, max_total_bytes: int | None = None):

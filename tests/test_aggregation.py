@@ -3,14 +3,18 @@ independence, server step, FedHA heads."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from fedpart.server.aggregation import (
+    FOLD_BLOCK_ELEMENTS,
     CompensatedSum,
     CoordinateMedian,
     CoordinateTrimmedMean,
@@ -78,9 +82,9 @@ def test_compensated_sum_survives_cancellation_in_every_order():
     terms = [torch.tensor([1e16, 3.0], dtype=torch.float64), torch.tensor([1.0, 1e-20], dtype=torch.float64),
              torch.tensor([-1e16, -3.0], dtype=torch.float64)]
     for order in itertools.permutations(terms):
-        total = CompensatedSum(terms[0])
+        total = CompensatedSum(terms[0].shape)
         for term in order:
-            total.add(term.clone(), torch.empty(2, dtype=torch.float64), torch.empty(2, dtype=torch.float64))
+            total.add(term)
         assert total.result().tolist() == [1.0, 1e-20]
     # A plain float64 sum gets this wrong in at least one order.
     plain = {float(sum(order, torch.zeros(2, dtype=torch.float64))[0]) for order in itertools.permutations(terms)}
@@ -128,6 +132,139 @@ def test_fold_order_does_not_change_the_result():
         # Within float32 rounding of the exact value: at most half an ulp (plus float64 noise).
         ulp = torch.finfo(torch.float32).eps * expected.abs().clamp_min(torch.finfo(torch.float32).tiny)
         assert bool(((got - expected).abs() <= 0.5 * ulp + 1e-12).all())
+
+
+# SHA-256 of the means of _pinned_round() (float64 bytes, tensors in name order), computed with
+# the unblocked one-result-at-a-time fold of commit 152867a: the arithmetic must never change.
+PINNED_MEANS_SHA256 = "717b8165756dba42d935ba098f572812250a447b12f1499161ec1505fa69538a"
+PINNED_SHAPES = {"cnn2_sized": (582_026,), "odd": (7, 3), "one": (1,), "two_blocks_and_one": (65_537,),
+                 "conv": (32, 1, 5, 5)}
+PINNED_WEIGHTS = [1, 600, 37, 512, 3, 999]
+
+
+def _wide_float32(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 values built bit by bit from PCG64's raw output (no library sampling algorithm that
+    could change): random sign and mantissa, exponent in [-40, 0]. Times weights below 2**10 and
+    summed over six results, the exact sums span about 77 bits: more than float64 holds (a plain
+    float64 sum differs), less than the double-double holds, so the exact mean is computed and its
+    bits do not depend on the order of the terms."""
+    raw = np.random.PCG64(seed).random_raw(math.prod(shape))
+    sign = (raw >> np.uint64(63)) << np.uint64(31)
+    exponent = (np.uint64(127) - (raw >> np.uint64(32)) % np.uint64(41)) << np.uint64(23)
+    bits = (sign | exponent | (raw & np.uint64(0x7FFFFF))).astype(np.uint32)
+    return torch.from_numpy(bits.view(np.float32).copy()).reshape(shape)
+
+
+def _pinned_round() -> list[tuple[dict[str, torch.Tensor], int]]:
+    """Six results with integer weights; the third does not send "odd"."""
+    return [({name: _wide_float32(1000 * index + position, shape)
+              for position, (name, shape) in enumerate(PINNED_SHAPES.items()) if (name, index) != ("odd", 2)},
+             weight)
+            for index, weight in enumerate(PINNED_WEIGHTS)]
+
+
+def _means_sha256(means: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(means):
+        digest.update(name.encode())
+        digest.update(means[name].to(torch.float64).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [3, 1, 5, 0, 2, 4]])
+def test_fold_gives_the_pinned_bits(order):
+    results = _pinned_round()
+    mean = WeightedMean()
+    for index in order:
+        mean.add(*results[index])
+    means = mean.result()
+    assert {name: tuple(tensor.shape) for name, tensor in means.items()} == PINNED_SHAPES
+    assert _means_sha256(means) == PINNED_MEANS_SHA256
+
+
+def test_pinned_round_needs_the_compensation():
+    results = _pinned_round()
+    plain = {name: sum(tensors[name].double() * weight for tensors, weight in results if name in tensors)
+             / sum(weight for tensors, weight in results if name in tensors) for name in PINNED_SHAPES}
+    assert _means_sha256(plain) != PINNED_MEANS_SHA256
+
+
+def _fold_from_threads(aggregator, results, threads: int, seed: int) -> None:
+    """``threads`` threads, started together, each add an interleaved share of ``results`` (the
+    whole list shuffled with ``seed`` first) to ``aggregator``."""
+    order = np.random.default_rng(seed).permutation(len(results)).tolist()
+    start = threading.Barrier(threads)
+    errors = []
+
+    def fold(share: list[int]) -> None:
+        try:
+            start.wait(timeout=120)
+            for index in share:
+                aggregator.add(*results[index])
+        except Exception as error:  # reported by the test thread below
+            errors.append(error)
+
+    workers = [threading.Thread(target=fold, args=(order[offset::threads],)) for offset in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=240)
+    assert not any(worker.is_alive() for worker in workers) and not errors
+
+
+@pytest.mark.parametrize("block_elements", [FOLD_BLOCK_ELEMENTS, 1000, 7])
+def test_concurrent_folds_give_the_bits_of_a_sequential_fold(block_elements):
+    results = _pinned_round()
+    results += [({name: tensor.flip(0) for name, tensor in tensors.items()}, weight + 5)
+                for tensors, weight in results]              # 12 results, so 4 threads fold 3 each
+    if block_elements == 7:                                  # a tiny block: many blocks, cheap tensors only
+        results = [({name: t for name, t in tensors.items() if t.numel() < 1000}, w) for tensors, w in results]
+    sequential = WeightedMean(block_elements)
+    for tensors, weight in results:
+        sequential.add(tensors, weight)
+    expected = _means_sha256(sequential.result())
+    for seed in range(3):
+        mean = WeightedMean(block_elements)
+        _fold_from_threads(mean, results, threads=4, seed=seed)
+        assert _means_sha256(mean.result()) == expected
+
+
+def test_a_fold_skips_a_busy_block_and_comes_back_to_it():
+    total = CompensatedSum((10,), block_elements=3)          # blocks of 3, 3, 3 and 1 elements
+    first = total._blocks[0]
+    first.lock.acquire()                                     # as if another thread were folding it
+    worker = threading.Thread(target=total.add, args=(torch.arange(10.0), 2.0))
+    worker.start()
+    deadline = time.monotonic() + 120
+    while not all(block.current == 1 for block in total._blocks[1:]) and time.monotonic() < deadline:
+        worker.join(timeout=0.01)
+    assert all(block.current == 1 for block in total._blocks[1:])  # the other blocks were folded meanwhile
+    assert first.current == 0 and worker.is_alive()                 # and the busy one waits for its lock
+    first.lock.release()
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    assert torch.equal(total.result(), torch.arange(10.0, dtype=torch.float64) * 2)
+
+
+def test_weighted_mean_refuses_a_changed_shape_or_a_complex_tensor_and_changes_nothing():
+    mean = WeightedMean()
+    mean.add({"w": torch.ones(2, 3), "b": torch.ones(2)}, 1)
+    with pytest.raises(ValueError, match=r"'w' has shape \[3, 2\], earlier results sent \[2, 3\]"):
+        mean.add({"b": torch.full((2,), 5.0), "w": torch.ones(3, 2)}, 1)
+    with pytest.raises(ValueError, match="'c': cannot average dtype torch.complex64"):
+        mean.add({"b": torch.full((2,), 5.0), "c": torch.ones(2, dtype=torch.complex64)}, 1)
+    got = mean.result()
+    assert set(got) == {"w", "b"} and torch.equal(got["b"], torch.ones(2, dtype=torch.float64))
+
+
+def test_weighted_mean_keeps_no_reference_to_the_tensors_it_folded():
+    staging = {"w": torch.tensor([1.0, 2.0])}
+    mean = WeightedMean()
+    mean.add(staging, 1)
+    staging["w"].copy_(torch.tensor([3.0, 6.0]))             # a reused staging buffer
+    mean.add(staging, 1)
+    staging["w"].fill_(1e9)
+    assert torch.equal(mean.result()["w"], torch.tensor([2.0, 4.0], dtype=torch.float64))
 
 
 def test_apply_deltas_by_hand():
@@ -273,6 +410,30 @@ def test_robust_aggregators_do_not_depend_on_arrival_order(make):
     for result in results[1:]:
         for name in old:
             assert torch.equal(result[name].view(torch.int32), results[0][name].view(torch.int32))
+
+
+@pytest.mark.parametrize("make", [CoordinateMedian, lambda: CoordinateTrimmedMean(0.2)],
+                         ids=["median", "trimmed_mean"])
+def test_robust_aggregators_take_results_from_several_threads(make):
+    deltas, weights, _ = _random_round(0, clients=12, size=2_000)
+    results = list(zip(deltas, weights))
+    sequential = make()
+    for tensors, weight in results:
+        sequential.add(tensors, weight)
+    expected = sequential.result()
+    concurrent = make()
+    _fold_from_threads(concurrent, results, threads=4, seed=5)
+    got = concurrent.result()
+    assert all(torch.equal(got[name].view(torch.int64), expected[name].view(torch.int64)) for name in expected)
+
+
+def test_robust_aggregators_keep_copies_not_the_callers_buffers():
+    median = CoordinateMedian()
+    staging = {"w": torch.tensor([1.0])}
+    for value in (1.0, 5.0, 2.0):
+        staging["w"].fill_(value)                            # one reused staging buffer
+        median.add(staging, 1)
+    assert median.result()["w"].tolist() == [2.0]
 
 
 def test_head_dictionary_combines_with_a_robust_aggregator():

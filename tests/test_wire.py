@@ -293,3 +293,89 @@ def test_chunk_size_bounded_for_many_small_tensors():
     for position, chunk in enumerate(chunks):
         allowance = 64 + (header.ByteSize() + 8 if position == 0 else 0)
         assert chunk.ByteSize() <= chunk_bytes + allowance
+
+
+def _assemble(chunks, into=None, max_total_bytes=None) -> dict[str, torch.Tensor]:
+    assembler = TensorAssembler(chunks[0].header.tensors, max_total_bytes, into=into)
+    for chunk in chunks:
+        assembler.add(chunk.pieces)
+    return assembler.tensors()
+
+
+def _mixed_tensors(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(300, 7, generator=gen),
+            "half": torch.randn(33, generator=gen).to(torch.bfloat16),
+            "steps": torch.randint(-2**40, 2**40, (5,), generator=gen),
+            "mask": torch.rand(9, generator=gen) > 0.5,
+            "scalar": torch.tensor(float(seed) + 0.25, dtype=torch.float64),
+            "empty": torch.empty(0, 4)}
+
+
+def _staging_like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Buffers of the right kind holding stale bytes (0xA5 everywhere), as a reused pool would."""
+    staging = {name: torch.empty_like(tensor) for name, tensor in tensors.items()}
+    for buffer in staging.values():
+        buffer.view(-1).view(torch.uint8).fill_(0xA5)
+    return staging
+
+
+def test_assembler_fills_caller_buffers_and_reuses_them_across_results():
+    staging = _staging_like(_mixed_tensors(0))
+    for seed in (1, 2):  # the same buffers take a second result, with other values
+        tensors = _mixed_tensors(seed)
+        chunks = list(encode_chunks(pb.ResultChunk, _result_header(tensors), tensors.values(), chunk_bytes=1000))
+        assert len(chunks) > 3
+        got = _assemble(chunks, into=staging)
+        assert list(got) == list(tensors)
+        for name, tensor in tensors.items():
+            assert got[name] is staging[name]
+            assert got[name].shape == tensor.shape and got[name].dtype == tensor.dtype
+            assert torch.equal(_bits(got[name]), _bits(tensor))
+
+
+def test_assembler_allocates_what_the_caller_buffers_do_not_cover():
+    tensors = {"a": torch.arange(6.0), "b": torch.arange(4, dtype=torch.int32)}
+    chunks = list(encode_chunks(pb.ResultChunk, _result_header(tensors), tensors.values()))
+    spare = torch.full((3,), 7.0)
+    staging = {"a": torch.zeros(6), "not_sent": spare}
+    got = _assemble(chunks, into=staging)
+    assert got["a"] is staging["a"] and torch.equal(got["a"], tensors["a"])
+    assert torch.equal(got["b"], tensors["b"]) and got["b"].data_ptr() != tensors["b"].data_ptr()
+    assert set(got) == {"a", "b"} and torch.equal(spare, torch.full((3,), 7.0))
+
+
+@pytest.mark.parametrize("buffer, problem", [
+    (torch.zeros(6, dtype=torch.float64), "dtype torch.float64, the message declares torch.float32"),
+    (torch.zeros(2, 3), r"shape \[2, 3\], the message declares \[6\]"),
+    (torch.zeros(12)[::2], "not contiguous"),
+    (torch.zeros(6, requires_grad=True), "requires grad"),
+], ids=["dtype", "shape", "strided", "grad"])
+def test_assembler_refuses_a_caller_buffer_that_does_not_match(buffer, problem):
+    spec = _spec("a", "float32", (6,))
+    with pytest.raises(WireError, match=rf"'a': the buffer to assemble it into has {problem}"):
+        TensorAssembler([spec], into={"a": buffer})
+
+
+def test_assembler_refuses_overlapping_caller_buffers():
+    pool = torch.zeros(10)
+    specs = [_spec("a", shape=(6,)), _spec("b", shape=(4,))]
+    TensorAssembler(specs, into={"a": pool[:6], "b": pool[6:]})  # adjacent, not overlapping
+    with pytest.raises(WireError, match="'a' and 'b'.*overlapping"):
+        TensorAssembler(specs, into={"a": pool[:6], "b": pool[5:9]})
+
+
+def test_assembler_into_caller_buffers_keeps_every_check():
+    tensors = {"x": torch.ones(4)}
+    chunks = list(encode_chunks(pb.ResultChunk, _result_header(tensors), tensors.values(), chunk_bytes=12))
+    staging = {"x": torch.zeros(4)}
+    with pytest.raises(WireError, match="got 8 of 16"):
+        _assemble(chunks[:1], into=staging)
+    with pytest.raises(WireError, match="15"):
+        _assemble(chunks, into=staging, max_total_bytes=15)
+    assembler = TensorAssembler(chunks[0].header.tensors, into=staging)
+    assembler.add(chunks[0].pieces)
+    with pytest.raises(WireError, match="more bytes"):
+        assembler.add([*chunks[0].pieces, *chunks[1].pieces])
+    with pytest.raises(WireError, match="index 1"):
+        assembler.add([pb.TensorPiece(index=1, data=bytes(4))])
