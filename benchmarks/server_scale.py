@@ -49,6 +49,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import yaml
@@ -63,6 +64,7 @@ SAMPLE_SECONDS = 0.05
 LISTEN_SECONDS = 120.0
 READY_SECONDS = 300.0
 STOP_SECONDS = 10.0
+RECONNECT_SECONDS = 10.0  # virtual processes give up this soon after the server went away
 FOLD_POOL = 4  # distinct delta sets the fold floor cycles through, so it does not run from cache
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
 _ROUND_LINE = re.compile(r"^round\s+(\d+)/")
@@ -128,7 +130,7 @@ class Lines:
         self._closed = False
         threading.Thread(target=self._pump, args=(process.stdout,), daemon=True).start()
 
-    def _pump(self, stream) -> None:
+    def _pump(self, stream: TextIO) -> None:
         for line in iter(stream.readline, ""):
             with self._changed:
                 self.lines.append((time.monotonic(), line.rstrip("\n")))
@@ -264,7 +266,8 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
         for index, (ids, processes) in enumerate(_generator_slices(row, args.generators)):
             generator = subprocess.Popen(
                 [sys.executable, "-m", "fedpart.client.virtual", "--server", address, "--clients", ids,
-                 "--processes", str(processes), "--hold", "--stats", str(work / f"load_{index}.json")],
+                 "--processes", str(processes), "--reconnect-timeout", str(RECONNECT_SECONDS), "--hold",
+                 "--stats", str(work / f"load_{index}.json")],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             started.append(generator)
             generators.append((generator, Lines(generator)))
@@ -274,13 +277,13 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
         for generator, _ in generators:
             generator.stdin.write("go\n")
             generator.stdin.close()
-        try:
-            server.wait(timeout=args.timeout)
+        try:  # the server bounds its join, each round and the evaluation by --timeout itself
+            server.wait(timeout=(args.rounds + 2) * args.timeout + STOP_SECONDS)
         except subprocess.TimeoutExpired:
             pass
         for generator, _ in generators:
             try:
-                generator.wait(timeout=STOP_SECONDS * 3)
+                generator.wait(timeout=RECONNECT_SECONDS + STOP_SECONDS)
             except subprocess.TimeoutExpired:
                 pass
     finally:
@@ -291,7 +294,8 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
 
 
 def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: float, server: subprocess.Popen,
-             server_lines: Lines, sampler: ProcSampler, generators: list) -> RowResult:
+             server_lines: Lines, sampler: ProcSampler,
+             generators: list[tuple[subprocess.Popen, Lines]]) -> RowResult:
     """Read what the row's processes left behind into its result."""
     problems = []
     metrics_path = out / "metrics.jsonl"
@@ -315,8 +319,9 @@ def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: floa
             problems.append(f"load generator {index} wrote no counts (exit {generator.returncode})")
     load = _sum_loads(loads)
     if server.returncode != 0:
-        problems.append(f"server exit {server.returncode}: "
-                        + "; ".join(line for _, line in lines if "error" in line.lower())[:500])
+        errors = [line for _, line in lines if line.startswith("error:")]
+        problems.append(f"server exit {server.returncode}: {len(errors)} error lines, e.g. "
+                        + "; ".join(errors[:2]))
     if load["failures"]:
         problems.append(f"{len(load['failures'])} virtual processes failed, e.g. {load['failures'][0]}")
     return RowResult(
@@ -468,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="cnn2")
     parser.add_argument("--generators", type=int, default=os.cpu_count() or 1,
                         help="OS processes the virtual processes are spread over (default: the cores)")
-    parser.add_argument("--timeout", type=float, default=1800.0,
-                        help="bound on a row's run, and the server's join/round/evaluation timeouts")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="the server's join, round and evaluation timeouts (a row ends by them)")
     parser.add_argument("--keep", type=Path, help="keep each row's run directory and counts under this directory")
     args = parser.parse_args(argv)
     results = []
