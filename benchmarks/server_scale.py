@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -215,8 +215,8 @@ class RowResult:
     heartbeats_missed: int
     evaluation_seconds: float | None
     generator_exits: list[int | None]
-    load: dict = field(default_factory=dict)  # the generators' counts, summed
-    problems: list[str] = field(default_factory=list)
+    load: dict  # the generators' counts, summed
+    problems: list[str]
 
 
 def _generator_slices(row: Row, generators: int) -> list[tuple[str, int]]:
@@ -417,8 +417,8 @@ class Floor:
         return self.transfer + self.fold
 
 
-def measure_floor(results: int, model: str) -> Floor:
-    tensors = result_tensors(model)
+def measure_floor(results: int, tensors: dict[str, torch.Tensor]) -> Floor:
+    """The floor for ``results`` results shaped like ``tensors``."""
     result_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     fold, plain = fold_seconds(results, tensors)
     return Floor(results, result_bytes, transfer_seconds(results, result_bytes), fold, plain)
@@ -477,19 +477,32 @@ def main(argv: list[str] | None = None) -> int:
                         help="the server's join, round and evaluation timeouts (a row ends by them)")
     parser.add_argument("--keep", type=Path, help="keep each row's run directory and counts under this directory")
     args = parser.parse_args(argv)
+    if args.generators < 1:
+        parser.error("--generators must be at least 1")
+    try:
+        tensors = result_tensors(args.model)
+    except ValueError as error:
+        parser.error(f"--model: {error}")
+    for row in args.rows:
+        try:
+            config_from_dict(scale_config(row.clients, args.rounds, args.fraction, args.model, args.timeout))
+        except ValueError as error:
+            parser.error(f"row {row.clients}x{row.processes}: {error}")
+        if args.keep is not None and (args.keep / f"{row.clients}x{row.processes}").exists():
+            parser.error(f"--keep: {args.keep / f'{row.clients}x{row.processes}'} exists already")
     results = []
     floors: dict[int, Floor] = {}
     for row in args.rows:
         if args.keep is not None:
             work = args.keep / f"{row.clients}x{row.processes}"
-            work.mkdir(parents=True, exist_ok=False)
+            work.mkdir(parents=True)
             result = run_row(row, args, work)
         else:
             with tempfile.TemporaryDirectory(prefix="fedpart-scale-") as tmp:
                 result = run_row(row, args, Path(tmp))
         count = max(result.sampled_per_round, default=max(1, int(args.fraction * row.clients + 1e-9)))
         if count not in floors:
-            floors[count] = measure_floor(count, args.model)
+            floors[count] = measure_floor(count, tensors)
         results.append((result, floors[count]))
         print(format_details(result, floors[count]), flush=True)
     print(f"\nFedAvg, {args.model}, fraction {args.fraction}, {args.rounds} rounds, {os.cpu_count()} cores")
