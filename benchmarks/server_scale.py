@@ -25,9 +25,9 @@ Columns:
   evaluated and the summary written);
 - *floor s*: the same bytes in one process: ``results x result bytes`` through one loopback TCP
   connection (a plain socket pair) plus the fold of as many model-sized float32 deltas with the
-  server's :class:`~fedpart.server.aggregation.WeightedMean` on one core; *round/floor* is the
-  mean round time over it. For reference, a plain float32 ``add_`` of the same tensors (the
-  physical summation) is printed beside it.
+  server's :class:`~fedpart.server.aggregation.WeightedMean` on one core, each the least of 3
+  measurements; *round/floor* is the mean round time over it. For reference, a plain float32
+  ``add_`` of the same tensors (the bare summation) is printed beside it.
 
 Linux only (``/proc``). Every process is stopped by PID when a row ends, however it ends.
 
@@ -65,6 +65,7 @@ LISTEN_SECONDS = 120.0
 READY_SECONDS = 300.0
 STOP_SECONDS = 10.0
 RECONNECT_SECONDS = 10.0  # virtual processes give up this soon after the server went away
+FLOOR_REPEATS = 3
 FOLD_POOL = 4  # distinct delta sets the fold floor cycles through, so it does not run from cache
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
 _ROUND_LINE = re.compile(r"^round\s+(\d+)/")
@@ -418,10 +419,12 @@ class Floor:
 
 
 def measure_floor(results: int, tensors: dict[str, torch.Tensor]) -> Floor:
-    """The floor for ``results`` results shaped like ``tensors``."""
+    """The floor for ``results`` results shaped like ``tensors``: each part the least of
+    :data:`FLOOR_REPEATS` measurements (other tenants of the machine only ever add time)."""
     result_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    fold, plain = fold_seconds(results, tensors)
-    return Floor(results, result_bytes, transfer_seconds(results, result_bytes), fold, plain)
+    folds = [fold_seconds(results, tensors) for _ in range(FLOOR_REPEATS)]
+    transfer = min(transfer_seconds(results, result_bytes) for _ in range(FLOOR_REPEATS))
+    return Floor(results, result_bytes, transfer, min(f[0] for f in folds), min(f[1] for f in folds))
 
 
 # ------------------------------------------------------------------------------------ report
