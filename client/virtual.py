@@ -273,7 +273,10 @@ class VirtualProcess:
             except asyncio.TimeoutError as error:
                 raise VirtualClientError(f"no server answered at {self.host.server} within "
                                          f"{CONNECT_SECONDS:.0f} s") from error
-            await self._join()
+            try:
+                await self._join()
+            except grpc.aio.AioRpcError as error:
+                raise VirtualClientError(f"join refused ({error.code().name}): {error.details()}") from error
             self.host.stats.joins += 1
             self.host.stats.join_times.append(time.monotonic())
             beats = asyncio.create_task(self._heartbeats(heartbeat_interval(self.payloads.config)))
@@ -293,13 +296,14 @@ class VirtualProcess:
         return min(wanted, self.payloads.config.server.call_timeout)
 
     async def _join(self) -> None:
+        """Join (again): a new session, the same held versions. A refusal is counted and raised."""
         request = pb.JoinRequest(protocol=1, process_name=self.name, instance=self.instance,
                                  clients=[pb.HostedClient(id=c) for c in self.client_ids])
         try:
             reply = await self.stub.Join(request, timeout=JOIN_SECONDS)
         except grpc.aio.AioRpcError as error:
             self.host.stats.error("Join", error.code())
-            raise VirtualClientError(f"join refused ({error.code().name}): {error.details()}") from error
+            raise
         if self.run_id and reply.run_id != self.run_id:
             raise VirtualClientError(f"the server now runs another run ({reply.run_id}, this process "
                                      f"served {self.run_id})")
@@ -317,7 +321,8 @@ class VirtualProcess:
                 self.host.stats.error("Heartbeat", error.code())
             else:
                 self.host.stats.heartbeats += 1
-                self.host.stats.heartbeats_unknown += not reply.known
+                if not reply.known:
+                    self.host.stats.heartbeats_unknown += 1
             await asyncio.sleep(interval)
 
     async def _leave(self, reason: str) -> None:
@@ -380,19 +385,30 @@ class VirtualProcess:
         """After a failed task request: wait for an unreachable server, join again when the
         server lost the session; any other refusal ends the process, as it ends fedpart client."""
         if error.code() in _UNREACHABLE:
-            if self._outage is None:
-                self._outage = Backoff(time.monotonic() + self.host.reconnect_timeout)
-            delay = self._outage.next_delay()
-            if delay is None:
-                raise VirtualClientError(f"the server at {self.host.server} was unreachable for "
-                                         f"{self.host.reconnect_timeout:.0f} s; last error: {error.code().name} "
-                                         f"{error.details()}")
-            await asyncio.sleep(delay)
+            await self._back_off(error)
         elif error.code() == grpc.StatusCode.FAILED_PRECONDITION and "join again" in (error.details() or ""):
-            await self._join()
-            self.host.stats.rejoins += 1
+            try:
+                await self._join()
+            except grpc.aio.AioRpcError as refused:
+                if refused.code() not in _UNREACHABLE:
+                    raise VirtualClientError(f"join refused ({refused.code().name}): {refused.details()}") from refused
+                await self._back_off(refused)
+            else:
+                self.host.stats.rejoins += 1
         else:
             raise VirtualClientError(f"server refused the task request ({error.code().name}): {error.details()}")
+
+    async def _back_off(self, error: grpc.aio.AioRpcError) -> None:
+        """Wait before the next attempt to reach the server (capped exponential backoff); give up
+        once it has been unreachable for the reconnect timeout."""
+        if self._outage is None:
+            self._outage = Backoff(time.monotonic() + self.host.reconnect_timeout)
+        delay = self._outage.next_delay()
+        if delay is None:
+            raise VirtualClientError(f"the server at {self.host.server} was unreachable for "
+                                     f"{self.host.reconnect_timeout:.0f} s; last error: {error.code().name} "
+                                     f"{error.details()}")
+        await asyncio.sleep(delay)
 
     async def _submit_training(self, task: pb.TaskHeader) -> None:
         client = task.client_id
