@@ -25,9 +25,9 @@ Columns:
   evaluated and the summary written);
 - *floor s*: the same bytes in one process: ``results x result bytes`` through one loopback TCP
   connection (a plain socket pair) plus the fold of as many model-sized float32 deltas with the
-  server's :class:`~fedpart.server.aggregation.WeightedMean` on one core; *round/floor* is the
-  mean round time over it. For reference, a plain float32 ``add_`` of the same tensors (the
-  physical summation) is printed beside it.
+  server's :class:`~fedpart.server.aggregation.WeightedMean` on one core, each the least of 3
+  measurements; *round/floor* is the mean round time over it. For reference, a plain float32
+  ``add_`` of the same tensors (the bare summation) is printed beside it.
 
 Linux only (``/proc``). Every process is stopped by PID when a row ends, however it ends.
 
@@ -47,8 +47,9 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import yaml
@@ -63,6 +64,8 @@ SAMPLE_SECONDS = 0.05
 LISTEN_SECONDS = 120.0
 READY_SECONDS = 300.0
 STOP_SECONDS = 10.0
+RECONNECT_SECONDS = 10.0  # virtual processes give up this soon after the server went away
+FLOOR_REPEATS = 3
 FOLD_POOL = 4  # distinct delta sets the fold floor cycles through, so it does not run from cache
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
 _ROUND_LINE = re.compile(r"^round\s+(\d+)/")
@@ -128,7 +131,7 @@ class Lines:
         self._closed = False
         threading.Thread(target=self._pump, args=(process.stdout,), daemon=True).start()
 
-    def _pump(self, stream) -> None:
+    def _pump(self, stream: TextIO) -> None:
         for line in iter(stream.readline, ""):
             with self._changed:
                 self.lines.append((time.monotonic(), line.rstrip("\n")))
@@ -213,8 +216,8 @@ class RowResult:
     heartbeats_missed: int
     evaluation_seconds: float | None
     generator_exits: list[int | None]
-    load: dict = field(default_factory=dict)  # the generators' counts, summed
-    problems: list[str] = field(default_factory=list)
+    load: dict  # the generators' counts, summed
+    problems: list[str]
 
 
 def _generator_slices(row: Row, generators: int) -> list[tuple[str, int]]:
@@ -264,7 +267,8 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
         for index, (ids, processes) in enumerate(_generator_slices(row, args.generators)):
             generator = subprocess.Popen(
                 [sys.executable, "-m", "fedpart.client.virtual", "--server", address, "--clients", ids,
-                 "--processes", str(processes), "--hold", "--stats", str(work / f"load_{index}.json")],
+                 "--processes", str(processes), "--reconnect-timeout", str(RECONNECT_SECONDS), "--hold",
+                 "--stats", str(work / f"load_{index}.json")],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             started.append(generator)
             generators.append((generator, Lines(generator)))
@@ -274,13 +278,13 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
         for generator, _ in generators:
             generator.stdin.write("go\n")
             generator.stdin.close()
-        try:
-            server.wait(timeout=args.timeout)
+        try:  # the server bounds its join, each round and the evaluation by --timeout itself
+            server.wait(timeout=(args.rounds + 2) * args.timeout + STOP_SECONDS)
         except subprocess.TimeoutExpired:
             pass
         for generator, _ in generators:
             try:
-                generator.wait(timeout=STOP_SECONDS * 3)
+                generator.wait(timeout=RECONNECT_SECONDS + STOP_SECONDS)
             except subprocess.TimeoutExpired:
                 pass
     finally:
@@ -291,7 +295,8 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
 
 
 def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: float, server: subprocess.Popen,
-             server_lines: Lines, sampler: ProcSampler, generators: list) -> RowResult:
+             server_lines: Lines, sampler: ProcSampler,
+             generators: list[tuple[subprocess.Popen, Lines]]) -> RowResult:
     """Read what the row's processes left behind into its result."""
     problems = []
     metrics_path = out / "metrics.jsonl"
@@ -315,8 +320,9 @@ def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: floa
             problems.append(f"load generator {index} wrote no counts (exit {generator.returncode})")
     load = _sum_loads(loads)
     if server.returncode != 0:
-        problems.append(f"server exit {server.returncode}: "
-                        + "; ".join(line for _, line in lines if "error" in line.lower())[:500])
+        errors = [line for _, line in lines if line.startswith("error:")]
+        problems.append(f"server exit {server.returncode}: {len(errors)} error lines, e.g. "
+                        + "; ".join(errors[:2]))
     if load["failures"]:
         problems.append(f"{len(load['failures'])} virtual processes failed, e.g. {load['failures'][0]}")
     return RowResult(
@@ -412,11 +418,13 @@ class Floor:
         return self.transfer + self.fold
 
 
-def measure_floor(results: int, model: str) -> Floor:
-    tensors = result_tensors(model)
+def measure_floor(results: int, tensors: dict[str, torch.Tensor]) -> Floor:
+    """The floor for ``results`` results shaped like ``tensors``: each part the least of
+    :data:`FLOOR_REPEATS` measurements (other tenants of the machine only ever add time)."""
     result_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    fold, plain = fold_seconds(results, tensors)
-    return Floor(results, result_bytes, transfer_seconds(results, result_bytes), fold, plain)
+    folds = [fold_seconds(results, tensors) for _ in range(FLOOR_REPEATS)]
+    transfer = min(transfer_seconds(results, result_bytes) for _ in range(FLOOR_REPEATS))
+    return Floor(results, result_bytes, transfer, min(f[0] for f in folds), min(f[1] for f in folds))
 
 
 # ------------------------------------------------------------------------------------ report
@@ -468,23 +476,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="cnn2")
     parser.add_argument("--generators", type=int, default=os.cpu_count() or 1,
                         help="OS processes the virtual processes are spread over (default: the cores)")
-    parser.add_argument("--timeout", type=float, default=1800.0,
-                        help="bound on a row's run, and the server's join/round/evaluation timeouts")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="the server's join, round and evaluation timeouts (a row ends by them)")
     parser.add_argument("--keep", type=Path, help="keep each row's run directory and counts under this directory")
     args = parser.parse_args(argv)
+    if args.generators < 1:
+        parser.error("--generators must be at least 1")
+    try:
+        tensors = result_tensors(args.model)
+    except ValueError as error:
+        parser.error(f"--model: {error}")
+    for row in args.rows:
+        try:
+            config_from_dict(scale_config(row.clients, args.rounds, args.fraction, args.model, args.timeout))
+        except ValueError as error:
+            parser.error(f"row {row.clients}x{row.processes}: {error}")
+        if args.keep is not None and (args.keep / f"{row.clients}x{row.processes}").exists():
+            parser.error(f"--keep: {args.keep / f'{row.clients}x{row.processes}'} exists already")
     results = []
     floors: dict[int, Floor] = {}
     for row in args.rows:
         if args.keep is not None:
             work = args.keep / f"{row.clients}x{row.processes}"
-            work.mkdir(parents=True, exist_ok=False)
+            work.mkdir(parents=True)
             result = run_row(row, args, work)
         else:
             with tempfile.TemporaryDirectory(prefix="fedpart-scale-") as tmp:
                 result = run_row(row, args, Path(tmp))
         count = max(result.sampled_per_round, default=max(1, int(args.fraction * row.clients + 1e-9)))
         if count not in floors:
-            floors[count] = measure_floor(count, args.model)
+            floors[count] = measure_floor(count, tensors)
         results.append((result, floors[count]))
         print(format_details(result, floors[count]), flush=True)
     print(f"\nFedAvg, {args.model}, fraction {args.fraction}, {args.rounds} rounds, {os.cpu_count()} cores")

@@ -84,20 +84,20 @@ def heartbeat_interval(config: RunConfig) -> float:
     return max(0.2, min(HEARTBEAT_SECONDS, config.server.heartbeat_timeout / 4))
 
 
-def train_samples(client_id: int) -> int:
+def train_sample_count(client_id: int) -> int:
     """The training-set size a virtual client reports: deterministic, 10 to 20 samples (a
     cross-device client holds little data); its evaluation reports the same count."""
     return 10 + client_id % 11
 
 
-def test_samples(client_id: int) -> int:
+def test_sample_count(client_id: int) -> int:
     """The test-set size a virtual client reports in its evaluation."""
     return 2 + client_id % 3
 
 
 def train_metrics(plan: pb.TrainPlan, client_id: int, trainable_parameters: int) -> dict[str, float]:
     """The metrics fedpart client reports with a training result; no compute was spent."""
-    batches = math.ceil(train_samples(client_id) / max(plan.batch_size, 1))
+    batches = math.ceil(train_sample_count(client_id) / max(plan.batch_size, 1))
     steps = sum(phase.epochs for phase in plan.phases if phase.trainable) * batches
     return {"loss": 1.0 + (client_id % 10) / 10, "steps": float(steps), "compute_seconds": 0.0,
             "trainable_parameters": float(trainable_parameters), "train_flops": 0.0}
@@ -107,7 +107,8 @@ def evaluation_metrics(plan: pb.EvalPlan, client_id: int, classification: bool) 
     """The metrics fedpart client reports with an evaluation (see ``client/evaluation.py``);
     they pass the server's ``check_evaluation``."""
     kinds = ("loss", "acc") if classification else ("loss",)
-    metrics = {"train_samples": float(train_samples(client_id)), "test_samples": float(test_samples(client_id))}
+    metrics = {"train_samples": float(train_sample_count(client_id)),
+               "test_samples": float(test_sample_count(client_id))}
     metrics.update({f"initial_{kind}": 0.5 for kind in kinds})
     if plan.headless and classification:
         metrics.update({"headless_acc": 0.5, "headless_cosine_acc": 0.5})
@@ -158,35 +159,42 @@ class LoadStats:
                 f"errors by status code: {errors}")
 
 
+@dataclass(frozen=True)
+class EncodedUpload:
+    """The tensors of a training result, encoded once; the first chunk's header lists their specs."""
+
+    chunks: list[pb.ResultChunk]
+    tensor_bytes: int
+    parameters: int
+
+    def stream(self, header: pb.ResultHeader) -> list[pb.ResultChunk]:
+        """The chunk stream of one result: ``header`` merged into a copy of the first chunk."""
+        first = pb.ResultChunk()
+        first.CopyFrom(self.chunks[0])
+        first.header.MergeFrom(header)
+        return [first, *self.chunks[1:]]
+
+
 class Payloads:
-    """What the virtual processes of one OS process upload in one run, built once from its config:
-    per upload list, the result chunks encoded once; a result differs only in its header."""
+    """What the virtual processes of one OS process upload in one run, built once from its config
+    (the model's shapes and dtypes); one :class:`EncodedUpload` per upload list."""
 
     def __init__(self, run_config_json: str) -> None:
         self.config = config_from_dict(json.loads(run_config_json))
-        self.global_state = {name: tensor.detach() for name, tensor in build_run_model(self.config).state_dict().items()}
+        model = build_run_model(self.config)
+        self.global_state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
         self.classification = dataset_dims(self.config)[1] > 0
-        self._encoded: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[list[pb.ResultChunk], int, int]] = {}
+        self._uploads: dict[tuple[tuple[str, ...], tuple[str, ...]], EncodedUpload] = {}
 
-    def result_chunks(self, header: pb.ResultHeader, plan: pb.TrainPlan) -> tuple[list[pb.ResultChunk], int]:
-        """The chunk stream of a training result with ``header`` (its specs are added) and its
-        tensor bytes."""
-        chunks, tensor_bytes, _ = self._encoded_for(plan)
-        first = pb.ResultChunk()
-        first.CopyFrom(chunks[0])
-        first.header.MergeFrom(header)
-        return [first, *chunks[1:]], tensor_bytes
-
-    def trainable_parameters(self, plan: pb.TrainPlan) -> int:
-        return self._encoded_for(plan)[2]
-
-    def _encoded_for(self, plan: pb.TrainPlan) -> tuple[list[pb.ResultChunk], int, int]:
+    def upload(self, plan: pb.TrainPlan) -> EncodedUpload:
+        """Exactly the tensors ``plan`` asks for: seeded small deltas for ``upload_deltas``, the
+        initial global value plus such a delta for ``upload_values``."""
         key = (tuple(plan.upload_deltas), tuple(plan.upload_values))
-        if key not in self._encoded:
-            self._encoded[key] = self._encode(*key)
-        return self._encoded[key]
+        if key not in self._uploads:
+            self._uploads[key] = self._encode(*key)
+        return self._uploads[key]
 
-    def _encode(self, deltas: tuple[str, ...], values: tuple[str, ...]) -> tuple[list[pb.ResultChunk], int, int]:
+    def _encode(self, deltas: tuple[str, ...], values: tuple[str, ...]) -> EncodedUpload:
         unknown = sorted(set(deltas + values) - set(self.global_state))
         if unknown:
             raise VirtualClientError(f"the plan asks for tensors {unknown[:5]} the run's model does not have")
@@ -194,13 +202,16 @@ class Payloads:
         tensors: dict[str, torch.Tensor] = {}
         for name in (*deltas, *values):
             like = self.global_state[name]
-            noise = (torch.randn(like.shape, generator=generator, dtype=torch.float64) * DELTA_SCALE).to(like.dtype) \
-                if like.is_floating_point() else torch.zeros_like(like)
-            tensors[name] = noise if name in deltas else like + noise
+            if like.is_floating_point():
+                delta = (torch.randn(like.shape, generator=generator, dtype=torch.float64) * DELTA_SCALE).to(like.dtype)
+            else:
+                delta = torch.zeros_like(like)
+            tensors[name] = delta if name in deltas else like + delta
         header = pb.ResultHeader(tensors=named_specs(tensors))
         chunks = list(encode_chunks(pb.ResultChunk, header, list(tensors.values()), self.config.server.chunk_bytes))
-        tensor_bytes = sum(len(piece.data) for chunk in chunks for piece in chunk.pieces)
-        return chunks, tensor_bytes, sum(t.numel() for t in tensors.values())
+        return EncodedUpload(chunks=chunks,
+                             tensor_bytes=sum(len(piece.data) for chunk in chunks for piece in chunk.pieces),
+                             parameters=sum(t.numel() for t in tensors.values()))
 
 
 def aio_channel(security: ClientSecurity, target: str, options: list[tuple[str, object]]) -> grpc.aio.Channel:
@@ -210,7 +221,8 @@ def aio_channel(security: ClientSecurity, target: str, options: list[tuple[str, 
     credentials = grpc.ssl_channel_credentials(root_certificates=security.ca, private_key=security.private_key,
                                                certificate_chain=security.certificate)
     if security.token:
-        credentials = grpc.composite_channel_credentials(credentials, grpc.access_token_call_credentials(security.token))
+        credentials = grpc.composite_channel_credentials(credentials,
+                                                         grpc.access_token_call_credentials(security.token))
     if security.server_name:
         options = [*options, ("grpc.ssl_target_name_override", security.server_name)]
     return grpc.aio.secure_channel(target, credentials, options=options)
@@ -261,7 +273,10 @@ class VirtualProcess:
             except asyncio.TimeoutError as error:
                 raise VirtualClientError(f"no server answered at {self.host.server} within "
                                          f"{CONNECT_SECONDS:.0f} s") from error
-            await self._join()
+            try:
+                await self._join()
+            except grpc.aio.AioRpcError as error:
+                raise VirtualClientError(f"join refused ({error.code().name}): {error.details()}") from error
             self.host.stats.joins += 1
             self.host.stats.join_times.append(time.monotonic())
             beats = asyncio.create_task(self._heartbeats(heartbeat_interval(self.payloads.config)))
@@ -281,13 +296,14 @@ class VirtualProcess:
         return min(wanted, self.payloads.config.server.call_timeout)
 
     async def _join(self) -> None:
+        """Join (again): a new session, the same held versions. A refusal is counted and raised."""
         request = pb.JoinRequest(protocol=1, process_name=self.name, instance=self.instance,
                                  clients=[pb.HostedClient(id=c) for c in self.client_ids])
         try:
             reply = await self.stub.Join(request, timeout=JOIN_SECONDS)
         except grpc.aio.AioRpcError as error:
             self.host.stats.error("Join", error.code())
-            raise VirtualClientError(f"join refused ({error.code().name}): {error.details()}") from error
+            raise
         if self.run_id and reply.run_id != self.run_id:
             raise VirtualClientError(f"the server now runs another run ({reply.run_id}, this process "
                                      f"served {self.run_id})")
@@ -305,7 +321,8 @@ class VirtualProcess:
                 self.host.stats.error("Heartbeat", error.code())
             else:
                 self.host.stats.heartbeats += 1
-                self.host.stats.heartbeats_unknown += not reply.known
+                if not reply.known:
+                    self.host.stats.heartbeats_unknown += 1
             await asyncio.sleep(interval)
 
     async def _leave(self, reason: str) -> None:
@@ -368,30 +385,40 @@ class VirtualProcess:
         """After a failed task request: wait for an unreachable server, join again when the
         server lost the session; any other refusal ends the process, as it ends fedpart client."""
         if error.code() in _UNREACHABLE:
-            if self._outage is None:
-                self._outage = Backoff(time.monotonic() + self.host.reconnect_timeout)
-            delay = self._outage.next_delay()
-            if delay is None:
-                raise VirtualClientError(f"the server at {self.host.server} was unreachable for "
-                                         f"{self.host.reconnect_timeout:.0f} s; last error: {error.code().name} "
-                                         f"{error.details()}")
-            await asyncio.sleep(delay)
+            await self._back_off(error)
         elif error.code() == grpc.StatusCode.FAILED_PRECONDITION and "join again" in (error.details() or ""):
-            await self._join()
-            self.host.stats.rejoins += 1
+            try:
+                await self._join()
+            except grpc.aio.AioRpcError as refused:
+                if refused.code() not in _UNREACHABLE:
+                    raise VirtualClientError(f"join refused ({refused.code().name}): {refused.details()}") from refused
+                await self._back_off(refused)
+            else:
+                self.host.stats.rejoins += 1
         else:
             raise VirtualClientError(f"server refused the task request ({error.code().name}): {error.details()}")
 
+    async def _back_off(self, error: grpc.aio.AioRpcError) -> None:
+        """Wait before the next attempt to reach the server (capped exponential backoff); give up
+        once it has been unreachable for the reconnect timeout."""
+        if self._outage is None:
+            self._outage = Backoff(time.monotonic() + self.host.reconnect_timeout)
+        delay = self._outage.next_delay()
+        if delay is None:
+            raise VirtualClientError(f"the server at {self.host.server} was unreachable for "
+                                     f"{self.host.reconnect_timeout:.0f} s; last error: {error.code().name} "
+                                     f"{error.details()}")
+        await asyncio.sleep(delay)
+
     async def _submit_training(self, task: pb.TaskHeader) -> None:
         client = task.client_id
-        plan = task.train
+        upload = self.payloads.upload(task.train)
         header = pb.ResultHeader(session=self.session, task_id=task.task_id, client_id=client, round=task.round,
-                                 num_samples=train_samples(client),
-                                 metrics=train_metrics(plan, client, self.payloads.trainable_parameters(plan)))
-        chunks, tensor_bytes = self.payloads.result_chunks(header, plan)
-        if await self._submit(chunks):
+                                 num_samples=train_sample_count(client),
+                                 metrics=train_metrics(task.train, client, upload.parameters))
+        if await self._submit(upload.stream(header)):
             self.host.stats.train_results += 1
-            self.host.stats.bytes_up += tensor_bytes
+            self.host.stats.bytes_up += upload.tensor_bytes
 
     async def _submit_evaluation(self, task: pb.TaskHeader) -> None:
         metrics = evaluation_metrics(task.evaluate, task.client_id, self.payloads.classification)

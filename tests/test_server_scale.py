@@ -1,6 +1,6 @@
-"""The coordinator serves more client processes than the 512 worker threads the server once had:
-a real ``fedpart server`` against virtual client processes (``fedpart.client.virtual``), all
-multiplexed in one OS process on 127.0.0.1."""
+"""Virtual client processes (``fedpart.client.virtual``) answer as the server expects, and the
+coordinator serves more client processes than the 512 worker threads it once had: a real
+``fedpart server`` against 640 virtual client processes multiplexed in one OS process on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import LineReader, Processes, read_metrics, read_summary, small_config, start_server, write_config
+from fedpart.client.virtual import Payloads, evaluation_metrics, slice_clients, train_sample_count
+from fedpart.common.config import config_from_dict
+from fedpart.common.wire import decode_chunks
+from fedpart.deploy.launcher import split_clients
+from fedpart.proto import fedpart_pb2 as pb
+from fedpart.server.coordinator import Coordinator, Task, check_evaluation
 
 VIRTUAL_PROCESSES = 640  # above the old limit of 512 worker threads, one per waiting poll
 CLIENTS = 1280
@@ -32,6 +40,43 @@ def scale_config() -> dict:
         server={"join_timeout": JOIN_SECONDS, "round_timeout": BOUND, "evaluation_timeout": BOUND,
                 "heartbeat_timeout": 60},
     )
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedbabu", "fedftha"])
+def test_a_virtual_result_carries_exactly_the_tensors_its_plan_asks_for(algorithm: str) -> None:
+    config = config_from_dict(small_config(algorithm={"name": algorithm}))
+    coordinator = Coordinator(config, log=lambda _: None)
+    plan = coordinator.round_plan(1, 3)
+    task = Task(task_id=7, kind=pb.TRAIN, round=1, client_id=3, session="s", train=plan)
+    payloads = Payloads(config.to_json())
+    upload = payloads.upload(plan)
+    header = pb.ResultHeader(session="s", task_id=7, client_id=3, round=1, num_samples=train_sample_count(3))
+    sent, tensors = decode_chunks(upload.stream(header))
+    coordinator.check_declared(task, sent)  # raises when names, dtypes or shapes differ
+    assert list(tensors) == task.uploads()
+    assert (sent.task_id, sent.client_id, sent.num_samples) == (7, 3, train_sample_count(3))
+    assert upload.tensor_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert all(t.abs().max() < 1 for n, t in tensors.items() if n in plan.upload_deltas)
+
+
+@pytest.mark.parametrize("headless", [False, True])
+@pytest.mark.parametrize("classification", [False, True])
+def test_virtual_evaluations_pass_the_server_checks(headless: bool, classification: bool) -> None:
+    plan = pb.EvalPlan(finetune_epochs=[0, 1, 5], headless=headless)
+    for client in range(30):
+        metrics = evaluation_metrics(plan, client, classification)
+        check_evaluation(metrics, plan, trained_samples=train_sample_count(client))
+        assert ("initial_acc" in metrics) == classification
+        assert ("headless_acc" in metrics) == (headless and classification)
+
+
+def test_virtual_processes_split_the_clients_as_the_launcher_does() -> None:
+    ids = list(range(100, 110))
+    slices = slice_clients(ids, 4)
+    assert [f"{s[0] - 100}-{s[-1] - 100}" for s in slices] == split_clients(10, 4)
+    assert sum(slices, []) == ids
+    with pytest.raises(ValueError, match="--processes 11"):
+        slice_clients(ids, 11)
 
 
 def test_rounds_complete_with_more_client_processes_than_the_old_thread_limit(processes: Processes,
