@@ -40,13 +40,15 @@ def _check_weight(weight: float) -> None:
         raise ValueError(f"aggregation weight must be positive and finite, got {weight}")
 
 
-FOLD_BLOCK_ELEMENTS = 16_384
-"""Elements per block of a running sum. A block's fold makes nine elementwise passes over its
-two value rows, error row and the thread's two scratch rows (128 KiB each in float64), which
-stay in a core's L2 cache (1 MiB here) from pass to pass. An op on fewer elements than torch's
-grain size (32,768) runs on the calling thread whatever ``torch.get_num_threads()``, never in an
-OpenMP team, whose members spin waiting for each other when the cores are busy (the unblocked
-fold then took several times longer). Measured with benchmarks/fold_throughput.py."""
+FOLD_BLOCK_ELEMENTS = 32_000
+"""Elements per block of a running sum. A block's fold makes nine elementwise passes, each over
+at most three of its rows (two value rows, the error row, the thread's two scratch rows: 250 KiB
+each in float64), which stay in a core's L2 cache (1 MiB here) from pass to pass. An op on fewer
+elements than torch's grain size (32,768) runs on the calling thread whatever
+``torch.get_num_threads()``, never in an OpenMP team, whose members spin waiting for each other
+when the cores are busy (the unblocked fold then took several times longer). Each op releases
+and retakes the GIL, so blocks are as large as that bound allows: 16,384 measured no faster.
+Measured with benchmarks/fold_throughput.py."""
 
 
 class FoldScratch:
