@@ -155,6 +155,9 @@ def measure(variant: Variant, pool: list[Result], seconds: float, batch: int = 4
     return Timing(wall / folded * 1e3, cpu / folded * 1e3, other_cores)
 
 
+CONDITIONS = ("idle", "core busy", "GIL busy")
+
+
 def _spin(stop) -> None:
     while not stop.is_set():
         sum(range(10_000))
@@ -193,6 +196,8 @@ def main() -> None:
                         help="torch intra-op threads (default: torch's, here %(default)s)")
     parser.add_argument("--switch-interval", type=float, default=sys.getswitchinterval(),
                         help="sys.setswitchinterval (default: Python's, %(default)s s)")
+    parser.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS),
+                        help="conditions to measure (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
     sys.setswitchinterval(args.switch_interval)
@@ -216,7 +221,7 @@ def main() -> None:
     print("means of every variant bit-identical:", "yes" if len(digests) == 1 else f"NO ({len(digests)} different)")
     print(f"{'condition':<10} {'variant':<28} {'wall ms/result':>14} {'CPU ms/result':>13} {'results/s':>9} "
           f"{'vs before':>9} {'other CPU':>9}")
-    for name in ("idle", "core busy", "GIL busy"):
+    for name in args.conditions:
         with condition(name):
             best: dict[str, Timing] = {}
             for _ in range(args.repeat):  # interleaved, so that drift of the machine hits every variant

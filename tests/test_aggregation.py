@@ -229,6 +229,20 @@ def test_concurrent_folds_give_the_bits_of_a_sequential_fold(block_elements):
         assert _means_sha256(mean.result()) == expected
 
 
+def test_fractional_weights_give_the_same_bits_in_every_order():
+    # The total weight is summed exactly rounded, so it too does not depend on the order.
+    results = [({"x": torch.tensor([1.0, -3.0])}, 0.1), ({"x": torch.tensor([2.0, 0.5])}, 0.7),
+               ({"x": torch.tensor([4.0, 8.0])}, 0.2), ({"x": torch.tensor([-1.0, 1.0])}, 1e-3)]
+    assert len({sum(w for _, w in order) for order in itertools.permutations(results)}) > 1  # plain sums differ
+    bits = set()
+    for order in itertools.permutations(results):
+        mean = WeightedMean()
+        for tensors, weight in order:
+            mean.add(tensors, weight)
+        bits.add(mean.result()["x"].numpy().tobytes())
+    assert len(bits) == 1
+
+
 def test_a_fold_skips_a_busy_block_and_comes_back_to_it():
     total = CompensatedSum((10,), block_elements=3)          # blocks of 3, 3, 3 and 1 elements
     first = total._blocks[0]
