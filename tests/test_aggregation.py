@@ -7,7 +7,6 @@ import hashlib
 import itertools
 import math
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -245,15 +244,16 @@ def test_fractional_weights_give_the_same_bits_in_every_order():
 
 def test_a_fold_skips_a_busy_block_and_comes_back_to_it():
     total = CompensatedSum((10,), block_elements=3)          # blocks of 3, 3, 3 and 1 elements
-    first = total._blocks[0]
+    first, last = total._blocks[0], total._blocks[-1]
+    last_folded = threading.Event()
+    fold_last = last.fold
+    last.fold = lambda *args: (fold_last(*args), last_folded.set())
     first.lock.acquire()                                     # as if another thread were folding it
     worker = threading.Thread(target=total.add, args=(torch.arange(10.0), 2.0))
     worker.start()
-    deadline = time.monotonic() + 120
-    while not all(block.current == 1 for block in total._blocks[1:]) and time.monotonic() < deadline:
-        worker.join(timeout=0.01)
-    assert all(block.current == 1 for block in total._blocks[1:])  # the other blocks were folded meanwhile
-    assert first.current == 0 and worker.is_alive()                 # and the busy one waits for its lock
+    assert last_folded.wait(timeout=120)                     # it went past the busy block
+    assert all(block.current == 1 for block in total._blocks[1:])
+    assert first.current == 0 and worker.is_alive()          # and waits for the busy one's lock
     first.lock.release()
     worker.join(timeout=120)
     assert not worker.is_alive()
