@@ -10,7 +10,7 @@ Variants:
 
 - **unblocked (before)**: the fold the server used before blocking, copied here for the
   comparison only: per tensor, ten whole-tensor passes (TwoSum and a copy back), run by torch's
-  intra-op threads (an OpenMP team on tensors of 32,768 elements or more), one result at a time.
+  intra-op threads (an OpenMP team on tensors of more than 32,768 elements), one result at a time.
 - **blocked, 1 thread**: :class:`fedpart.server.aggregation.WeightedMean` fed from one thread.
 - **blocked, N threads**: the same mean fed by a pool of ``--threads`` Python threads, one
   result per task, as the server's fold threads feed it.
@@ -19,8 +19,8 @@ Conditions, each measured for every variant:
 
 - **idle**: nothing else runs in this process (other processes on the machine are counted: the
   "other CPU" column is the cores they used meanwhile).
-- **core busy**: a spinning process keeps one core busy, as a server's other work does; an
-  OpenMP team then waits for a member that is not running.
+- **core busy**: a spinning process keeps one core busy, as a server's other work does (its core
+  counts as other CPU); an OpenMP team then waits for a member that is not running.
 - **GIL busy**: a thread of this process runs Python code the whole time, as a server's event
   loop does when it is saturated; every torch op releases the GIL, and a fold thread whose op
   ends waits for it (up to ``sys.getswitchinterval()``).
