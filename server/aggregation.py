@@ -4,7 +4,9 @@ The default, :class:`WeightedMean`, folds results into running sums as they arri
 memory is O(model), not O(clients x model). Each running sum is a double-double (float64 value
 plus float64 error term, Knuth's TwoSum): the products ``weight * delta`` of float32 deltas and
 integer weights are exact in float64 and the compensated sum keeps about 106 bits, so the float32
-result does not depend on the order in which results arrived: same seed, same numbers.
+result does not depend on the order in which results arrived: same seed, same numbers. The sums
+are kept in cache-sized blocks with a lock each, so several threads fold results at once, each
+into the blocks the others are not folding.
 
 The robust aggregators :class:`CoordinateMedian` and :class:`CoordinateTrimmedMean` (Yin et al.,
 ICML 2018) must see every value of a coordinate at once, so they hold the round's tensors.
@@ -38,12 +40,15 @@ def _check_weight(weight: float) -> None:
         raise ValueError(f"aggregation weight must be positive and finite, got {weight}")
 
 
-FOLD_BLOCK_ELEMENTS = 16_384
-"""Elements per block of a running sum. A block's fold makes eight elementwise passes over its
-value, error and two scratch rows (128 KiB each in float64), so they stay in a core's L2 cache
-(1 MiB here) instead of streaming the whole tensor from memory eight times; and one op on fewer
-than torch's grain size (32,768 elements) runs on the calling thread, never in an OpenMP team
-that spins when the cores are busy. Tuned with benchmarks/fold_throughput.py."""
+FOLD_BLOCK_ELEMENTS = 32_000
+"""Elements per block of a running sum. A block's fold makes nine elementwise passes, each over
+at most three of its rows (two value rows, the error row, the thread's two scratch rows: 250 KiB
+each in float64), which stay in a core's L2 cache (1 MiB here) from pass to pass. An op on fewer
+elements than torch's grain size (32,768) runs on the calling thread whatever
+``torch.get_num_threads()``, never in an OpenMP team, whose members spin waiting for each other
+when the cores are busy (the unblocked fold then took several times longer). Each op releases
+and retakes the GIL, so blocks are as large as that bound allows: 16,384 measured no faster.
+Measured with benchmarks/fold_throughput.py."""
 
 
 class FoldScratch:
