@@ -27,7 +27,7 @@ from fedpart.client.local_data import ClientData, load_client_data
 from fedpart.client.store import ClientStore
 from fedpart.client.training import train_local
 from fedpart.common.algorithms import build_algorithm
-from fedpart.common.config import config_from_dict
+from fedpart.common.config import RunConfig, config_from_dict
 from fedpart.common.experiment import build_run_model, dataset_dims
 from fedpart.common.losses import build_loss
 from fedpart.common.models import unit_forward_flops
@@ -51,7 +51,7 @@ class ClientError(RuntimeError):
 
 
 class ServerUnreachable(Exception):
-    """The server did not answer (it is down, restarting or cut off)."""
+    """The server did not answer (it is down, restarting or cut off) or was too busy to."""
 
     def __init__(self, error: grpc.RpcError) -> None:
         super().__init__(error.details())
@@ -77,8 +77,20 @@ class Backoff:
         return delay
 
 
+# Answers after which the same call is tried again later: the server is down, restarting, cut
+# off, or busy (it refuses calls beyond its cap at once rather than queueing them).
+RETRY_LATER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                     grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
 def _unreachable(error: grpc.RpcError) -> bool:
-    return error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return error.code() in RETRY_LATER_CODES
+
+
+def heartbeat_interval(config: RunConfig) -> float:
+    """Seconds between heartbeats: a few per ``server.heartbeat_timeout``, at most
+    :data:`HEARTBEAT_SECONDS`."""
+    return max(0.2, min(HEARTBEAT_SECONDS, config.server.heartbeat_timeout / 4))
 
 
 class ClientProcess:
@@ -164,9 +176,8 @@ class ClientProcess:
         reply = self._join()
         self.session = reply.session
         self.config = config_from_dict(json.loads(reply.run_config_json))
-        # a few beats per server.heartbeat_timeout, from before the (possibly long) data loading on
-        interval = max(0.2, min(HEARTBEAT_SECONDS, self.config.server.heartbeat_timeout / 4))
-        beat = threading.Thread(target=self._heartbeats, args=(interval,), daemon=True)
+        # from before the (possibly long) data loading on
+        beat = threading.Thread(target=self._heartbeats, args=(heartbeat_interval(self.config),), daemon=True)
         beat.start()
         try:
             self.store = ClientStore(self.state_dir, reply.run_id)

@@ -45,14 +45,15 @@ import yaml
 from fedpart.client.runtime import (
     CONNECT_SECONDS,
     FIRST_RETRY_SECONDS,
-    HEARTBEAT_SECONDS,
     MAX_RETRY_SECONDS,
     POLL_SECONDS,
     RECONNECT_SECONDS,
+    RETRY_LATER_CODES,
     TRANSFER_SECONDS,
     Backoff,
+    heartbeat_interval,
 )
-from fedpart.common.config import RunConfig, config_from_dict
+from fedpart.common.config import config_from_dict
 from fedpart.common.experiment import build_run_model, dataset_dims
 from fedpart.common.security import ClientSecurity, SecurityError, parse_id_ranges
 from fedpart.common.wire import encode_chunks, named_specs, spec_nbytes
@@ -72,16 +73,10 @@ CHANNEL_OPTIONS: list[tuple[str, object]] = [  # fedpart client's, plus a connec
     # without it gRPC shares one TCP connection between channels with equal arguments
     ("grpc.use_local_subchannel_pool", 1),
 ]
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class VirtualClientError(RuntimeError):
     """A virtual process cannot go on (the message says why)."""
-
-
-def heartbeat_interval(config: RunConfig) -> float:
-    """Seconds between heartbeats: a few per ``server.heartbeat_timeout``, as fedpart client beats."""
-    return max(0.2, min(HEARTBEAT_SECONDS, config.server.heartbeat_timeout / 4))
 
 
 def train_sample_count(client_id: int) -> int:
@@ -384,13 +379,13 @@ class VirtualProcess:
     async def _recover(self, error: grpc.aio.AioRpcError) -> None:
         """After a failed task request: wait for an unreachable server, join again when the
         server lost the session; any other refusal ends the process, as it ends fedpart client."""
-        if error.code() in _UNREACHABLE:
+        if error.code() in RETRY_LATER_CODES:
             await self._back_off(error)
         elif error.code() == grpc.StatusCode.FAILED_PRECONDITION and "join again" in (error.details() or ""):
             try:
                 await self._join()
             except grpc.aio.AioRpcError as refused:
-                if refused.code() not in _UNREACHABLE:
+                if refused.code() not in RETRY_LATER_CODES:
                     raise VirtualClientError(f"join refused ({refused.code().name}): {refused.details()}") from refused
                 await self._back_off(refused)
             else:
