@@ -78,9 +78,10 @@ class Backoff:
 
 
 # Answers after which the same call is tried again later: the server is down, restarting, cut
-# off, or busy (it refuses calls beyond its cap at once rather than queueing them).
+# off, busy (it refuses calls beyond its cap at once rather than queueing them), or its transport
+# reset the stream (CANCELLED, seen for a few of 2,000 joins arriving in the same second).
 RETRY_LATER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                     grpc.StatusCode.RESOURCE_EXHAUSTED)
+                     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 
 
 def _unreachable(error: grpc.RpcError) -> bool:
@@ -149,6 +150,23 @@ class ClientProcess:
         except grpc.RpcError as error:
             raise ClientError(f"join refused ({error.code().name}): {error.details()}") from error
 
+    def _first_join(self) -> pb.JoinReply:
+        """Join, trying again with backoff (up to ``CONNECT_SECONDS``) while the server answers
+        that it cannot take the join now."""
+        backoff = Backoff(time.monotonic() + CONNECT_SECONDS)
+        while True:
+            try:
+                return self._join()
+            except ClientError as error:
+                cause = error.__cause__
+                if not (isinstance(cause, grpc.RpcError) and _unreachable(cause)):
+                    raise
+                delay = backoff.next_delay()
+                if delay is None:
+                    raise
+                self.log(f"join not taken ({cause.code().name}); attempt {backoff.attempts} in {delay:.1f} s")
+                self._stop.wait(delay)
+
     def _heartbeats(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
@@ -173,7 +191,7 @@ class ClientProcess:
     def run(self) -> int:
         """Serve tasks until the server says the run is over. Returns the exit code."""
         self._connect()
-        reply = self._join()
+        reply = self._first_join()
         self.session = reply.session
         self.config = config_from_dict(json.loads(reply.run_config_json))
         # from before the (possibly long) data loading on

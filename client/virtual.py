@@ -268,10 +268,15 @@ class VirtualProcess:
             except asyncio.TimeoutError as error:
                 raise VirtualClientError(f"no server answered at {self.host.server} within "
                                          f"{CONNECT_SECONDS:.0f} s") from error
-            try:
-                await self._join()
-            except grpc.aio.AioRpcError as error:
-                raise VirtualClientError(f"join refused ({error.code().name}): {error.details()}") from error
+            while True:  # as fedpart client: a join the server cannot take now is tried again
+                try:
+                    await self._join()
+                    break
+                except grpc.aio.AioRpcError as error:
+                    if error.code() not in RETRY_LATER_CODES:
+                        raise VirtualClientError(f"join refused ({error.code().name}): {error.details()}") from error
+                    await self._back_off(error)
+            self._outage = None
             self.host.stats.joins += 1
             self.host.stats.join_times.append(time.monotonic())
             beats = asyncio.create_task(self._heartbeats(heartbeat_interval(self.payloads.config)))
@@ -474,13 +479,18 @@ async def run_virtual_processes(host: VirtualHost, slices: list[list[int]],
     stats = host.stats
     stats.processes = len(slices)
     stats.started_at = time.monotonic()
-    processes = [VirtualProcess(host, index, ids, credentials)
-                 for index, (ids, credentials) in enumerate(zip(slices, security))]
-    outcomes = await asyncio.gather(*(process.run() for process in processes), return_exceptions=True)
-    for process, outcome in zip(processes, outcomes):
-        if isinstance(outcome, BaseException):
-            stats.failures.append(f"{process.name} (clients {process.client_ids[0]}-{process.client_ids[-1]}): "
-                                  f"{type(outcome).__name__}: {outcome}")
+
+    async def run_and_report(process: VirtualProcess) -> None:
+        try:
+            await process.run()
+        except Exception as error:  # noqa: BLE001 - recorded and reported; the other processes go on
+            failure = (f"{process.name} (clients {process.client_ids[0]}-{process.client_ids[-1]}): "
+                       f"{type(error).__name__}: {error}")
+            stats.failures.append(failure)
+            print(f"virtual process failed: {failure}", file=sys.stderr, flush=True)
+
+    await asyncio.gather(*(run_and_report(VirtualProcess(host, index, ids, credentials))
+                           for index, (ids, credentials) in enumerate(zip(slices, security))))
     return stats
 
 

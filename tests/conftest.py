@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import queue
@@ -169,3 +170,9 @@ def read_metrics(out: Path) -> list[dict[str, Any]]:
 
 def read_summary(out: Path) -> dict[str, Any]:
     return json.loads((out / "summary.json").read_text())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Destroy gRPC objects the tests left in reference cycles while the interpreter is whole:
+    gRPC's core torn down during interpreter shutdown may abort the process after a green run."""
+    gc.collect()
