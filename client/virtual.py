@@ -30,7 +30,6 @@ import json
 import math
 import os
 import random
-import resource
 import socket
 import sys
 import time
@@ -55,6 +54,7 @@ from fedpart.client.runtime import (
 )
 from fedpart.common.config import config_from_dict
 from fedpart.common.experiment import build_run_model, dataset_dims
+from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.security import ClientSecurity, SecurityError, parse_id_ranges
 from fedpart.common.wire import encode_chunks, named_specs, spec_nbytes
 from fedpart.deploy.launcher import split_clients
@@ -494,14 +494,6 @@ async def run_virtual_processes(host: VirtualHost, slices: list[list[int]],
     return stats
 
 
-def raise_file_limit() -> int:
-    """Raise the soft limit of open files to the hard limit (every virtual process holds a
-    socket); returns the new soft limit."""
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fedpart.client.virtual", description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", required=True, help="coordinator HOST:PORT")
@@ -544,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, SecurityError) as error:
         print(f"fedpart virtual clients: error: {error}", file=sys.stderr, flush=True)
         return 2
-    raise_file_limit()
+    raise_open_file_limit()
     if args.hold:
         print("ready", flush=True)
         sys.stdin.readline()

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from fedpart.common.config import RunConfig
+from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.security import ServerSecurity
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 from fedpart.server.auth import CallGuard, Principals, TokenGate
@@ -100,21 +101,6 @@ class GrpcServer:
         self._fold_pool.shutdown(wait=True)
 
 
-def allow_many_connections() -> int:
-    """Raise this process's soft limit on open files to the hard limit: every connected client
-    process holds a socket. Returns the limit now in force."""
-    try:
-        import resource
-    except ImportError:  # not a Unix: nothing to raise
-        return -1
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):  # an unlimited hard limit the kernel caps lower
-        return soft
-    return hard
-
-
 def start_grpc(coordinator: Coordinator, address: str, security: ServerSecurity | None = None) -> GrpcServer:
     """Start the gRPC server; its ``address`` is where it listens (port 0 = a free port)."""
     return GrpcServer(coordinator, address, security or ServerSecurity())
@@ -147,7 +133,7 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
     def seconds() -> float:
         return earlier_seconds + time.monotonic() - started
 
-    allow_many_connections()
+    raise_open_file_limit()
     server = start_grpc(coordinator, address, security)
     _log(f"fedpart server listening on {server.address} (run {coordinator.run_id}, out {run_dir.path})")
     _log(f"{'warning: ' if not security.tls else ''}transport: {security.describe()}")
