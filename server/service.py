@@ -111,16 +111,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield chunk
                 return
             self.coordinator.account(task.round, task.client_id, "up", _control(request.ByteSize()))
+            sent = False
+
+            def drop_unless_sent(_: grpc.aio.ServicerContext) -> None:
+                # a stream the client cancelled or the transport reset may be abandoned by gRPC
+                # without this generator hearing of it: the call's end is the one sure signal
+                if not sent:
+                    self.coordinator.fail_task(task, "the task stream ended before the task was sent")
+
+            context.add_done_callback(drop_unless_sent)
             try:
                 async with self.downloads:
                     for chunk in self._task_chunks(task, request):
                         yield chunk
-            except (asyncio.CancelledError, GeneratorExit):
-                self.coordinator.fail_task(task, "the client went away while the task was being sent")
-                raise
             except Exception as error:  # noqa: BLE001 - any failure while sending drops only this task
                 self.coordinator.fail_task(task, f"sending the task failed: {error}")
                 raise
+            sent = True
 
     async def _wait_for_task(self, request: pb.TaskRequest, principal) -> Task | None:
         """Long-poll: the process's next task, DONE, or None after ``wait_seconds`` (or when a
@@ -175,6 +182,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             parts = [tensor_part(spec.name) for spec in header.tensors]
             received.add(bytes_by_part(first, parts), "up")
             reply = pb.SubmitReply(accepted=True)
+            handed_over = False  # to the fold threads: from then on the fold decides
+
+            def drop_unless_handed_over(_: grpc.aio.ServicerContext) -> None:
+                # a call the client cancelled or the transport reset may be abandoned by gRPC
+                # while it waits for an upload slot or a chunk: the call's end is the one sure signal
+                if not handed_over and self.coordinator.fail_task(task, "the result stream ended early"):
+                    self.coordinator.ledger.refuse(received.total())
+
+            context.add_done_callback(drop_unless_handed_over)
             try:
                 self.coordinator.check_declared(task, header)
                 async with self.uploads.staging(header.tensors) as staging:
@@ -182,6 +198,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     received.add(_control(reply.ByteSize()), "down")
                     accept = partial(self.coordinator.accept, task, header, tensors,
                                      commit=lambda: received.commit(self.coordinator))
+                    handed_over = True
                     await _run_to_end(asyncio.get_running_loop().run_in_executor(self.fold_pool, accept))
             except (Rejected, WireError) as error:
                 if self.coordinator.fail_task(task, f"result rejected: {error}"):
