@@ -56,7 +56,7 @@ import yaml
 
 from fedpart.common.config import config_from_dict
 from fedpart.common.experiment import build_run_model
-from fedpart.deploy.launcher import split_clients
+from fedpart.deploy.launcher import split_clients, stop_processes
 from fedpart.server.aggregation import WeightedMean
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -106,20 +106,6 @@ def scale_config(clients: int, rounds: int, fraction: float, model: str, timeout
         "robust": {"partition_sizes": False},
         "server": {"join_timeout": timeout, "round_timeout": timeout, "evaluation_timeout": timeout},
     }
-
-
-def _stop(processes: list[subprocess.Popen]) -> None:
-    """Terminate by PID, then kill whatever is still there after a bounded wait."""
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    deadline = time.monotonic() + STOP_SECONDS
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
 
 
 class Lines:
@@ -288,7 +274,7 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
             except subprocess.TimeoutExpired:
                 pass
     finally:
-        _stop(started)
+        stop_processes(started, STOP_SECONDS)
         if sampler is not None:
             sampler.close()
     return _collect(row, args, work, out, go, server, server_lines, sampler, generators)

@@ -45,12 +45,12 @@ def _pump(stream, sink: queue.Queue) -> None:
     sink.put(None)
 
 
-def _stop(processes: list[subprocess.Popen]) -> None:
-    """Terminate by PID, then kill whatever is still there after a bounded wait."""
+def stop_processes(processes: list[subprocess.Popen], grace_seconds: float = 10.0) -> None:
+    """Terminate by PID, then kill whatever is still there after ``grace_seconds``."""
     for process in processes:
         if process.poll() is None:
             process.terminate()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + grace_seconds
     for process in processes:
         try:
             process.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -111,7 +111,7 @@ def _launch(config_path: Path, overrides: list[str], config: RunConfig, out: Pat
         print("fedpart run: interrupted, stopping processes", file=sys.stderr)
         return 130
     finally:
-        _stop(clients + [server])
+        stop_processes(clients + [server])
 
 
 def _terminated(signum: int, frame) -> None:
