@@ -108,6 +108,8 @@ class ServerConfig:
     upload_slots: int = 0           # results read at once, each into a reused staging buffer; more
                                     # uploads wait under gRPC flow control (0 = 4 per fold worker)
     download_slots: int = 64        # tasks sent at once; more wait under flow control
+    receive_window: int = 256 << 10  # bytes a connection may send before the server reads them
+                                     # (0 = gRPC's adaptive window, which grows per connection)
 
 
 @dataclass
@@ -244,6 +246,8 @@ def _validate(config: RunConfig) -> None:
         (config.server.fold_workers >= 0, "server.fold_workers must be >= 0 (0 = one per CPU core)"),
         (config.server.upload_slots >= 0, "server.upload_slots must be >= 0 (0 = 4 per fold worker)"),
         (config.server.download_slots >= 1, "server.download_slots must be at least 1"),
+        (config.server.receive_window == 0 or config.server.receive_window >= 65536,
+         "server.receive_window must be 0 (adaptive) or at least 65536 bytes"),
     ]
     robust = config.robust
     checks += [

@@ -70,6 +70,7 @@ class GrpcServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                 ("grpc.http2.max_ping_strikes", 0),
+                *receive_window_options(coordinator.config.server.receive_window),
             ])
         service = CoordinatorService(coordinator, CallGuard(principals, mutual_tls), self._fold_pool,
                                      upload_slots, download_slots)
@@ -99,6 +100,15 @@ class GrpcServer:
         self._thread.join()
         self._loop.close()
         self._fold_pool.shutdown(wait=True)
+
+
+def receive_window_options(window_bytes: int) -> list[tuple[str, int]]:
+    """gRPC options for the bytes a connection may send before the server reads them: a fixed
+    window bounds what thousands of connections can park in the server's memory (gRPC's adaptive
+    window grows per connection); 0 keeps gRPC's adaptive window."""
+    if not window_bytes:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes)]
 
 
 def start_grpc(coordinator: Coordinator, address: str, security: ServerSecurity | None = None) -> GrpcServer:
