@@ -44,6 +44,13 @@ RECONNECT_SECONDS = 300.0  # default --reconnect-timeout: how long to keep tryin
 FIRST_RETRY_SECONDS = 0.5  # while the server is unreachable, attempts are this far apart at first,
 MAX_RETRY_SECONDS = 5.0    # doubling up to this (the channel's own reconnect backoff is the same)
 HEARTBEAT_SECONDS = 5.0    # at most; shorter when server.heartbeat_timeout is short
+CHANNEL_OPTIONS: list[tuple[str, object]] = [
+    ("grpc.keepalive_time_ms", 30_000),  # keeps NAT mappings alive while a client trains for minutes
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", int(FIRST_RETRY_SECONDS * 1000)),
+    ("grpc.max_reconnect_backoff_ms", int(MAX_RETRY_SECONDS * 1000)),
+]
 
 
 class ClientError(RuntimeError):
@@ -123,13 +130,7 @@ class ClientProcess:
     # ------------------------------------------------------------------ connection
 
     def _connect(self) -> None:
-        self.channel = self.security.channel(self.server, options=[
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.initial_reconnect_backoff_ms", int(FIRST_RETRY_SECONDS * 1000)),
-            ("grpc.max_reconnect_backoff_ms", int(MAX_RETRY_SECONDS * 1000)),
-        ])
+        self.channel = self.security.channel(self.server, options=CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=CONNECT_SECONDS)
         except grpc.FutureTimeoutError as error:

@@ -41,10 +41,9 @@ import grpc
 import torch
 import yaml
 
+from fedpart.client.runtime import CHANNEL_OPTIONS as CLIENT_CHANNEL_OPTIONS
 from fedpart.client.runtime import (
     CONNECT_SECONDS,
-    FIRST_RETRY_SECONDS,
-    MAX_RETRY_SECONDS,
     POLL_SECONDS,
     RECONNECT_SECONDS,
     RETRY_LATER_CODES,
@@ -64,12 +63,8 @@ from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 JOIN_SECONDS = 60.0   # deadline of a join, as fedpart client's
 LEAVE_SECONDS = 10.0  # deadline of a leave, as fedpart client's
 DELTA_SCALE = 1e-3    # standard deviation of the seeded deltas a virtual client uploads
-CHANNEL_OPTIONS: list[tuple[str, object]] = [  # fedpart client's, plus a connection of its own
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.initial_reconnect_backoff_ms", int(FIRST_RETRY_SECONDS * 1000)),
-    ("grpc.max_reconnect_backoff_ms", int(MAX_RETRY_SECONDS * 1000)),
+CHANNEL_OPTIONS: list[tuple[str, object]] = [
+    *CLIENT_CHANNEL_OPTIONS,
     # without it gRPC shares one TCP connection between channels with equal arguments
     ("grpc.use_local_subchannel_pool", 1),
 ]
@@ -209,20 +204,6 @@ class Payloads:
                              parameters=sum(t.numel() for t in tensors.values()))
 
 
-def aio_channel(security: ClientSecurity, target: str, options: list[tuple[str, object]]) -> grpc.aio.Channel:
-    """An asyncio channel to ``target`` with the credentials ``ClientSecurity.channel`` uses."""
-    if security.insecure:
-        return grpc.aio.insecure_channel(target, options=options)
-    credentials = grpc.ssl_channel_credentials(root_certificates=security.ca, private_key=security.private_key,
-                                               certificate_chain=security.certificate)
-    if security.token:
-        credentials = grpc.composite_channel_credentials(credentials,
-                                                         grpc.access_token_call_credentials(security.token))
-    if security.server_name:
-        options = [*options, ("grpc.ssl_target_name_override", security.server_name)]
-    return grpc.aio.secure_channel(target, credentials, options=options)
-
-
 class VirtualHost:
     """The state the virtual processes of one OS process share: where the server is, the run's
     payloads (built at the first join) and the counts."""
@@ -260,7 +241,7 @@ class VirtualProcess:
 
     async def run(self) -> None:
         """Serve until told DONE; raises :class:`VirtualClientError` when the process cannot go on."""
-        self.channel = aio_channel(self.security, self.host.server, CHANNEL_OPTIONS)
+        self.channel = self.security.aio_channel(self.host.server, CHANNEL_OPTIONS)
         try:
             self.stub = pb_grpc.CoordinatorStub(self.channel)
             try:

@@ -205,10 +205,11 @@ class ClientSecurity:
                    certificate=_read(cert, "client certificate") if cert else None,
                    private_key=_read(key, "client private key") if key else None, token=token)
 
-    def channel(self, target: str, options: list[tuple[str, object]]) -> grpc.Channel:
-        """A channel to ``target`` with these credentials (the token rides on every call)."""
+    def _credentials(self, options: list[tuple[str, object]]
+                     ) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, object]]]:
+        """Channel credentials (None: plaintext) and the options that go with them."""
         if self.insecure:
-            return grpc.insecure_channel(target, options=options)
+            return None, options
         credentials = grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.private_key,
                                                    certificate_chain=self.certificate)
         if self.token:
@@ -216,4 +217,18 @@ class ClientSecurity:
                 credentials, grpc.access_token_call_credentials(self.token))
         if self.server_name:
             options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
+        return credentials, options
+
+    def channel(self, target: str, options: list[tuple[str, object]]) -> grpc.Channel:
+        """A channel to ``target`` with these credentials (the token rides on every call)."""
+        credentials, options = self._credentials(options)
+        if credentials is None:
+            return grpc.insecure_channel(target, options=options)
         return grpc.secure_channel(target, credentials, options=options)
+
+    def aio_channel(self, target: str, options: list[tuple[str, object]]) -> grpc.aio.Channel:
+        """The same as :meth:`channel`, for asyncio callers."""
+        credentials, options = self._credentials(options)
+        if credentials is None:
+            return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.secure_channel(target, credentials, options=options)

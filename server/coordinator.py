@@ -64,17 +64,6 @@ class Waiter(Protocol):
     def wake(self) -> None: ...
 
 
-class ThreadWaiter:
-    """A :class:`Waiter` for a caller that blocks its own thread (:meth:`Coordinator.next_task`)."""
-
-    def __init__(self) -> None:
-        self.superseded = False
-        self.event = threading.Event()
-
-    def wake(self) -> None:
-        self.event.set()
-
-
 @dataclass
 class Task:
     """Work for one client in one round (training) or at the end (evaluation)."""
@@ -292,21 +281,6 @@ class Coordinator:
             if process is not None and process.waiter is waiter:
                 process.waiter = None
                 process.last_seen = time.monotonic()
-
-    def next_task(self, session: str, wait_seconds: float, principal: Principal | None = None) -> Task | None:
-        """Block this thread up to ``wait_seconds`` for the process's next task (see :meth:`poll`)."""
-        deadline = time.monotonic() + max(0.0, min(wait_seconds, 60.0))
-        waiter = ThreadWaiter()
-        try:
-            while True:
-                waiter.event.clear()
-                task = self.poll(session, waiter, principal)
-                remaining = deadline - time.monotonic()
-                if task is not None or waiter.superseded or remaining <= 0:
-                    return task
-                waiter.event.wait(remaining)
-        finally:
-            self.end_poll(session, waiter)
 
     def task_tensors(self, task: Task, held: Mapping[str, int]) -> tuple[list[pb.TensorSpec], list[torch.Tensor]]:
         """Global tensors a task carries: shared ones newer than what the process holds, plus

@@ -39,8 +39,7 @@ class UploadSlots:
     def __init__(self, slots: int) -> None:
         self.slots = slots
         self._free = asyncio.Semaphore(slots)
-        self._idle: OrderedDict[int, tuple[Layout, dict[str, torch.Tensor]]] = OrderedDict()
-        self._keys = 0
+        self._idle: list[tuple[Layout, dict[str, torch.Tensor]]] = []  # oldest first
 
     @asynccontextmanager
     async def staging(self, specs: Iterable[pb.TensorSpec]) -> AsyncIterator[dict[str, torch.Tensor]]:
@@ -55,17 +54,16 @@ class UploadSlots:
                 self._give_back(layout, buffers)
 
     def _take(self, layout: Layout) -> dict[str, torch.Tensor]:
-        for key, (idle_layout, buffers) in self._idle.items():
+        for index, (idle_layout, buffers) in enumerate(self._idle):
             if idle_layout == layout:
-                del self._idle[key]
+                del self._idle[index]
                 return buffers
         return {name: torch.empty(shape, dtype=DTYPES[dtype]) for name, dtype, shape in layout}
 
     def _give_back(self, layout: Layout, buffers: dict[str, torch.Tensor]) -> None:
-        self._keys += 1
-        self._idle[self._keys] = (layout, buffers)
-        while len(self._idle) > self.slots:  # a layout no longer used makes room, oldest first
-            self._idle.popitem(last=False)
+        self._idle.append((layout, buffers))
+        if len(self._idle) > self.slots:  # a layout no longer used makes room, oldest first
+            del self._idle[0]
 
 
 class TaskPayloads:

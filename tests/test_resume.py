@@ -30,7 +30,7 @@ from fedpart.client.runtime import Backoff
 from fedpart.common.config import config_from_dict
 from fedpart.deploy.cli import main as cli_main
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.server.coordinator import Coordinator
+from fedpart.server.coordinator import Coordinator, Task
 from fedpart.server.aggregation import WeightedMean
 from fedpart.server.report import RunDirectory
 from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
@@ -255,6 +255,32 @@ def test_a_process_lost_during_the_final_evaluation_is_asked_again(tmp_path: Pat
     assert summary["failures"] == []
 
 
+class EventWaiter:
+    """A long poll that blocks the test's thread until the coordinator wakes it."""
+
+    def __init__(self) -> None:
+        self.superseded = False
+        self.event = threading.Event()
+
+    def wake(self) -> None:
+        self.event.set()
+
+
+def _next_task(coordinator: Coordinator, session: str, timeout: float) -> Task:
+    """Poll until the coordinator hands this process a task (bounded)."""
+    waiter = EventWaiter()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            waiter.event.clear()
+            task = coordinator.poll(session, waiter)
+            if task is not None:
+                return task
+            assert waiter.event.wait(deadline - time.monotonic()), f"no task within {timeout} s"
+    finally:
+        coordinator.end_poll(session, waiter)
+
+
 def test_an_evaluation_taken_by_a_process_that_restarts_is_asked_again(one_torch_thread) -> None:
     """The take-over path, in process: a process takes its evaluation and is replaced by its
     restart (same instance) before answering; the restart is asked and no failure is recorded."""
@@ -269,10 +295,10 @@ def test_an_evaluation_taken_by_a_process_that_restarts_is_asked_again(one_torch
     evaluations: list[dict] = []
     worker = threading.Thread(target=lambda: evaluations.append(coordinator.evaluate_all()), daemon=True)
     worker.start()
-    taken = coordinator.next_task(first, 60)
+    taken = _next_task(coordinator, first, 60)
     assert taken.kind == pb.EVALUATE
     second = join()
-    task = coordinator.next_task(second, 60)
+    task = _next_task(coordinator, second, 60)
     assert task.kind == pb.EVALUATE and task.task_id != taken.task_id
     metrics = {"initial_acc": 0.5, "initial_loss": 1.0, "finetune_1_loss": 0.9, "finetune_2_loss": 0.8,
                "train_samples": 10, "test_samples": 5}
