@@ -193,7 +193,8 @@ class Launch:
                 self._forward(line)
             for process, log in zip(self.clients, self.client_logs):
                 code = process.poll()
-                if code not in (None, 0):
+                # a client the server told that the run ended early exits 5: the server's code says why
+                if code not in (None, ExitCode.COMPLETED, ExitCode.ENDED_EARLY):
                     _error(f"client process {process.pid} failed with exit code {code}; its log ({log}):\n"
                            f"{_tail(log)}")
                     return code

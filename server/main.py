@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent import futures
 from contextlib import ExitStack
 from pathlib import Path
@@ -35,7 +36,6 @@ from fedpart.server.auth import CallGuard, Principals, TokenGate
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.global_eval import GlobalEvaluator
 from fedpart.server.report import (
-    COMPLETED,
     FAILED,
     INTERRUPTED,
     RunDirectory,
@@ -144,6 +144,8 @@ def check_address(address: str) -> None:
     be bound (in use, or not an address of this machine), before gRPC tries and logs its own
     error. Binds a probe socket the way gRPC binds (``SO_REUSEADDR``) and closes it."""
     host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return  # not HOST:PORT (e.g. unix:PATH): gRPC says what is wrong
     host = host.strip("[]") or "0.0.0.0"
     try:
         infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -203,16 +205,16 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
         display.log(f"{'warning: ' if not security.tls else ''}transport: {security.describe()}")
         if saved is not None:
             display.log(f"resuming run {saved.run_id} after round {saved.round}/{config.rounds}")
-        run = Run(config, coordinator, evaluator, run_dir, records, display,
-                  lambda: earlier_seconds + time.monotonic() - started)
+        run = ServerRun(config, coordinator, evaluator, run_dir, records, display,
+                        lambda: earlier_seconds + time.monotonic() - started)
         return run.to_end()
 
 
-class Run:
+class ServerRun:
     """The rounds, the final evaluation and the summary of one server, however the run ends."""
 
     def __init__(self, config: RunConfig, coordinator: Coordinator, evaluator: GlobalEvaluator | None,
-                 run_dir: RunDirectory, records: list[dict], display: Display, seconds) -> None:
+                 run_dir: RunDirectory, records: list[dict], display: Display, seconds: Callable[[], float]) -> None:
         self.config = config
         self.coordinator = coordinator
         self.evaluator = evaluator
@@ -222,27 +224,27 @@ class Run:
         self.seconds = seconds
 
     def to_end(self) -> int:
-        """Run, then tell the clients how the run ended and wait (bounded) until they heard it."""
-        outcome = RunOutcome.ABORTED
+        """Run; then tell the clients how the run ended, write what is known of a run that ended
+        early, and wait (bounded) until the clients heard it. Returns the exit code."""
+        ended_early: tuple[str, str] | None = None  # summary status, and why
         try:
             code = self._rounds_and_evaluation()
-            outcome = RunOutcome.COMPLETED
-            return code
         except Stopped as stop:
-            self._ended_early(INTERRUPTED, f"{stop.reason} after round {len(self.records)}/{self.config.rounds}; "
-                                           f"continue with fedpart server --resume {self.run_dir.path}")
-            return stop.code
+            code, ended_early = stop.code, (INTERRUPTED, f"{stop.reason} after round {len(self.records)}/"
+                                                         f"{self.config.rounds}; continue with fedpart server "
+                                                         f"--resume {self.run_dir.path}")
         except TimeoutError as error:
             self.display.log(f"error: {error}")
-            self._ended_early(FAILED, f"gave up: {error}")
-            return ExitCode.UNREACHABLE
+            code, ended_early = ExitCode.UNREACHABLE, (FAILED, f"gave up: {error}")
         except Exception as error:  # noqa: BLE001 - a bug: say so, keep what is known, exit 1
             self.display.print(traceback.format_exc().rstrip())
-            self._ended_early(FAILED, f"{type(error).__name__}: {error}")
-            return ExitCode.ERROR
-        finally:
-            self.coordinator.finish(outcome)
-            self.coordinator.registry.wait_until_released(SHUTDOWN_GRACE_SECONDS)
+            code, ended_early = ExitCode.ERROR, (FAILED, f"{type(error).__name__}: {error}")
+        # waiting polls answer DONE at once; the summary is written meanwhile
+        self.coordinator.finish(RunOutcome.ABORTED if ended_early else RunOutcome.COMPLETED)
+        if ended_early:
+            self._write_what_is_known(*ended_early)
+        self.coordinator.registry.wait_until_released(SHUTDOWN_GRACE_SECONDS)
+        return code
 
     def _rounds_and_evaluation(self) -> int:
         config, coordinator = self.config, self.coordinator
@@ -271,10 +273,9 @@ class Run:
             self.display.log(f"error: {missing} clients did not report an evaluation")
         return ExitCode.COMPLETED if not summary["failures"] and not missing else ExitCode.FAILURES
 
-    def _ended_early(self, status: str, note: str) -> None:
-        """Tell the clients the run ended early, then write what is known: summary.json marked
-        ``status`` (the run state of the last completed round stays for ``--resume``)."""
-        self.coordinator.finish(RunOutcome.ABORTED)
+    def _write_what_is_known(self, status: str, note: str) -> None:
+        """summary.json of a run that ended early, marked ``status`` (the run state of the last
+        completed round stays for ``--resume``)."""
         summary = build_summary(self.config, self.coordinator.model, self.records, {}, None, self.coordinator.ledger,
                                 self.coordinator.failures, self.seconds(), status=status, note=note)
         self.run_dir.write_summary(summary)
