@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fedpart_command, read_metrics, read_summary, run_fedpart, small_config, start_server, write_config
+from conftest import (
+    WAIT,
+    fedpart_command,
+    read_metrics,
+    read_summary,
+    run_fedpart,
+    small_config,
+    start_server,
+    write_config,
+)
 from fedpart.common.checkpoint import load_tensors
 
 HIDDEN = 32
