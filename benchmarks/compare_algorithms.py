@@ -173,8 +173,8 @@ class Result:
 
 def run_row(variant: str, codec: str, overrides: list[str], out: Path, timeout: float) -> Result:
     """``fedpart run`` for one variant and codec (bounded wait, stopped by PID), then its numbers."""
-    out.mkdir(parents=True, exist_ok=True)
-    log_path = out / "fedpart.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_path = out.parent / f"{out.name}.log"  # beside the run directory: fedpart run wants a new one
     command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(CONFIG), "--out", str(out)]
     command += [a for o in overrides + row_overrides(variant, codec) for a in ("--set", o)]
     started = time.perf_counter()

@@ -68,7 +68,7 @@ RECONNECT_SECONDS = 10.0  # virtual processes give up this soon after the server
 FLOOR_REPEATS = 3
 FOLD_POOL = 4  # distinct delta sets the fold floor cycles through, so it does not run from cache
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
-_ROUND_LINE = re.compile(r"^round\s+(\d+)/")
+_ROUND_LINE = re.compile(r"\bround\s+(\d+)/\d+  clients")  # after the log line's time
 _EVALUATING = "evaluating and personalising"
 _SILENT = "went silent"
 

@@ -3,9 +3,11 @@
 The process connects out to the coordinator, joins, loads its clients' data, then long-polls for
 tasks until the run is over. It keeps one cache of global tensors (with their versions) for all
 of its clients, so that an unchanged tensor crosses the wire once per process, and each client's
-personal parts in its :class:`ClientStore`. When the server goes away the process keeps trying
-(capped exponential backoff, for ``--reconnect-timeout``) and joins a resumed server of the same
-run again with its cache and personal parts.
+personal parts in its :class:`ClientStore`. It keeps trying to reach a server that does not
+answer yet (``--connect-timeout``) or went away (``--reconnect-timeout``), with capped exponential
+backoff and a log line per attempt, and joins a resumed server of the same run again with its cache
+and personal parts. Stopped by SIGINT or SIGTERM it tells the server (``Leave``) before it exits.
+Exit codes: :mod:`fedpart.common.exit_codes`.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ from fedpart.client.store import ClientStore
 from fedpart.client.training import train_local
 from fedpart.common.codecs import build_codec, encode, encode_with_feedback, seeded_generator
 from fedpart.common.config import RunConfig, config_from_dict
+from fedpart.common.console import ClientActivity, Display, render_client
 from fedpart.common.data.augment import build_augment
-from fedpart.common.experiment import build_run_model, dataset_dims, run_algorithm
+from fedpart.common.exit_codes import ExitCode, Stopped
+from fedpart.common.experiment import LocalData, build_run_model, check_experiment, dataset_dims, run_algorithm
 from fedpart.common.losses import build_loss
 from fedpart.common.models.zoo import unit_forward_flops
-from fedpart.common.plans import ResultInfo, TaskInfo, TaskKind
+from fedpart.common.plans import ResultInfo, RunOutcome, TaskInfo, TaskKind
 from fedpart.common.protocol import PROTOCOL_VERSION, RETRY_LATER_CODES, UNKNOWN_SESSION
-from fedpart.common.security import ClientSecurity
+from fedpart.common.security import ClientSecurity, format_id_ranges
 from fedpart.common.serde import result_header, task_info
 from fedpart.common.split_model import tensor_part
 from fedpart.common.wire import decode_chunks, encode_chunks, wire_form
@@ -43,8 +47,10 @@ from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 
 POLL_SECONDS = 20.0
 TRANSFER_SECONDS = 600.0   # deadline for moving one task or result, on top of the poll
-CONNECT_SECONDS = 120.0    # how long to wait for the server to come up
+CONNECT_SECONDS = 120.0    # default --connect-timeout: how long to keep trying a server that is not up yet
 RECONNECT_SECONDS = 300.0  # default --reconnect-timeout: how long to keep trying a server that went away
+JOIN_SECONDS = 60.0        # deadline of one join call
+LEAVE_SECONDS = 5.0        # deadline of the goodbye of a process that stops
 FIRST_RETRY_SECONDS = 0.5  # while the server is unreachable, attempts are this far apart at first,
 MAX_RETRY_SECONDS = 5.0    # doubling up to this (the channel's own reconnect backoff is the same)
 HEARTBEAT_SECONDS = 5.0    # at most; shorter when server.heartbeat_timeout is short
@@ -59,6 +65,14 @@ CHANNEL_OPTIONS: list[tuple[str, object]] = [
 
 class ClientError(RuntimeError):
     """The client process cannot go on (message says why)."""
+
+    code = ExitCode.ERROR
+
+
+class ServerNotReached(ClientError):
+    """No server answered within ``--connect-timeout``, or it stayed away for ``--reconnect-timeout``."""
+
+    code = ExitCode.UNREACHABLE
 
 
 class ServerUnreachable(Exception):
@@ -92,6 +106,12 @@ def _unreachable(error: grpc.RpcError) -> bool:
     return error.code() in RETRY_LATER_CODES
 
 
+def _why(error: grpc.RpcError) -> str:
+    """A gRPC error in one short line for the log."""
+    details = (error.details() or "").splitlines()
+    return f"{error.code().name}: {details[0][:200] if details else 'no details'}"
+
+
 def heartbeat_interval(config: RunConfig) -> float:
     """Seconds between heartbeats: a few per ``server.heartbeat_timeout``, at most
     :data:`HEARTBEAT_SECONDS`."""
@@ -103,10 +123,12 @@ class ClientProcess:
 
     def __init__(self, server: str, client_ids: list[int], device: str = "cpu", data_root: str | None = None,
                  state_dir: str | Path = "fedpart-state", threads: int | None = None,
-                 security: ClientSecurity | None = None, reconnect_timeout: float | None = None) -> None:
+                 security: ClientSecurity | None = None, reconnect_timeout: float | None = None,
+                 connect_timeout: float | None = None) -> None:
         self.server = server
         self.security = security or ClientSecurity(insecure=True)
         self.reconnect_timeout = RECONNECT_SECONDS if reconnect_timeout is None else reconnect_timeout
+        self.connect_timeout = CONNECT_SECONDS if connect_timeout is None else connect_timeout
         self.client_ids = client_ids
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -120,21 +142,15 @@ class ClientProcess:
         self.versions: dict[str, int] = {}
         self._stop = threading.Event()
         self._outage: Backoff | None = None  # set while the server is unreachable
+        self.activity = ClientActivity()
+        self.display = Display(lambda: render_client(self.activity))
 
     def log(self, message: str) -> None:
-        print(f"[client {self.name}] {message}", flush=True)
+        self.display.log(f"[client {self.name}] {message}")
 
     # ------------------------------------------------------------------ connection
 
-    def _connect(self) -> None:
-        self.channel = self.security.channel(self.server, options=CHANNEL_OPTIONS)
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=CONNECT_SECONDS)
-        except grpc.FutureTimeoutError as error:
-            raise ClientError(f"no server answered at {self.server} within {CONNECT_SECONDS:.0f} s") from error
-        self.stub = pb_grpc.CoordinatorStub(self.channel)
-
-    def _join(self) -> pb.JoinReply:
+    def _join(self, timeout: float = JOIN_SECONDS) -> pb.JoinReply:
         """Join, announcing the personal state an earlier process of the same run left on disk."""
         previous = ClientStore.latest_run(self.state_dir)
         earlier = ClientStore(self.state_dir, previous) if previous else None
@@ -144,25 +160,31 @@ class ClientProcess:
         request = pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name=self.name, clients=hosted,
                                  state_run_id=previous, instance=instance)
         try:
-            return self.stub.Join(request, timeout=60)
+            return self.stub.Join(request, timeout=timeout)
         except grpc.RpcError as error:
             raise ClientError(f"join refused ({error.code().name}): {error.details()}") from error
 
     def _first_join(self) -> pb.JoinReply:
-        """Join, trying again with backoff (up to ``CONNECT_SECONDS``) while the server answers
-        that it cannot take the join now."""
-        backoff = Backoff(time.monotonic() + CONNECT_SECONDS)
+        """Connect and join, trying again with backoff while no server answers (not up yet, a
+        wrong address, a TLS mismatch) or it cannot take the join now, for ``connect_timeout``
+        seconds; raises :class:`ServerNotReached` after that."""
+        self.log(f"connecting to {self.server} ({self.security.describe()}); trying for up to "
+                 f"{self.connect_timeout:.0f} s (--connect-timeout)")
+        deadline = time.monotonic() + self.connect_timeout
+        backoff = Backoff(deadline)
         while True:
             try:
-                return self._join()
+                return self._join(timeout=max(1.0, min(JOIN_SECONDS, deadline - time.monotonic())))
             except ClientError as error:
                 cause = error.__cause__
                 if not (isinstance(cause, grpc.RpcError) and _unreachable(cause)):
                     raise
                 delay = backoff.next_delay()
                 if delay is None:
-                    raise
-                self.log(f"join not taken ({cause.code().name}); attempt {backoff.attempts} in {delay:.1f} s")
+                    raise ServerNotReached(f"no server answered at {self.server} within {self.connect_timeout:.0f} s "
+                                           f"(--connect-timeout); last error: {_why(cause)}") from cause
+                self.log(f"attempt {backoff.attempts}: {self.server} did not take the join ({_why(cause)}); "
+                         f"next attempt in {delay:.1f} s")
                 self._stop.wait(delay)
 
     def _heartbeats(self, interval: float) -> None:
@@ -175,6 +197,10 @@ class ClientProcess:
     # ------------------------------------------------------------------ setup
 
     def _setup(self, reply: pb.JoinReply) -> None:
+        """Check the run's config against what is on this machine, build the model, load the data."""
+        local = LocalData(self.data_root, "--data-root") if self.data_root is not None else \
+            LocalData(self.config.data.root)
+        check_experiment(self.config, clients_data=local)
         self.algorithm = run_algorithm(self.config)
         self.model = build_run_model(self.config).to(self.device)
         # objective state (FedDyn's g_k, Ditto's personal model), kept like the personal parts
@@ -184,16 +210,29 @@ class ClientProcess:
         self.loss_fn = build_loss(self.config.train.loss, self.classification)
         self.unit_flops = unit_forward_flops(self.model, input_shape)
         torch.optim.SGD(self.model.parameters(), lr=0.0)  # pays torch's one-off optimizer import (~1 s) now
+        self.activity.task(f"loading {self.config.data.dataset}")
+        self.log(f"loading {self.config.data.dataset} for clients {format_id_ranges(self.client_ids)} "
+                 f"onto {self.device}")
         self.data: dict[int, ClientData] = load_client_data(self.config, self.client_ids, self.data_root, self.device)
         sizes = ", ".join(f"{c}: {d.train_size}/{d.test_size}" for c, d in self.data.items())
         self.log(f"run {reply.run_id}: {self.config.algorithm.name}, data (train/test) {sizes}")
 
     def run(self) -> int:
-        """Serve tasks until the server says the run is over. Returns the exit code."""
-        self._connect()
-        reply = self._first_join()
+        """Serve tasks until the server says the run is over; returns the exit code (0: the run
+        completed, 5: the server ended it early). A :class:`~fedpart.common.exit_codes.Stopped`
+        (SIGINT, SIGTERM) or an error is told to the server (``Leave``) and raised again."""
+        self.channel = self.security.channel(self.server, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        try:
+            with self.display:
+                return self._joined(self._first_join())
+        finally:
+            self.channel.close()
+
+    def _joined(self, reply: pb.JoinReply) -> int:
         self.session = reply.session
         self.config = config_from_dict(json.loads(reply.run_config_json))
+        self.log(f"joined run {reply.run_id} hosting clients {format_id_ranges(self.client_ids)}")
         # from before the (possibly long) data loading on
         beat = threading.Thread(target=self._heartbeats, args=(heartbeat_interval(self.config),), daemon=True)
         beat.start()
@@ -205,18 +244,21 @@ class ClientProcess:
                 self.log(f"restored personal parts of clients {restored} from {self.store.root}")
             self._setup(reply)
             return self._serve()
+        except Stopped as stop:
+            self.log(f"{stop.reason}: leaving the run")
+            self._leave(stop.reason)
+            raise
         except Exception as error:
             self._leave(f"{type(error).__name__}: {error}")
             raise
         finally:
             self._stop.set()
             beat.join(timeout=HEARTBEAT_SECONDS + 1)
-            self.channel.close()
 
     def _leave(self, reason: str) -> None:
         """Tell the server why this process stops (best effort: the server may be gone)."""
         try:
-            self.stub.Leave(pb.LeaveRequest(session=self.session, reason=reason), timeout=10)
+            self.stub.Leave(pb.LeaveRequest(session=self.session, reason=reason), timeout=LEAVE_SECONDS)
         except grpc.RpcError:
             pass
 
@@ -234,11 +276,17 @@ class ClientProcess:
             if task.kind == TaskKind.IDLE:
                 continue
             if task.kind == TaskKind.DONE:
+                if task.outcome == RunOutcome.ABORTED:
+                    self.log("the server ended the run early (it was interrupted or gave up; see its log)")
+                    return ExitCode.ENDED_EARLY
                 self.log("run finished")
-                return 0
+                return ExitCode.COMPLETED
+            self.log(f"task {task.task_id}: {task.kind.name.lower()} client {task.client_id} round {task.round} "
+                     f"({len(header.tensors)} tensors received)")
             self._absorb(header, tensors)
             result, uploads = self._execute(task)
             self._submit(result, uploads, task.train.upload_deltas if task.train is not None else ())
+            self.activity.task("waiting for a task")
 
     def _next_task(self, request: pb.TaskRequest) -> tuple[pb.TaskHeader | None, dict[str, torch.Tensor]]:
         """One long poll; (None, {}) after joining again. Raises ServerUnreachable."""
@@ -263,8 +311,8 @@ class ClientProcess:
                      f"{self.reconnect_timeout:.0f} s")
         delay = self._outage.next_delay()
         if delay is None:
-            raise ClientError(f"the server at {self.server} was unreachable for {self.reconnect_timeout:.0f} s "
-                              f"(--reconnect-timeout); last error: {error.code().name} {error.details()}")
+            raise ServerNotReached(f"the server at {self.server} was unreachable for {self.reconnect_timeout:.0f} s "
+                                   f"(--reconnect-timeout); last error: {_why(error)}")
         self.log(f"server unreachable; attempt {self._outage.attempts} in {delay:.1f} s")
         self._stop.wait(delay)
 
@@ -325,6 +373,9 @@ class ClientProcess:
         objective = self.algorithm.objective.build()
         state = {k: v.to(self.device, copy=True) for k, v in self.objective_store.personal(client, task.round).items()}
         if task.kind == TaskKind.EVALUATE:
+            self.activity.task(f"evaluating and personalising client {client}")
+            self.log(f"evaluating and personalising client {client} (fine-tune epochs "
+                     f"{list(task.evaluate.finetune_epochs)})")
             self.model.load_state_dict(objective.step_rule.evaluation_state(state), strict=False)
             metrics = evaluate_and_personalize(self.model, data, task.evaluate, self.loss_fn, self.classification,
                                                build_augment(self.config.train.augment, task.evaluate.seed))
@@ -332,8 +383,11 @@ class ClientProcess:
             return ResultInfo(self.session, task.task_id, client, task.round, metrics=metrics), {}
         plan = task.train
         reference = {n: self.cache[n] for n in plan.upload_deltas}
+        self.activity.task(f"client {client} round {task.round}: training")
         outcome = train_local(self.model, data, plan, self.loss_fn, reference, self.unit_flops, objective, state,
-                              build_augment(self.config.train.augment, plan.seed))
+                              build_augment(self.config.train.augment, plan.seed), on_steps=self.activity.advance)
+        self.log(f"client {client} round {task.round}: trained {outcome.steps} steps in "
+                 f"{outcome.compute_seconds:.2f} s, loss {outcome.loss:.4f}")
         trained = {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
         uploads = {n: trained[n] - self.cache[n] for n in plan.upload_deltas}
         uploads.update({n: trained[n] for n in plan.upload_values})
@@ -350,14 +404,22 @@ class ClientProcess:
         """Send the result, its tensors encoded by ``compression.up``; the error-feedback
         residuals it leaves are kept once the server took it."""
         specs, tensors, residuals = self._wire_forms(result, uploads, deltas)
-        chunks: Iterator[pb.ResultChunk] = encode_chunks(pb.ResultChunk, result_header(result, specs), tensors,
-                                                         self.config.server.chunk_bytes)
+        self.activity.task(f"client {result.client_id} round {result.round}: sending the result")
+        sent = [0]
+
+        def counted(chunks: Iterator[pb.ResultChunk]) -> Iterator[pb.ResultChunk]:
+            for chunk in chunks:
+                sent[0] += chunk.ByteSize()
+                yield chunk
+
+        chunks = encode_chunks(pb.ResultChunk, result_header(result, specs), tensors, self.config.server.chunk_bytes)
         try:
-            self.stub.SubmitResult(chunks, timeout=TRANSFER_SECONDS)
+            self.stub.SubmitResult(counted(chunks), timeout=TRANSFER_SECONDS)
         except grpc.RpcError as error:
             self.log(f"warning: result for client {result.client_id} round {result.round} not taken: "
                      f"{error.details()}")
             return
+        self.log(f"client {result.client_id} round {result.round}: result sent ({sent[0]:,} bytes)")
         if residuals is not None:
             self.store.save_residuals(result.client_id, result.round, residuals)
 

@@ -25,6 +25,9 @@ from fedpart.common.split_model import SplitModel
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Augment = Callable[[torch.Tensor], torch.Tensor]
+StepsDone = Callable[[int, int], None]  # (local steps done, local steps in all) of the current task
+
+PROGRESS_STEPS = 10  # the progress callback is told every this many local steps (and at the end)
 
 
 @dataclass
@@ -60,10 +63,11 @@ def batches(size: int, batch_size: int, generator: torch.Generator, device: torc
 def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: LossFn,
                 reference: Mapping[str, torch.Tensor], unit_flops: Mapping[str, int],
                 objective: Objective | None = None, state: dict[str, torch.Tensor] | None = None,
-                augment: Augment | None = None) -> TrainOutcome:
+                augment: Augment | None = None, on_steps: StepsDone | None = None) -> TrainOutcome:
     """Train ``model`` in place following ``plan``; ``reference`` holds the global values of the
     shared tensors (the anchors of objective terms), ``state`` the client's objective state
-    (updated in place), ``augment`` a transform of each training batch's inputs."""
+    (updated in place), ``augment`` a transform of each training batch's inputs. ``on_steps`` is
+    told the local step count every :data:`PROGRESS_STEPS` steps (a count: no device sync)."""
     started = time.perf_counter()
     device = data.x_train.device
     order = model.schedule_units
@@ -92,6 +96,7 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
     total_loss = torch.zeros((), device=device)
     seen = steps = 0
     flops = 0.0
+    all_steps = sum(p.epochs for p in plan.phases if p.trainable) * math.ceil(n / plan.batch_size)
     for phase in plan.phases:
         if not phase.trainable or phase.epochs == 0:
             continue
@@ -115,6 +120,10 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
                 seen += size
                 steps += 1
                 flops += sample_flops * size
+                if on_steps is not None and steps % PROGRESS_STEPS == 0:
+                    on_steps(steps, all_steps)
+    if on_steps is not None:
+        on_steps(steps, all_steps)
     objective.end(ctx)
     model.set_trainable(order)
     trainable = sum(p.numel() for p in parameters)

@@ -337,6 +337,12 @@ def build_algorithm(name: str, options: Mapping[str, Any] | None = None,
     return replace(algorithm, objective=spec)
 
 
+def has_global_model(algorithm: Algorithm) -> bool:
+    """Whether the server holds a complete model worth testing (body and head both global;
+    FedHA: the averaged head)."""
+    return algorithm.body in (Role.GLOBAL, Role.FIXED) and algorithm.head in (Role.GLOBAL, Role.FIXED, Role.COLLECTED)
+
+
 def unfrozen_units(steps: list[tuple[str, ...]], fraction: float, step: int, total_steps: int) -> tuple[str, ...]:
     """FedBug's gradual unfreezing: units trainable at local iteration ``step`` (1-based) of
     ``total_steps``, given the M unfreezing ``steps`` (groups of units, input to output): those of

@@ -17,11 +17,8 @@ from typing import Any
 
 import yaml
 
-from fedpart.common.algorithms import build_algorithm
-from fedpart.common.data.augment import AUGMENTATIONS
-from fedpart.common.data.datasets import DATASET_NAMES
-from fedpart.common.objectives import check_objective
-from fedpart.common.data.partition import check_partition_options
+# The registries the checks below read (algorithms, objectives, augmentations: torch) are imported
+# when a config is validated, not with this module: ``fedpart --help`` loads no torch.
 
 
 class ConfigError(ValueError):
@@ -108,8 +105,19 @@ class EvaluateConfig:
     momentum: float = 0.9
     batch_size: int = 50
     headless: bool = False
-    global_test: bool = True   # test the global model on the server-held test set (when it has one)
+    global_test: bool = True   # the server tests the global model on the dataset's test split, which it
+                               # reads from its own data.root (when the algorithm has a global model)
     global_every: int = 0      # also after every k-th round (0: only at the end)
+
+
+@dataclass
+class CheckpointConfig:
+    """The global model saved in ``checkpoints/`` of the run directory (resume does not need
+    them: it reads ``server_state/``). The initial model (``round_0000``) and the last round's
+    are always written and kept."""
+
+    every: int = 10  # write after every k-th round (0: only the initial and the last round)
+    keep: int = 3    # round checkpoints kept, newest first, the last round's always (0: all)
 
 
 @dataclass
@@ -198,6 +206,7 @@ class RunConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     robust: RobustConfig = field(default_factory=RobustConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -289,6 +298,11 @@ def _build(cls: type, raw: Any, prefix: str):
 
 
 def _validate(config: RunConfig) -> None:
+    from fedpart.common.data.augment import AUGMENTATIONS
+    from fedpart.common.data.datasets import DATASET_NAMES
+    from fedpart.common.data.partition import check_partition_options
+    from fedpart.common.objectives import check_objective
+
     checks = [
         (config.rounds >= 1, "rounds must be at least 1"),
         (config.clients >= 1, "clients must be at least 1"),
@@ -306,6 +320,8 @@ def _validate(config: RunConfig) -> None:
         (all(e >= 0 for e in config.evaluate.finetune_epochs), "evaluate.finetune_epochs must be >= 0"),
         (config.evaluate.batch_size >= 1, "evaluate.batch_size must be >= 1"),
         (config.evaluate.global_every >= 0, "evaluate.global_every must be >= 0"),
+        (config.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only the initial and the last round)"),
+        (config.checkpoint.keep >= 0, "checkpoint.keep must be >= 0 (0: keep every round checkpoint)"),
         (config.server.chunk_bytes >= 1024, "server.chunk_bytes must be at least 1024"),
         (min(config.server.round_timeout, config.server.join_timeout, config.server.evaluation_timeout,
              config.server.heartbeat_timeout, config.server.call_timeout) > 0, "server timeouts must be positive"),
@@ -369,6 +385,8 @@ def _check_server_optimizer(config: RunConfig) -> None:
             raise ConfigError(f"server_optimizer.{option} must be a finite number > 0")
     if section.name == "plain" and not section.options:
         return
+    from fedpart.common.algorithms import build_algorithm
+
     algorithm = config.algorithm
     try:
         declared = build_algorithm(algorithm.name, algorithm.options, algorithm.objective).server_step

@@ -22,6 +22,13 @@ class TaskKind(IntEnum):
     DONE = 3      # the run is over
 
 
+class RunOutcome(IntEnum):
+    """How the run ended, told with DONE; the values are the proto's ``RunOutcome``."""
+
+    COMPLETED = 0  # every round and the final evaluation ran
+    ABORTED = 1    # the server ended the run early (interrupted, or it gave up)
+
+
 @dataclass(frozen=True)
 class Phase:
     """A stretch of local training in which the ``trainable`` schedule units (body units and/or
@@ -77,6 +84,7 @@ class TaskInfo:
     train: TrainPlan | None = None
     evaluate: EvalPlan | None = None
     personal_init: tuple[str, ...] = ()   # parts the client initialises from the global copy
+    outcome: RunOutcome = RunOutcome.COMPLETED  # DONE: how the run ended
 
     def uploads(self) -> tuple[str, ...]:
         """Names of the tensors its result must carry."""

@@ -221,6 +221,13 @@ class ClientSecurity:
                    certificate=_read(cert, "client certificate") if cert else None,
                    private_key=_read(key, "client private key") if key else None, token=token)
 
+    def describe(self) -> str:
+        """One line for the client log."""
+        if self.insecure:
+            return "plaintext"
+        proofs = [what for what, held in (("a token", self.token), ("a client certificate", self.certificate)) if held]
+        return f"TLS{' with ' + ' and '.join(proofs) if proofs else ''}"
+
     def _credentials(self, options: list[tuple[str, object]]
                      ) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, object]]]:
         """Channel credentials (None: plaintext) and the options that go with them."""

@@ -1,6 +1,8 @@
 """The ``fedpart`` command: ``server``, ``client``, ``run`` (all processes on this machine),
 ``certs`` (TLS certificates and client-process tokens for a run), ``report`` (HTML page, figures
-and tables from run directories) and ``compare`` (one config once per algorithm, then the report)."""
+and tables from run directories) and ``compare`` (one config once per algorithm, then the report).
+
+Exit codes: README "Exit codes" (``fedpart.common.exit_codes``)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,22 @@ import sys
 import time
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fedpart.common.config import ConfigError, RunConfig, load_config
+# Nothing heavy at import time (console is standard library only): ``fedpart --help`` and
+# ``fedpart CMD --help`` load neither torch nor grpc; each command imports what it needs when it runs.
+from fedpart.common.console import PROGRESS_MODES
+
+if TYPE_CHECKING:
+    from fedpart.common.config import RunConfig
 
 DEFAULT_CONFIG = "quickstart"
 
 
 def resolve_config_path(name: str | None) -> Path:
     """A config file path, or the name of a bundled config (``quickstart``, ``mnist_cnn2``, ...)."""
+    from fedpart.common.config import ConfigError
+
     name = name or DEFAULT_CONFIG
     path = Path(name)
     if path.is_file():
@@ -34,6 +44,8 @@ def default_out_dir(name: str) -> str:
 
 
 def _server(args: argparse.Namespace) -> int:
+    from fedpart.common.config import ConfigError, load_config
+    from fedpart.common.experiment import check_experiment
     from fedpart.common.security import ServerSecurity
 
     if args.resume:
@@ -43,18 +55,33 @@ def _server(args: argparse.Namespace) -> int:
     else:
         config = load_config(resolve_config_path(args.config), args.set)
         out = args.out or default_out_dir(config.name)
+    check_experiment(config, server_data=True)
     security = ServerSecurity.from_files(args.address, args.tls_cert, args.tls_key, args.client_ca,
                                          args.credentials, args.insecure)
     import torch
 
-    from fedpart.server.main import main_server
+    from fedpart.server.main import AddressInUse, serve
 
     torch.set_num_threads(args.threads)
-    return main_server(config, args.address, out, security, resume=bool(args.resume))
+    try:
+        return serve(config, args.address, out, security, resume=bool(args.resume), overwrite=args.overwrite,
+                     progress=args.progress)
+    except AddressInUse as error:
+        return _fail(args, error)
+
+
+def _fail(args: argparse.Namespace, error: BaseException, code: int = 2) -> int:
+    """Print ``fedpart CMD: error: ...`` on stderr; returns ``code``."""
+    print(f"fedpart {args.command}: error: {error}", file=sys.stderr, flush=True)
+    return code
 
 
 def resume_config(args: argparse.Namespace) -> RunConfig:
     """The config of the run ``--resume RUN_DIR`` continues: RUN_DIR/config.yaml, unchanged."""
+    from fedpart.common.config import ConfigError, load_config
+
+    if args.overwrite:
+        raise ConfigError("--resume continues the run in RUN_DIR; --overwrite would replace it")
     if args.config is not None:
         raise ConfigError(f"--resume takes the config from {args.resume}/config.yaml; give no CONFIG ({args.config})")
     if args.set:
@@ -68,8 +95,14 @@ def resume_config(args: argparse.Namespace) -> RunConfig:
 
 
 def _client(args: argparse.Namespace) -> int:
+    from fedpart.common.config import ConfigError
     from fedpart.common.security import ClientSecurity, parse_id_ranges
 
+    if args.data_root is not None and not Path(args.data_root).is_dir():
+        raise ConfigError(f"--data-root {args.data_root}: no such directory")
+    for option in ("connect_timeout", "reconnect_timeout"):
+        if getattr(args, option) is not None and getattr(args, option) <= 0:
+            raise ConfigError(f"--{option.replace('_', '-')} must be a positive number of seconds")
     security = ClientSecurity.from_options(args.server, args.ca, args.server_name, args.token_file,
                                            args.cert, args.key, args.insecure)
     from fedpart.client.runtime import ClientError, ClientProcess
@@ -77,19 +110,24 @@ def _client(args: argparse.Namespace) -> int:
     try:
         process = ClientProcess(args.server, parse_id_ranges(args.clients), device=args.device,
                                 data_root=args.data_root, state_dir=args.state_dir, threads=args.threads,
-                                security=security, reconnect_timeout=args.reconnect_timeout)
+                                security=security, reconnect_timeout=args.reconnect_timeout,
+                                connect_timeout=args.connect_timeout)
         return process.run()
-    except (ClientError, OSError, ValueError, ImportError, TypeError) as error:
-        print(f"fedpart client: error: {error}", file=sys.stderr, flush=True)
-        return 1
+    except ConfigError as error:  # the run's config does not fit this machine (its data)
+        return _fail(args, error)
+    except ClientError as error:
+        return _fail(args, error, error.code)
+    except (OSError, ValueError, ImportError, TypeError) as error:
+        return _fail(args, error, 1)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from fedpart.common.config import load_config
     from fedpart.deploy.launcher import run_local
 
     path = resolve_config_path(args.config)
     config = load_config(path, args.set)
-    return run_local(path, args.set, config, args.out or default_out_dir(config.name))
+    return run_local(path, args.set, config, args.out or default_out_dir(config.name), args.overwrite)
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -125,6 +163,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from fedpart.common.config import load_config
     from fedpart.deploy.compare import compare, parse_algorithms
 
     path = resolve_config_path(args.config)
@@ -155,7 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     server = commands.add_parser("server", help="run the coordinator")
     server.add_argument("config", nargs="?", help="config file or bundled config name (not with --resume)")
     server.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT to listen on (port 0: any free)")
-    server.add_argument("--out", help="run directory (default runs/<name>-<time>)")
+    server.add_argument("--out", help="run directory (default runs/<name>-<time>); one that holds a run is refused "
+                                      "(continue it with --resume, or --overwrite it)")
+    server.add_argument("--overwrite", action="store_true",
+                        help="replace the run in --out (removed only once the server listens)")
     server.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     server.add_argument("--threads", type=int, default=1,
                         help="torch threads for aggregation (default 1: leaves the cores to co-located clients)")
@@ -168,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the stopped run in RUN_DIR after its last completed round (same run id, "
                              "config from RUN_DIR/config.yaml); its clients reconnect by themselves")
+    server.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
+                        help="auto: a live display on a terminal, plain lines otherwise; plain; json: progress as "
+                             "machine-readable lines (what fedpart run reads)")
     server.set_defaults(handler=_server)
 
     client = commands.add_parser("client", help="run a client process hosting one or more clients")
@@ -183,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--cert", help="client certificate for mutual TLS (PEM)")
     client.add_argument("--key", help="client private key for mutual TLS (PEM)")
     client.add_argument("--insecure", action="store_true", help="plaintext, no TLS (the server must allow it)")
+    client.add_argument("--connect-timeout", type=float, metavar="SECONDS",
+                        help="how long to keep trying to reach the server at the start, with a log line per "
+                             "attempt, before exiting with code 4 (default 120)")
     client.add_argument("--reconnect-timeout", type=float, metavar="SECONDS",
                         help="how long to keep trying to reach a server that went away, e.g. while it is "
                              "resumed (default 300)")
@@ -190,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run server and client processes on this machine")
     run.add_argument("config", nargs="?", help=f"config file or bundled name (default {DEFAULT_CONFIG})")
-    run.add_argument("--out", help="run directory (default runs/<name>-<time>)")
+    run.add_argument("--out", help="run directory (default runs/<name>-<time>); one that holds a run is refused")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the run in --out (removed only once the server listens)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     run.set_defaults(handler=_run)
 
@@ -225,11 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from fedpart.common.exit_codes import ExitCode, Stopped, stop_on_signals
+
     try:
-        return args.handler(args)
-    except (ConfigError, ValueError, FileNotFoundError, ImportError) as error:
-        print(f"fedpart {args.command}: error: {error}", file=sys.stderr, flush=True)
-        return 2
+        with stop_on_signals():
+            return args.handler(args)
+    except Stopped as stop:
+        print(f"fedpart {args.command}: {stop.reason}", file=sys.stderr, flush=True)
+        return stop.code
+    except (ValueError, FileNotFoundError, ImportError) as error:  # ConfigError is a ValueError
+        return _fail(args, error, ExitCode.USAGE)
 
 
 if __name__ == "__main__":

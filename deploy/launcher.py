@@ -1,11 +1,19 @@
 """``fedpart run``: one server and ``processes`` client processes on 127.0.0.1.
 
-The launcher makes throw-away credentials for the run (``fedpart certs`` into a private temporary
-directory, removed afterwards), so the local run uses TLS and per-process tokens like a deployed
-one. The server listens on a free port and announces it on its first output line; the launcher
-reads that line (bounded wait), starts the clients with an even share of the client ids and of
-the CPU cores, forwards the server's output, and stops every process it started by PID. Any
-failed process makes the whole run fail.
+Everything is checked first, in this process, before any process starts: the whole config
+(``fedpart.common.experiment.check_experiment``, with the clients' data and the server's own
+needs on this machine) and the run directory (an earlier run is refused unless ``--overwrite``).
+The launcher then makes throw-away credentials for the run (``fedpart certs`` into a private
+temporary directory, removed afterwards), so the local run uses TLS and per-process tokens like a
+deployed one. The server listens on a free port and announces it on its first output line; the
+launcher reads that line (bounded wait), starts the clients with an even share of the client ids
+and of the CPU cores (their output goes to ``<out>/logs/client_K.log``), forwards the server's
+output, and stops every process it started by PID. On a terminal it shows the live progress
+display, rendered from the progress lines the server prints with ``--progress json``; elsewhere it
+forwards plain lines only. A failed client process makes the whole run fail. Exit codes: the
+server's (README "Exit codes"); a client process's when it failed first; 130 / 143 when the
+launcher was interrupted / terminated (its processes then stop in order: the clients leave, the
+server writes what it knows marked ``interrupted``).
 """
 
 from __future__ import annotations
@@ -13,7 +21,6 @@ from __future__ import annotations
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +29,8 @@ import time
 from pathlib import Path
 
 from fedpart.common.config import RunConfig
+from fedpart.common.console import Display, RunProgress, render_run, stamp
+from fedpart.common.exit_codes import ExitCode, Stopped
 
 STARTUP_SECONDS = 120.0
 STOP_SECONDS = 30.0
@@ -66,104 +75,140 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_dir: str) -> int:
-    """Run the experiment locally; returns 0 when server and every client succeeded."""
-    signal.signal(signal.SIGTERM, _terminated)
-    out = Path(out_dir)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+def _error(message: str) -> None:
+    print(stamp(f"fedpart run: {message}"), file=sys.stderr, flush=True)
+
+
+def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_dir: str,
+              overwrite: bool = False) -> int:
+    """Run the experiment locally; returns the exit code (0 when the server and every client
+    succeeded). Raises ConfigError, before anything starts, for a config or run directory that
+    cannot be run."""
+    from fedpart.common.experiment import LocalData, check_experiment
+    from fedpart.server.report import check_new_run_dir
+
+    check_experiment(config, clients_data=LocalData(config.data.root), server_data=True)
+    check_new_run_dir(out_dir, overwrite)
     with tempfile.TemporaryDirectory(prefix="fedpart-credentials-") as secrets:
-        return _launch(config_path, overrides, config, out, Path(secrets))
+        return Launch(config_path, overrides, config, Path(out_dir), Path(secrets), overwrite).run()
 
 
-def _launch(config_path: Path, overrides: list[str], config: RunConfig, out: Path, secrets: Path) -> int:
-    from fedpart.deploy.certs import write_run_credentials
+class Launch:
+    """One local run: the server, its clients, and what the launcher prints."""
 
-    logs = out / "logs"
-    ranges = split_clients(config.clients, config.processes)
-    write_run_credentials(secrets, ["127.0.0.1", "localhost"], config.clients, len(ranges))
-    sets = [a for o in overrides for a in ("--set", o)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    server = subprocess.Popen(_cli("server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out), *sets,
-                                   "--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),
-                                   "--credentials", str(secrets / "credentials.yaml")),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_pump, args=(server.stdout, lines), daemon=True).start()
-    clients: list[subprocess.Popen] = []
-    client_logs: list[Path] = []
-    try:
-        address = _await_address(lines)
-        if address is None:
-            print("fedpart run: the server did not start", file=sys.stderr)
-            return 1
+    def __init__(self, config_path: Path, overrides: list[str], config: RunConfig, out: Path, secrets: Path,
+                 overwrite: bool) -> None:
+        self.config_path = config_path
+        self.overrides = overrides
+        self.config = config
+        self.out = out
+        self.secrets = secrets
+        self.overwrite = overwrite
+        self.progress: RunProgress | None = None
+        self.display = Display(lambda: render_run(self.progress))
+        self.lines: queue.Queue = queue.Queue()
+        self.clients: list[subprocess.Popen] = []
+        self.client_logs: list[Path] = []
+
+    def run(self) -> int:
+        from fedpart.deploy.certs import write_run_credentials
+
+        ranges = split_clients(self.config.clients, self.config.processes)
+        write_run_credentials(self.secrets, ["127.0.0.1", "localhost"], self.config.clients, len(ranges))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        secrets = self.secrets
+        server = subprocess.Popen(
+            _cli("server", str(self.config_path), "--address", "127.0.0.1:0", "--out", str(self.out),
+                 *[a for o in self.overrides for a in ("--set", o)], *(["--overwrite"] if self.overwrite else []),
+                 "--progress", "json" if self.display.live else "plain",
+                 "--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),
+                 "--credentials", str(secrets / "credentials.yaml")),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        threading.Thread(target=_pump, args=(server.stdout, self.lines), daemon=True).start()
+        try:
+            with self.display:
+                address = self._await_address()
+                if address is None:
+                    stop_processes([server])
+                    _error(f"the server did not start (exit code {server.returncode})")
+                    return server.returncode if server.returncode > 0 else ExitCode.ERROR
+                self._start_clients(address, ranges, env)
+                return self._follow(server)
+        except Stopped as stop:
+            _error(f"{stop.reason}, stopping the server and the clients")
+            return stop.code
+        finally:
+            stop_processes(self.clients + [server])
+
+    def _start_clients(self, address: str, ranges: list[str], env: dict[str, str]) -> None:
+        """One client process per id range, each writing into its log (the server has written the
+        run directory by now)."""
+        logs = self.out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
         threads = max(1, (os.cpu_count() or 1) // len(ranges))
         for index, ids in enumerate(ranges):
             log_path = logs / f"client_{index}.log"
-            client_logs.append(log_path)
+            self.client_logs.append(log_path)
             with log_path.open("w") as log:
-                clients.append(subprocess.Popen(
+                self.clients.append(subprocess.Popen(
                     _cli("client", "--server", address, "--clients", ids, "--threads", str(threads),
-                         "--state-dir", str(out / "state" / f"process_{index}"), "--ca", str(secrets / "ca.pem"),
-                         "--token-file", str(secrets / f"process_{index}.token")),
+                         "--state-dir", str(self.out / "state" / f"process_{index}"),
+                         "--ca", str(self.secrets / "ca.pem"),
+                         "--token-file", str(self.secrets / f"process_{index}.token")),
                     stdout=log, stderr=subprocess.STDOUT, env=env))
-        return _follow(server, lines, clients, client_logs)
-    except KeyboardInterrupt:
-        print("fedpart run: interrupted, stopping processes", file=sys.stderr)
-        return 130
-    finally:
-        stop_processes(clients + [server])
 
+    def _forward(self, line: str) -> None:
+        """A line of the server: progress (kept for the live view) or a line to print."""
+        progress = RunProgress.parse(line)
+        if progress is not None:
+            self.progress = progress
+        else:
+            self.display.print(line.rstrip("\n"))
 
-def _terminated(signum: int, frame) -> None:
-    """SIGTERM: unwind so that the started processes are stopped by PID."""
-    raise SystemExit(128 + signum)
+    def _await_address(self) -> str | None:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                return None
+            self._forward(line)
+            match = _LISTENING.search(line)
+            if match:
+                return match.group(1)
+        return None
 
-
-def _await_address(lines: queue.Queue) -> str | None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        if line is None:
-            return None
-        print(line, end="", flush=True)
-        match = _LISTENING.search(line)
-        if match:
-            return match.group(1)
-    return None
-
-
-def _follow(server: subprocess.Popen, lines: queue.Queue, clients: list[subprocess.Popen],
-            client_logs: list[Path]) -> int:
-    """Forward server output until it exits; fail fast when a client process dies."""
-    while True:
-        try:
-            line = lines.get(timeout=1.0)
-        except queue.Empty:
-            line = ""
-        if line is None:
-            break
-        if line:
-            print(line, end="", flush=True)
-        for process, log in zip(clients, client_logs):
-            code = process.poll()
-            if code not in (None, 0):
-                print(f"fedpart run: client process {process.pid} failed with exit code {code}; its log "
-                      f"({log}):\n{_tail(log)}", file=sys.stderr, flush=True)
-                return 1
-    server_code = server.wait()
-    codes = []
-    for process in clients:
-        try:
-            codes.append(process.wait(timeout=STOP_SECONDS))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    failed = [(p.pid, c, log) for p, c, log in zip(clients, codes, client_logs) if c != 0]
-    for pid, code, log in failed:
-        print(f"fedpart run: client process {pid} ended with {code}; log {log}:\n{_tail(log)}", file=sys.stderr)
-    if server_code != 0:
-        print(f"fedpart run: server exited with code {server_code}", file=sys.stderr)
-        return server_code
-    return 1 if failed else 0
+    def _follow(self, server: subprocess.Popen) -> int:
+        """Forward server output until it exits; fail fast when a client process dies."""
+        while True:
+            try:
+                line = self.lines.get(timeout=1.0)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line:
+                self._forward(line)
+            for process, log in zip(self.clients, self.client_logs):
+                code = process.poll()
+                # a client the server told that the run ended early exits 5: the server's code says why
+                if code not in (None, ExitCode.COMPLETED, ExitCode.ENDED_EARLY):
+                    _error(f"client process {process.pid} failed with exit code {code}; its log ({log}):\n"
+                           f"{_tail(log)}")
+                    return code
+        server_code = server.wait()
+        codes = []
+        for process in self.clients:
+            try:
+                codes.append(process.wait(timeout=STOP_SECONDS))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        failed = [(p.pid, c, log) for p, c, log in zip(self.clients, codes, self.client_logs) if c != 0]
+        if server_code != 0:
+            _error(f"server exited with code {server_code}")
+            return server_code
+        for pid, code, log in failed:
+            _error(f"client process {pid} ended with {code}; log {log}:\n{_tail(log)}")
+        return ExitCode.ERROR if failed else ExitCode.COMPLETED

@@ -37,8 +37,9 @@ import torch
 
 from fedpart.common.algorithms import Algorithm, Role, RoundContext, learning_rate
 from fedpart.common.config import RunConfig
+from fedpart.common.console import RunProgress
 from fedpart.common.experiment import build_run_model, run_algorithm
-from fedpart.common.plans import EvalPlan, JoinInfo, ResultInfo, TaskKind, TrainPlan
+from fedpart.common.plans import EvalPlan, JoinInfo, ResultInfo, RunOutcome, TaskKind, TrainPlan
 from fedpart.common.protocol import Rejected
 from fedpart.common.security import Principal
 from fedpart.common.split_model import SplitModel, tensor_part
@@ -88,6 +89,10 @@ class Coordinator:
         self._folding = 0                        # results being folded right now
         self._task_ids = itertools.count(1)
         self._round = 0
+        self._completed_rounds = 0               # rounds completed in this run (a resumed one included)
+        self._round_seconds: list[float] = []    # durations of the rounds this server ran (for the ETA)
+        self._round_started = 0.0
+        self._sampled = 0                        # clients sampled in the current round
         self._results: RoundResults | None = None
         self._evaluating = False
         self._rehosted: set[int] = set()         # clients hosted anew during the final evaluation
@@ -242,6 +247,8 @@ class Coordinator:
                                  sampling.fraction, sampling.probability)
         with self._cond:
             self._round = round_number
+            self._round_started = started
+            self._sampled = len(sampled)
             self._results = RoundResults(self.aggregation.new_aggregator())
             hosts = {c: host for c in sampled if (host := self.registry.host(c)) is not None}
             tasks = [Task(TaskKind.TRAIN, next(self._task_ids), round_number, c, train=self.round_plan(round_number, c),
@@ -267,7 +274,11 @@ class Coordinator:
                     self.versions[name] = round_number
                 self.global_state[name] = tensor
         completed = sorted(results.metrics)
-        return self._round_record(round_number, sampled, completed, results, time.monotonic() - started)
+        seconds = time.monotonic() - started
+        with self._cond:
+            self._completed_rounds = round_number
+            self._round_seconds.append(seconds)
+        return self._round_record(round_number, sampled, completed, results, seconds)
 
     def _round_record(self, round_number: int, sampled: list[int], completed: list[int],
                       results: RoundResults, seconds: float) -> dict:
@@ -364,12 +375,33 @@ class Coordinator:
                 self.log(f"client {client}: its process was lost during the evaluation; asking {host.name} again")
         self.board.dispatch(tasks)
 
-    def finish(self) -> None:
-        """Tell every process the run is over (their next poll returns DONE); then
-        ``registry.wait_until_released`` waits until they heard it."""
+    def finish(self, outcome: RunOutcome = RunOutcome.COMPLETED) -> None:
+        """Tell every process the run is over and how it ended (their next poll returns DONE);
+        then ``registry.wait_until_released`` waits until they heard it."""
         with self._cond:
-            self.registry.finish()
+            self.registry.finish(outcome)
             self.board.wake_all()
+
+    def progress(self) -> RunProgress:
+        """Where the run stands, for the live display: the stage, the round, clients done of
+        those sampled (or ready, or evaluated), the bytes so far, and the ETA: the mean time of
+        the rounds this server completed times the rounds left, less the current round's time."""
+        totals = self.ledger.totals()
+        clients = self.config.clients
+        with self._cond:
+            if self._evaluating:
+                stage, done, total = "evaluating", len(self._evaluations), clients
+            elif self._round > self._completed_rounds or self._round_seconds:
+                stage, total = "training", self._sampled
+                done = len(self._results.metrics) if self._results is not None else total
+            else:
+                stage, done, total = "joining", self.registry.ready_clients, clients
+            eta = None
+            if self._round_seconds and stage == "training":
+                mean = sum(self._round_seconds) / len(self._round_seconds)
+                running = time.monotonic() - self._round_started if self._results is not None else 0.0
+                eta = max(0.0, mean * (self.config.rounds - self._completed_rounds) - running)
+            return RunProgress(stage, self._round, self.config.rounds, done, total, totals["down"], totals["up"], eta)
 
     # ------------------------------------------------------------------ resume
 
@@ -402,6 +434,7 @@ class Coordinator:
         with self._cond:
             self.run_id = state.run_id
             self._round = state.round
+            self._completed_rounds = state.round
             self.global_state = {n: t.clone() for n, t in state.global_state.items()}
             self.versions = dict(state.versions)
             self._task_ids = itertools.count(state.next_task_id)

@@ -7,20 +7,11 @@ from collections.abc import Mapping
 
 import torch
 
-from fedpart.common.algorithms import Algorithm, Role
 from fedpart.common.config import RunConfig
 from fedpart.common.data.datasets import load_dataset
 from fedpart.common.evaluation import split_metrics
 from fedpart.common.experiment import build_run_model, dataset_dims
 from fedpart.common.losses import build_loss
-
-GLOBAL_BODY = (Role.GLOBAL, Role.FIXED)
-GLOBAL_HEAD = (Role.GLOBAL, Role.FIXED, Role.COLLECTED)
-
-
-def has_global_model(algorithm: Algorithm) -> bool:
-    """Whether the server holds a complete model worth testing (body and head both global)."""
-    return algorithm.body in GLOBAL_BODY and algorithm.head in GLOBAL_HEAD
 
 
 class GlobalEvaluator:

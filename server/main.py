@@ -1,26 +1,49 @@
 """``fedpart server``: bind the gRPC service, run the rounds, evaluate, write the run directory;
-or continue a run that was stopped (``--resume``)."""
+or continue a run that was stopped (``--resume``).
+
+The order protects earlier work: everything is checked (config, run directory, the data the
+server itself needs, the address) before the port is bound, and the run directory is written
+(an earlier run removed, with ``--overwrite``) only once the server listens. A run that ends
+early (SIGINT / SIGTERM, or the server gives up waiting for its clients) tells the clients so,
+writes ``summary.json`` with what it knows marked ``interrupted`` or ``failed``, and keeps its
+``server_state/`` for ``--resume``. Exit codes: :mod:`fedpart.common.exit_codes`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import sys
+import socket
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from concurrent import futures
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
 
+from fedpart.common.algorithms import has_global_model
 from fedpart.common.config import RunConfig
+from fedpart.common.console import Display, ProgressLines, render_run
+from fedpart.common.exit_codes import ExitCode, Stopped
 from fedpart.common.limits import raise_open_file_limit
+from fedpart.common.plans import RunOutcome
 from fedpart.common.security import ServerSecurity
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 from fedpart.server.auth import CallGuard, Principals, TokenGate
 from fedpart.server.coordinator import Coordinator
-from fedpart.server.global_eval import GlobalEvaluator, has_global_model
-from fedpart.server.report import RunDirectory, build_summary, format_round, format_table
+from fedpart.server.global_eval import GlobalEvaluator
+from fedpart.server.report import (
+    FAILED,
+    INTERRUPTED,
+    RunDirectory,
+    build_summary,
+    check_new_run_dir,
+    format_round,
+    format_table,
+)
 from fedpart.server.run_state import mark_finished, read_run_state, write_run_state
 from fedpart.server.service import CoordinatorService
 
@@ -30,8 +53,8 @@ SHUTDOWN_GRACE_SECONDS = 10.0
 MAX_CALLS_PER_CLIENT = 3
 
 
-def _log(message: str) -> None:
-    print(message, flush=True)
+class AddressInUse(OSError):
+    """The server cannot listen on the address it was given (in use, or not this machine's)."""
 
 
 class GrpcServer:
@@ -82,9 +105,9 @@ class GrpcServer:
             else:
                 bound = server.add_insecure_port(address)
         except RuntimeError as error:
-            raise OSError(f"cannot listen on {address}: {error}") from error
+            raise AddressInUse(f"cannot listen on {address}: {error}") from error
         if bound == 0:
-            raise OSError(f"cannot listen on {address}")
+            raise AddressInUse(f"cannot listen on {address}")
         await server.start()
         return server, f"{host}:{bound}"
 
@@ -116,77 +139,144 @@ def start_grpc(coordinator: Coordinator, address: str, security: ServerSecurity 
     return GrpcServer(coordinator, address, security or ServerSecurity())
 
 
+def check_address(address: str) -> None:
+    """Raise :class:`AddressInUse` with the operating system's reason when ``HOST:PORT`` cannot
+    be bound (in use, or not an address of this machine), before gRPC tries and logs its own
+    error. Binds a probe socket the way gRPC binds (``SO_REUSEADDR``) and closes it."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return  # not HOST:PORT (e.g. unix:PATH): gRPC says what is wrong
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (ValueError, socket.gaierror) as error:
+        raise AddressInUse(f"cannot listen on {address}: {error}") from error
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as error:
+            raise AddressInUse(f"cannot listen on {address}: {error.strerror or error}") from error
+
+
 def serve(config: RunConfig, address: str, out_dir: str | Path, security: ServerSecurity | None = None,
-          resume: bool = False) -> int:
-    """Run a whole federated experiment as the coordinator; returns the exit code. With
-    ``resume``, continue the run in ``out_dir`` after its last completed round."""
+          resume: bool = False, overwrite: bool = False, progress: str = "auto") -> int:
+    """Run a whole federated experiment as the coordinator; returns the exit code
+    (:class:`~fedpart.common.exit_codes.ExitCode`). With ``resume``, continue the run in
+    ``out_dir`` after its last completed round; with ``overwrite``, replace the run in
+    ``out_dir`` once the server listens. ``progress``: ``auto`` (a live view on a terminal, plain
+    lines otherwise), ``plain`` or ``json`` (progress lines for ``fedpart run``)."""
     security = security or ServerSecurity()
     started = time.monotonic()
-    saved = read_run_state(out_dir, config.to_dict()) if resume else None  # refuses before writing anything
-    coordinator = Coordinator(config, log=_log)  # builds model and algorithm: bad settings fail here
+    # checked before anything is bound or written
+    saved = read_run_state(out_dir, config.to_dict()) if resume else None
+    if not resume:
+        check_new_run_dir(out_dir, overwrite)
+    display = Display()
+    coordinator = Coordinator(config, log=display.log)  # builds model and algorithm: bad settings fail here
+    if progress == "auto":
+        display.view = lambda: render_run(coordinator.progress())
     evaluator = None
     if config.evaluate.global_test and has_global_model(coordinator.algorithm):
         evaluator = GlobalEvaluator(config)
-    earlier_seconds = 0.0
-    if saved is None:
-        run_dir = RunDirectory(out_dir)
-        run_dir.write_config(config)
-        run_dir.checkpoint(0, coordinator.global_state)
-        write_run_state(run_dir.path, coordinator.snapshot(0, 0.0))
-        records = []
-    else:
-        coordinator.restore(saved)
-        run_dir = RunDirectory(out_dir, resume=True)
-        records = run_dir.rounds_up_to(saved.round)
-        earlier_seconds = saved.seconds
-
-    def seconds() -> float:
-        return earlier_seconds + time.monotonic() - started
-
-    raise_open_file_limit()
-    server = start_grpc(coordinator, address, security)
-    _log(f"fedpart server listening on {server.address} (run {coordinator.run_id}, out {run_dir.path})")
-    _log(f"{'warning: ' if not security.tls else ''}transport: {security.describe()}")
     if saved is not None:
-        _log(f"resuming run {saved.run_id} after round {saved.round}/{config.rounds}")
-    try:
-        _log(f"waiting for {config.clients} clients to be hosted ...")
+        coordinator.restore(saved)
+    raise_open_file_limit()
+    check_address(address)
+    server = start_grpc(coordinator, address, security)
+    with ExitStack() as stack:
+        stack.callback(server.stop, 2.0)
+        if saved is None:
+            run_dir = RunDirectory(out_dir, config.checkpoint, overwrite=overwrite)
+            run_dir.write_config(config)
+            run_dir.checkpoint(0, coordinator.global_state)
+            write_run_state(run_dir.path, coordinator.snapshot(0, 0.0))
+            records: list[dict] = []
+            earlier_seconds = 0.0
+        else:
+            run_dir = RunDirectory(out_dir, config.checkpoint, resume=True)
+            records = run_dir.rounds_up_to(saved.round)
+            earlier_seconds = saved.seconds
+        stack.enter_context(display)
+        if progress == "json":
+            stack.enter_context(ProgressLines(coordinator.progress, display))
+        display.log(f"fedpart server listening on {server.address} (run {coordinator.run_id}, out {run_dir.path})")
+        display.log(f"{'warning: ' if not security.tls else ''}transport: {security.describe()}")
+        if saved is not None:
+            display.log(f"resuming run {saved.run_id} after round {saved.round}/{config.rounds}")
+        run = ServerRun(config, coordinator, evaluator, run_dir, records, display,
+                        lambda: earlier_seconds + time.monotonic() - started)
+        return run.to_end()
+
+
+class ServerRun:
+    """The rounds, the final evaluation and the summary of one server, however the run ends."""
+
+    def __init__(self, config: RunConfig, coordinator: Coordinator, evaluator: GlobalEvaluator | None,
+                 run_dir: RunDirectory, records: list[dict], display: Display, seconds: Callable[[], float]) -> None:
+        self.config = config
+        self.coordinator = coordinator
+        self.evaluator = evaluator
+        self.run_dir = run_dir
+        self.records = records
+        self.display = display
+        self.seconds = seconds
+
+    def to_end(self) -> int:
+        """Run; then tell the clients how the run ended, write what is known of a run that ended
+        early, and wait (bounded) until the clients heard it. Returns the exit code."""
+        ended_early: tuple[str, str] | None = None  # summary status, and why
+        try:
+            code = self._rounds_and_evaluation()
+        except Stopped as stop:
+            code, ended_early = stop.code, (INTERRUPTED, f"{stop.reason} after round {len(self.records)}/"
+                                                         f"{self.config.rounds}; continue with fedpart server "
+                                                         f"--resume {self.run_dir.path}")
+        except TimeoutError as error:
+            self.display.log(f"error: {error}")
+            code, ended_early = ExitCode.UNREACHABLE, (FAILED, f"gave up: {error}")
+        except Exception as error:  # noqa: BLE001 - a bug: say so, keep what is known, exit 1
+            self.display.print(traceback.format_exc().rstrip())
+            code, ended_early = ExitCode.ERROR, (FAILED, f"{type(error).__name__}: {error}")
+        # waiting polls answer DONE at once; the summary is written meanwhile
+        self.coordinator.finish(RunOutcome.ABORTED if ended_early else RunOutcome.COMPLETED)
+        if ended_early:
+            self._write_what_is_known(*ended_early)
+        self.coordinator.registry.wait_until_released(SHUTDOWN_GRACE_SECONDS)
+        return code
+
+    def _rounds_and_evaluation(self) -> int:
+        config, coordinator = self.config, self.coordinator
+        self.display.log(f"waiting for {config.clients} clients to be hosted ...")
         coordinator.registry.wait_for_clients()
-        for round_number in range(len(records) + 1, config.rounds + 1):
+        for round_number in range(len(self.records) + 1, config.rounds + 1):
             record = coordinator.run_round(round_number)
             every = config.evaluate.global_every
-            if evaluator is not None and every and round_number % every == 0:
-                record["global"] = evaluator.evaluate(coordinator.global_state)
-            records.append(record)
-            run_dir.append_round(record)
-            run_dir.checkpoint(round_number, coordinator.global_state)
-            write_run_state(run_dir.path, coordinator.snapshot(round_number, seconds()))
-            _log(format_round(record, config.rounds))
-        _log("evaluating and personalising on every client ...")
+            if self.evaluator is not None and every and round_number % every == 0:
+                record["global"] = self.evaluator.evaluate(coordinator.global_state)
+            self.records.append(record)
+            self.run_dir.append_round(record)
+            self.run_dir.checkpoint(round_number, coordinator.global_state, last=round_number == config.rounds)
+            write_run_state(self.run_dir.path, coordinator.snapshot(round_number, self.seconds()))
+            self.display.log(format_round(record, config.rounds))
+        self.display.log("evaluating and personalising on every client ...")
         evaluations = coordinator.evaluate_all()
-        global_metrics = evaluator.evaluate(coordinator.global_state) if evaluator is not None else None
-        summary = build_summary(config, coordinator.model, records, evaluations, global_metrics,
-                                coordinator.ledger, coordinator.failures, seconds())
-        run_dir.write_summary(summary)
-        mark_finished(run_dir.path)
-        _log(format_table(summary))
+        global_metrics = self.evaluator.evaluate(coordinator.global_state) if self.evaluator is not None else None
+        summary = build_summary(config, coordinator.model, self.records, evaluations, global_metrics,
+                                coordinator.ledger, coordinator.failures, self.seconds())
+        self.run_dir.write_summary(summary)
+        mark_finished(self.run_dir.path)
+        self.display.print(format_table(summary))
         missing = config.clients - len(evaluations)
         if missing:
-            _log(f"error: {missing} clients did not report an evaluation")
-        return 0 if not summary["failures"] and not missing else 3
-    except TimeoutError as error:
-        _log(f"error: {error}")
-        return 2
-    finally:
-        coordinator.finish()
-        coordinator.registry.wait_until_released(SHUTDOWN_GRACE_SECONDS)
-        server.stop(grace=2.0)
+            self.display.log(f"error: {missing} clients did not report an evaluation")
+        return ExitCode.COMPLETED if not summary["failures"] and not missing else ExitCode.FAILURES
 
-
-def main_server(config: RunConfig, address: str, out_dir: str, security: ServerSecurity | None = None,
-                resume: bool = False) -> int:
-    try:
-        return serve(config, address, out_dir, security, resume)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    def _write_what_is_known(self, status: str, note: str) -> None:
+        """summary.json of a run that ended early, marked ``status`` (the run state of the last
+        completed round stays for ``--resume``)."""
+        summary = build_summary(self.config, self.coordinator.model, self.records, {}, None, self.coordinator.ledger,
+                                self.coordinator.failures, self.seconds(), status=status, note=note)
+        self.run_dir.write_summary(summary)
+        self.display.log(f"run {status}: {note}; wrote {self.run_dir.path / 'summary.json'}")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fedpart.common.config import RunConfig
-from fedpart.common.plans import JoinInfo
+from fedpart.common.plans import JoinInfo, RunOutcome
 from fedpart.common.protocol import PROTOCOL_VERSION, Denied, Rejected
 from fedpart.common.security import Principal, format_id_ranges
 from fedpart.server.validation import printable
@@ -75,6 +75,7 @@ class ProcessRegistry:
         self.log = log
         self.events: ProcessEvents | None = None  # the task board, once it exists
         self.done = False                         # the run is over: no joins, polls answer DONE
+        self.outcome = RunOutcome.COMPLETED       # how it ended, told with DONE
         self._cond = cond
         self._processes: dict[str, ProcessState] = {}
         self._by_instance: dict[str, str] = {}  # instance string -> latest session (open servers)
@@ -219,10 +220,18 @@ class ProcessRegistry:
 
     # ------------------------------------------------------------------ the end of the run
 
-    def finish(self) -> None:
-        """The run is over: joins are refused, and every live process is to be released."""
+    @property
+    def ready_clients(self) -> int:
+        """Clients hosted by a live process that has loaded its data and asked for work."""
+        with self._cond:
+            return self._ready_clients
+
+    def finish(self, outcome: RunOutcome = RunOutcome.COMPLETED) -> None:
+        """The run is over (``outcome`` says how): joins are refused, and every live process is
+        to be released."""
         with self._cond:
             self.done = True
+            self.outcome = outcome
             self._unreleased = {s for s, p in self._processes.items() if p.alive and not p.released}
             self._cond.notify_all()
 

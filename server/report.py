@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,18 +13,52 @@ import torch
 import yaml
 
 from fedpart.common.checkpoint import save_tensors
-from fedpart.common.config import RunConfig
+from fedpart.common.config import CheckpointConfig, ConfigError, RunConfig
 from fedpart.common.split_model import count_parameters
 from fedpart.server.accounting import ByteLedger
 from fedpart.server.run_state import ResumeError
+
+CHECKPOINTS = "checkpoints"
+# summary.json's "status": how the run ended
+COMPLETED, INTERRUPTED, FAILED = "completed", "interrupted", "failed"
+
+
+def check_new_run_dir(out_dir: str | Path, overwrite: bool = False) -> None:
+    """Refuse (ConfigError) to start a new run in ``out_dir`` when that would destroy anything:
+    an earlier run is continued with ``--resume`` or replaced with ``--overwrite``; a non-empty
+    directory that holds no run (no config.yaml) is never written into. Writes nothing."""
+    path = Path(out_dir)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ConfigError(f"--out {path} is a file, not a run directory")
+    if not any(path.iterdir()):
+        return
+    if not (path / "config.yaml").is_file():
+        raise ConfigError(f"--out {path} is not empty and holds no fedpart run (no config.yaml); "
+                          "choose another --out (--overwrite replaces only a run directory)")
+    if not overwrite:
+        raise ConfigError(f"--out {path} already holds a run: continue it with `fedpart server --resume {path}`, "
+                          "replace it with --overwrite, or choose another --out")
 
 
 class RunDirectory:
     """Writes everything a run leaves behind in its out dir."""
 
-    def __init__(self, out_dir: str | Path, resume: bool = False) -> None:
-        """A new run starts an empty metrics.jsonl; a resumed one keeps it (see :meth:`rounds_up_to`)."""
+    def __init__(self, out_dir: str | Path, checkpoints: CheckpointConfig | None = None, resume: bool = False,
+                 overwrite: bool = False) -> None:
+        """A new run starts an empty metrics.jsonl; a resumed one keeps it (see :meth:`rounds_up_to`).
+        With ``overwrite`` the earlier run in ``out_dir`` is removed first (call only once the
+        server listens and everything was checked: :func:`check_new_run_dir`)."""
         self.path = Path(out_dir)
+        self.checkpoints = checkpoints or CheckpointConfig()
+        if overwrite and not resume:
+            check_new_run_dir(self.path, overwrite=True)
+            for entry in self.path.iterdir() if self.path.is_dir() else ():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.path / "metrics.jsonl"
         if not resume:
@@ -62,9 +97,22 @@ class RunDirectory:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def checkpoint(self, round_number: int, state: Mapping[str, torch.Tensor]) -> Path:
-        path = self.path / "checkpoints" / f"round_{round_number:04d}.safetensors"
+    def checkpoint(self, round_number: int, state: Mapping[str, torch.Tensor], last: bool = False) -> Path | None:
+        """Save the global model after ``round_number`` (0: the initial model) as the
+        ``checkpoint`` settings say: the initial model and the ``last`` round always, other rounds
+        every ``checkpoint.every``; then drop round checkpoints beyond the newest
+        ``checkpoint.keep`` (never the initial model). Returns the file written, if any."""
+        every, keep = self.checkpoints.every, self.checkpoints.keep
+        if round_number and not last and (not every or round_number % every):
+            return None
+        directory = self.path / CHECKPOINTS
+        path = directory / f"round_{round_number:04d}.safetensors"
         save_tensors(path, state)
+        if keep:
+            rounds = sorted((p for p in directory.glob("round_*.safetensors") if p.name != "round_0000.safetensors"),
+                            key=lambda p: int(p.stem.removeprefix("round_")))
+            for old in rounds[:-keep]:
+                old.unlink()
         return path
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
@@ -93,8 +141,10 @@ def _metric_summary(evaluations: Mapping[int, Mapping[str, float]], key: str) ->
 
 def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
                   evaluations: Mapping[int, Mapping[str, float]], global_metrics: Mapping[str, float] | None,
-                  ledger: ByteLedger, failures: list[str], seconds: float) -> dict[str, Any]:
-    """The run's summary.json content."""
+                  ledger: ByteLedger, failures: list[str], seconds: float, status: str = COMPLETED,
+                  note: str | None = None) -> dict[str, Any]:
+    """The run's summary.json content. ``status`` says how the run ended (:data:`COMPLETED`,
+    :data:`INTERRUPTED`, :data:`FAILED`: then it holds what was known, ``note`` says why)."""
     names = dict(model.named_parameters())
     body = [n for n in names if n.startswith("body.")]
     head = [n for n in names if n.startswith("head.")]
@@ -123,6 +173,9 @@ def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
         })
     totals = ledger.totals()
     return {
+        "status": status,
+        **({"note": note} if note else {}),
+        "rounds_completed": len(rounds),
         "algorithm": config.algorithm.name,
         "model": config.model.name,
         "dataset": config.data.dataset,

@@ -116,7 +116,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except Rejected as error:
                 await context.abort(error.code, str(error))
             if task is None or task.kind == TaskKind.DONE:
-                chunk = pb.TaskChunk(header=pb.TaskHeader(kind=pb.DONE if task else pb.IDLE))
+                chunk = pb.TaskChunk(header=pb.TaskHeader(kind=pb.DONE, outcome=int(task.outcome)) if task
+                                     else pb.TaskHeader(kind=pb.IDLE))
                 self._count_process_call(request, chunk)
                 yield chunk
                 return

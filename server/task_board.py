@@ -96,7 +96,8 @@ class TaskBoard:
                     return task
             if self.registry.done:
                 self.registry.release(process)
-                return Task(TaskKind.DONE, task_id=0, round=0, client_id=0, session=session)
+                return Task(TaskKind.DONE, task_id=0, round=0, client_id=0, outcome=self.registry.outcome,
+                            session=session)
             if mailbox.waiter is not None and mailbox.waiter is not waiter:
                 mailbox.waiter.superseded = True
                 mailbox.waiter.wake()

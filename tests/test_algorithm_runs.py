@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fedpart_command, read_metrics, read_summary, run_fedpart, small_config, start_server, write_config
+from conftest import (
+    WAIT,
+    fedpart_command,
+    read_metrics,
+    read_summary,
+    run_fedpart,
+    small_config,
+    start_server,
+    write_config,
+)
 from fedpart.common.checkpoint import load_tensors
 
 HIDDEN = 32
@@ -199,13 +208,13 @@ def test_personal_parts_survive_a_client_process_restart(tmp_path: Path, process
     client_args = fedpart_command("client", "--server", address, "--clients", "0-1",
                                   "--state-dir", str(tmp_path / "state"), "--threads", "1")
     first = processes.start(client_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    reader.wait_for(r"round\s+1/3", timeout=120)
+    reader.wait_for(r"round\s+1/3", timeout=WAIT)
     first.kill()
-    first.wait(timeout=30)
+    first.wait(timeout=WAIT)
     second = processes.start(client_args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = reader.rest(timeout=180)
-    assert server.wait(timeout=30) == 0 or "its process restarted" in output, output
-    log = second.communicate(timeout=30)[0]
+    output = reader.rest(timeout=WAIT)
+    assert server.wait(timeout=WAIT) == 0 or "its process restarted" in output, output
+    log = second.communicate(timeout=WAIT)[0]
     assert second.returncode == 0, log
     assert "restored personal parts of clients [0, 1]" in log
     assert "was restarted as" in output

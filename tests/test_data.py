@@ -13,7 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpart.common.data.datasets import DATASET_NAMES, RestrictedUnpickler, load_dataset
+from fedpart.common.data.datasets import (
+    CLASS_COUNTS,
+    DATASET_FILES,
+    DATASET_NAMES,
+    RestrictedUnpickler,
+    load_dataset,
+    missing_dataset_files,
+)
 from fedpart.common.data.types import ArrayDataset
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -294,3 +301,33 @@ def test_unknown_dataset_and_option() -> None:
         load_dataset("mnist", "/data", colour=True)
     with pytest.raises(ValueError, match="normalize.*true or false"):
         load_dataset("cifar10", "/data", normalize="no")
+
+
+# ------------------------------------------------------------------- what is known without the data
+
+
+@pytest.mark.parametrize("name", ["digits", "mnist"])
+def test_class_counts_are_those_of_the_files(name: str) -> None:
+    """The samples per class a partition is checked against, before any data is read."""
+    root = SHARED_DATA if name == "mnist" else None
+    if name == "mnist" and not (SHARED_DATA / "MNIST" / "raw" / "train-images-idx3-ubyte.gz").is_file():
+        pytest.skip(f"no MNIST copy under {SHARED_DATA}")
+    ds = load_dataset(name, root)
+    train, test = CLASS_COUNTS[name]
+    assert tuple(np.bincount(ds.y_train, minlength=ds.num_classes)) == train
+    assert tuple(np.bincount(ds.y_test, minlength=ds.num_classes)) == test
+
+
+def test_every_builtin_dataset_has_its_facts() -> None:
+    assert set(CLASS_COUNTS) == set(DATASET_NAMES)
+    assert set(DATASET_FILES) == set(DATASET_NAMES) - {"digits"}
+
+
+def test_missing_files_are_listed_per_split(tmp_path: Path) -> None:
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        (raw / name).write_bytes(b"")
+    assert missing_dataset_files("mnist", tmp_path, ("test",)) == []
+    assert missing_dataset_files("mnist", tmp_path) == [raw / "train-images-idx3-ubyte.gz",
+                                                         raw / "train-labels-idx1-ubyte.gz"]

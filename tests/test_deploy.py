@@ -383,3 +383,28 @@ def test_k8s_gpu_overlay_patches_the_client_container_with_one_gpu():
     assert env == {"FEDPART_DEVICE": "cuda:0"}
     assert "FEDPART_DEVICE" in {e["name"] for e in base_container["env"]}
     assert container["image"] != base_container["image"]
+
+
+def test_k8s_server_resumes_an_interrupted_run_and_never_reruns_a_completed_one(tmp_path: Path):
+    """The server pod's script, its commands echoed instead of run, on the run directory a server
+    leaves: a new run without one, --resume after a crash or an interrupt (whose summary.json is
+    marked interrupted), nothing once the run completed."""
+    from conftest import small_config
+    from fedpart.common.config import config_from_dict
+    from fedpart.server.coordinator import Coordinator
+    from fedpart.server.run_state import mark_finished, write_run_state
+
+    (script,) = pod_spec(k8s_objects(K8S_BASE), "Deployment")["containers"][0]["args"]
+    run_dir = tmp_path / "quickstart"
+    runnable = script.replace(RUN_DIR, str(run_dir)).replace("exec ", "echo ")
+
+    def branch() -> str:
+        return subprocess.run(["sh", "-c", runnable], capture_output=True, text=True, timeout=60,
+                              check=True).stdout
+
+    assert "fedpart server quickstart" in branch()
+    write_run_state(run_dir, Coordinator(config_from_dict(small_config()), log=lambda _: None).snapshot(1, 1.0))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "interrupted"}))
+    assert f"fedpart server --resume {run_dir}" in branch()
+    mark_finished(run_dir)
+    assert "is finished" in branch() and "sleep infinity" in branch()

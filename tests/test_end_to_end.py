@@ -10,6 +10,7 @@ import torch
 
 from conftest import (
     SHARED_DATA,
+    WAIT,
     fedpart_command,
     read_metrics,
     read_summary,
@@ -141,10 +142,10 @@ def test_server_and_clients_started_separately(tmp_path: Path, processes) -> Non
                                                "--state-dir", str(tmp_path / f"state{i}"), "--threads", "1"),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for i, ids in enumerate(["0-2", "3,4"])]
-    output = reader.rest(timeout=180)
-    assert server.wait(timeout=30) == 0, output
+    output = reader.rest(timeout=WAIT)
+    assert server.wait(timeout=WAIT) == 0, output
     for client in clients:
-        log = client.communicate(timeout=30)[0]
+        log = client.communicate(timeout=WAIT)[0]
         assert client.returncode == 0, log
         assert "run finished" in log
     assert "hosts clients 0-2" in output and "hosts clients 3-4" in output
@@ -162,7 +163,7 @@ def test_client_hosting_an_unknown_client_is_refused(tmp_path: Path, processes) 
     _, _, address = start_server(processes, config_path, tmp_path / "out")
     client = processes.start(fedpart_command("client", "--server", address, "--clients", "0-5"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = client.communicate(timeout=60)[0]
+    log = client.communicate(timeout=WAIT)[0]
     assert client.returncode == 1
     assert "out of range" in log and "[2, 3, 4, 5]" in log
 
@@ -177,10 +178,10 @@ def test_a_client_without_its_data_says_why_and_the_server_reports_it(tmp_path: 
     server, reader, address = start_server(processes, config_path, tmp_path / "out")
     client = processes.start(fedpart_command("client", "--server", address, "--clients", "0-1"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = client.communicate(timeout=60)[0]
-    assert client.returncode == 1
+    log = client.communicate(timeout=WAIT)[0]
+    assert client.returncode == 2  # checked before loading anything: the data root does not fit the run
     expected = str(missing_root / "MNIST" / "raw" / "train-images-idx3-ubyte.gz")
     assert expected in log
-    output = reader.rest(timeout=60)
-    assert server.wait(timeout=30) == 2
-    assert "left: FileNotFoundError" in output and expected in output
+    output = reader.rest(timeout=WAIT)
+    assert server.wait(timeout=WAIT) == 4  # gave up waiting for its clients
+    assert "left: ConfigError: data.root: dataset file" in output and expected in output

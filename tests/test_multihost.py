@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LineReader, read_metrics, read_summary, small_config, write_config
+from conftest import WAIT, LineReader, read_metrics, read_summary, small_config, write_config
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.deploy.launcher import split_clients
-
-RUN_SECONDS = 240.0
 
 
 def _ip(*args: str) -> None:
@@ -80,9 +78,9 @@ def _run(processes, tmp_path: Path, name: str, config: Path, server_ip: str, wra
         "--credentials", str(secrets / "credentials.yaml")]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     reader = LineReader(server)
-    address = reader.wait_for(r"listening on (\S+:\d+)", timeout=RUN_SECONDS).group(1)
+    address = reader.wait_for(r"listening on (\S+:\d+)", timeout=WAIT).group(1)
     assert address.startswith(server_ip)
-    reader.wait_for(r"transport: TLS, 2 authorized client processes", timeout=RUN_SECONDS)
+    reader.wait_for(r"transport: TLS, 2 authorized client processes", timeout=WAIT)
     clients = []
     for index, ids in enumerate(split_clients(4, 2)):
         clients.append(processes.start(wrap_client(cli + [
@@ -90,10 +88,10 @@ def _run(processes, tmp_path: Path, name: str, config: Path, server_ip: str, wra
             "--token-file", str(secrets / f"process_{index}.token"), "--threads", "1",
             "--state-dir", str(out / "state" / f"process_{index}")]),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    output = reader.rest(timeout=RUN_SECONDS)
-    assert server.wait(timeout=RUN_SECONDS) == 0, output
+    output = reader.rest(timeout=WAIT)
+    assert server.wait(timeout=WAIT) == 0, output
     for client in clients:
-        assert client.wait(timeout=RUN_SECONDS) == 0, client.stdout.read()
+        assert client.wait(timeout=WAIT) == 0, client.stdout.read()
     return out
 
 

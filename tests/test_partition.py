@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedpart.common.data.types import ClientSplit
-from fedpart.common.data.partition import PARTITION_SCHEMES, make_partition
+from fedpart.common.data.partition import PARTITION_SCHEMES, check_partition, make_partition
 
 # CIFAR-10-sized labels: 5,000 train and 1,000 test samples per class, classes interleaved.
 CIFAR_TRAIN = np.tile(np.arange(10), 5000)
@@ -201,3 +201,30 @@ def test_bad_arguments() -> None:
         make_partition(SKEWED_TRAIN.astype(float), SKEWED_TEST, 5, "dirichlet", 0, 10, alpha=1.0)
     with pytest.raises(ValueError, match="cannot cover"):
         make_partition(SKEWED_TRAIN[:3], SKEWED_TEST, 5, "iid", 0, 10)
+
+
+@pytest.mark.parametrize("scheme", PARTITION_SCHEMES)
+def test_a_partition_is_checked_from_the_class_counts_alone(scheme: str) -> None:
+    """check_partition decides as make_partition on the real labels does, with the same message:
+    from the samples per class, without the data (the skewed set's labels are in random order)."""
+    counts = (np.bincount(SKEWED_TRAIN, minlength=10), np.bincount(SKEWED_TEST, minlength=10))
+    outcomes = set()
+    for clients in (5, 6, 30, 700):
+        options = dict(SCHEME_OPTIONS[scheme])
+        try:
+            make_partition(SKEWED_TRAIN, SKEWED_TEST, clients, scheme, seed=0, num_classes=10, **options)
+        except ValueError as error:
+            with pytest.raises(ValueError) as checked:
+                check_partition(scheme, options, clients, 0, counts)
+            assert str(checked.value) == str(error)
+            outcomes.add("refused")
+        else:
+            check_partition(scheme, options, clients, 0, counts)
+            outcomes.add("cut")
+    assert "cut" in outcomes
+
+
+def test_shards_that_cannot_be_cut_are_refused_without_data() -> None:
+    with pytest.raises(ValueError, match=r"2 \* 6 = 12 is not a multiple of num_classes = 10"):
+        check_partition("shards", {"shards_per_client": 2}, 6, 0, ((100,) * 10, (20,) * 10))
+    check_partition("shards", {"shards_per_client": 2}, 5, 0, ((100,) * 10, (20,) * 10))

@@ -12,6 +12,7 @@ import torch
 
 from conftest import FIXTURES, small_config
 from fedpart.common.config import config_from_dict
+from fedpart.common.plans import RunOutcome
 from fedpart.common.protocol import PROTOCOL_VERSION
 from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
 from fedpart.proto import fedpart_pb2 as pb
@@ -223,3 +224,39 @@ def test_a_dropped_client_process_joins_again_and_keeps_working(harness_factory,
     harness.coordinator.finish()
     worker.join(timeout=BOUND)
     assert codes == [0]
+
+
+def test_progress_follows_the_round_engine(harness_factory) -> None:
+    """What the live display shows: clients ready while joining, then per round the clients done
+    of those sampled, the bytes so far, and an ETA once a round has completed."""
+    harness = harness_factory()
+    progress = harness.coordinator.progress
+    assert (progress().stage, progress().done, progress().total) == ("joining", 0, 1)
+    session = harness.join([0])
+    harness.start_rounds(2)
+    header, _ = harness.get_task(session)
+    first = progress()
+    assert (first.stage, first.round, first.rounds, first.done, first.total) == ("training", 1, 2, 0, 1)
+    assert first.bytes_down > 0 and first.eta_seconds is None
+    harness.submit(session, header, _zero_deltas(header, harness.coordinator.global_state))
+    header, _ = harness.get_task(session)
+    second = progress()
+    assert (second.round, second.done, second.total) == (2, 0, 1)
+    assert second.bytes_up > 0 and second.eta_seconds is not None and second.eta_seconds >= 0
+    harness.submit(session, header, _zero_deltas(header, harness.coordinator.global_state))
+    harness.wait_rounds()
+    last = progress()
+    assert (last.round, last.done, last.eta_seconds) == (2, 1, 0.0)
+
+
+@pytest.mark.parametrize("outcome", [RunOutcome.COMPLETED, RunOutcome.ABORTED])
+def test_done_tells_how_the_run_ended(harness_factory, outcome) -> None:
+    """DONE carries the run's outcome; a completed run's DONE is byte for byte the message it was
+    before the field existed (the field at its default is not serialized)."""
+    harness = harness_factory()
+    session = harness.join([0])
+    harness.coordinator.finish(outcome)
+    header, _ = decode_chunks(harness.stub.GetTask(pb.TaskRequest(session=session, wait_seconds=0), timeout=BOUND))
+    assert header.kind == pb.DONE and header.outcome == outcome
+    assert (header.SerializeToString() == pb.TaskHeader(kind=pb.DONE).SerializeToString()) == \
+        (outcome == RunOutcome.COMPLETED)

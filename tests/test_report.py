@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import PROCESS_TIMEOUT, child_env, fedpart_command, read_metrics, read_summary, run_fedpart, \
+from conftest import WAIT, child_env, fedpart_command, read_metrics, read_summary, run_fedpart, \
     small_config, write_config
 from fedpart.deploy import cli
 from fedpart.deploy.compare import split_overrides
@@ -143,7 +143,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _fedpart(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(fedpart_command(*args), capture_output=True, text=True, env=child_env(), cwd=cwd,
-                          timeout=PROCESS_TIMEOUT)
+                          timeout=WAIT)
 
 
 def _table(report: Path) -> dict[str, dict[str, str]]:

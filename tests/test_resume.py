@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import (
+    WAIT,
     LineReader,
     Processes,
     fedpart_command,
@@ -37,7 +38,6 @@ from fedpart.server.report import RunDirectory
 from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
 from fedpart.server.task_board import Task
 
-WAIT = 240.0  # seconds: bound of every wait for a process or a line
 CLIENT_IDS = ("0-1", "2-3")
 
 
@@ -61,9 +61,9 @@ def _client_logs(root: Path) -> list[str]:
 def _finish(server: subprocess.Popen, reader: LineReader, clients: list[subprocess.Popen], root: Path) -> str:
     """Wait for the run to end; every process must succeed. Returns the server's output."""
     output = reader.rest(timeout=WAIT)
-    assert server.wait(timeout=30) == 0, output
+    assert server.wait(timeout=WAIT) == 0, output
     for client, log in zip(clients, _client_logs(root)):
-        assert client.wait(timeout=60) == 0, log
+        assert client.wait(timeout=WAIT) == 0, log
     return output
 
 
@@ -114,7 +114,7 @@ def test_a_killed_server_resumes_the_same_run_with_identical_results(tmp_path: P
     if algorithm == "fedper":  # the other process trained round 3 and kept the heads it trained
         _wait_for_file(root / "state_0" / run_id / "client_1" / "personal_start_0003.safetensors", WAIT)
     server.kill()
-    server.wait(timeout=30)
+    server.wait(timeout=WAIT)
     os.kill(clients[1].pid, signal.SIGCONT)
 
     resumed = _resume(processes, out, address)
@@ -217,8 +217,8 @@ def test_clients_reconnect_for_their_timeout_and_only_to_the_same_run(tmp_path: 
                 stdout=log, stderr=subprocess.STDOUT))
     reader.wait_for(r"round\s+1/3", timeout=WAIT)
     server.kill()
-    server.wait(timeout=30)
-    assert clients[1].wait(timeout=WAIT) == 1
+    server.wait(timeout=WAIT)
+    assert clients[1].wait(timeout=WAIT) == 4  # gave up: the server stayed unreachable
     text = logs[1].read_text()
     assert "trying to reconnect for up to 3 s" in text and "attempt 2 in 1.0 s" in text, text
     assert "unreachable for 3 s (--reconnect-timeout)" in text, text
@@ -245,15 +245,15 @@ def test_a_process_lost_during_the_final_evaluation_is_asked_again(tmp_path: Pat
     os.kill(clients[1].pid, signal.SIGSTOP)  # each evaluation takes about a second: it has not answered
     reader.wait_for(r"process \S+ went silent", timeout=WAIT)
     clients[1].kill()
-    clients[1].wait(timeout=30)
+    clients[1].wait(timeout=WAIT)
     with (root / "client_1.log").open("a") as log:
         restarted = processes.start(
             fedpart_command("client", "--server", address, "--clients", CLIENT_IDS[1], "--threads", "1",
                             "--state-dir", str(root / "state_1")),
             stdout=log, stderr=subprocess.STDOUT)
     output = reader.rest(timeout=WAIT)
-    assert server.wait(timeout=30) == 0, output
-    assert restarted.wait(timeout=60) == 0 and clients[0].wait(timeout=60) == 0
+    assert server.wait(timeout=WAIT) == 0, output
+    assert restarted.wait(timeout=WAIT) == 0 and clients[0].wait(timeout=WAIT) == 0
     assert re.search(r"client [23]: its process was lost during the evaluation; asking \S+ again", output), output
     summary = read_summary(out)
     assert all(c["initial"] is not None for c in summary["per_client"]), summary["per_client"]
@@ -308,6 +308,6 @@ def test_an_evaluation_taken_by_a_process_that_restarts_is_asked_again(one_torch
     metrics = {"initial_acc": 0.5, "initial_loss": 1.0, "finetune_1_loss": 0.9, "finetune_2_loss": 0.8,
                "train_samples": 10, "test_samples": 5}
     coordinator.accept(task, ResultInfo(second, task.task_id, 0, task.round, metrics=metrics), {})
-    worker.join(timeout=60)
+    worker.join(timeout=WAIT)
     assert evaluations == [{0: metrics}]
     assert coordinator.failures == []

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import (
-    PROCESS_TIMEOUT,
+    WAIT,
     Processes,
     fedpart_command,
     read_metrics,
@@ -403,8 +403,8 @@ def _run(tmp_path: Path, processes, name: str, robust: dict, attacked: bool) -> 
     attacker = threading.Thread(target=_attack, args=(address, config, errors), daemon=True)
     if attacked:
         attacker.start()
-    log = reader.rest(timeout=PROCESS_TIMEOUT)
-    server.wait(timeout=30)
+    log = reader.rest(timeout=WAIT)
+    server.wait(timeout=WAIT)
     if attacked:
         attacker.join(timeout=BOUND)
         assert not attacker.is_alive() and errors == [], errors

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LineReader, Processes, read_metrics, read_summary, small_config, start_server, write_config
+from conftest import WAIT, LineReader, Processes, read_metrics, read_summary, small_config, start_server, write_config
 from fedpart.client.virtual import Payloads, evaluation_metrics, slice_clients, train_sample_count
 from fedpart.common.config import config_from_dict
 from fedpart.common.plans import EvalPlan, TaskKind
@@ -27,7 +27,6 @@ VIRTUAL_PROCESSES = 640  # above the old limit of 512 worker threads, one per wa
 CLIENTS = 1280
 FRACTION = 0.05          # 64 results per round
 ROUNDS = 2
-BOUND = 240.0            # seconds: every wait is bounded, generously for a busy 2-core machine
 JOIN_SECONDS = 120.0     # for every virtual process to join and ask for work
 RECONNECT_SECONDS = 10.0  # a virtual process gives up this soon after the server went away
 SHUTDOWN_ERRORS = {"Heartbeat CANCELLED", "Heartbeat UNAVAILABLE"}
@@ -41,7 +40,7 @@ def scale_config() -> dict:
         model={"name": "mlp", "hidden": 8},
         evaluate={"finetune_epochs": [1], "global_test": False},
         robust={"partition_sizes": False},
-        server={"join_timeout": JOIN_SECONDS, "round_timeout": BOUND, "evaluation_timeout": BOUND,
+        server={"join_timeout": JOIN_SECONDS, "round_timeout": WAIT, "evaluation_timeout": WAIT,
                 "heartbeat_timeout": 60},
     )
 
@@ -93,10 +92,10 @@ def test_rounds_complete_with_more_client_processes_than_the_old_thread_limit(pr
                             "--reconnect-timeout", str(RECONNECT_SECONDS), "--stats", str(stats_path)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     load_reader = LineReader(load)
-    log = server_output.rest(timeout=BOUND)  # the server prints while it works and exits at the end
-    server_exit = server.wait(timeout=BOUND)
-    load.wait(timeout=BOUND)  # told DONE, or gives up RECONNECT_SECONDS after the server went away
-    load_output = load_reader.rest(timeout=BOUND)
+    log = server_output.rest(timeout=WAIT)  # the server prints while it works and exits at the end
+    server_exit = server.wait(timeout=WAIT)
+    load.wait(timeout=WAIT)  # told DONE, or gives up RECONNECT_SECONDS after the server went away
+    load_output = load_reader.rest(timeout=WAIT)
     assert server_exit == 0, f"{log[-3000:]}\n{load_output}"
     assert load.returncode == 0, load_output
 

@@ -55,6 +55,32 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 MNIST_MEAN = (0.1307,)
 MNIST_STD = (0.3081,)
 
+# What each built-in dataset reads under the data root, per split (a folder where it reads one).
+DATASET_FILES: dict[str, dict[str, tuple[str, ...]]] = {
+    "mnist": {"train": ("MNIST/raw/train-images-idx3-ubyte.gz", "MNIST/raw/train-labels-idx1-ubyte.gz"),
+              "test": ("MNIST/raw/t10k-images-idx3-ubyte.gz", "MNIST/raw/t10k-labels-idx1-ubyte.gz")},
+    "cifar10": {"train": tuple(f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)),
+                "test": ("cifar-10-batches-py/test_batch",)},
+    "cifar100": {"train": ("cifar-100-python/train",), "test": ("cifar-100-python/test",)},
+    "tiny-imagenet": {"train": ("tiny-imagenet-200/wnids.txt", "tiny-imagenet-200/train"),
+                      "test": ("tiny-imagenet-200/wnids.txt", "tiny-imagenet-200/val/val_annotations.txt",
+                               "tiny-imagenet-200/val/images")},
+}
+# Samples per class of the built-in datasets, (train, test): what a partition needs to know to
+# tell whether it can be cut, without reading the data (tests/test_data.py checks them against
+# the files).
+CLASS_COUNTS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "digits": ((142, 146, 142, 146, 145, 146, 145, 143, 139, 144), (36, 36, 35, 37, 36, 36, 36, 36, 35, 36)),
+    "mnist": ((5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949),
+              (980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009)),
+    "cifar10": ((5000,) * 10, (1000,) * 10),
+    "cifar100": ((500,) * 100, (100,) * 100),
+    "tiny-imagenet": ((500,) * 200, (50,) * 200),
+}
+# Loader options of the built-in datasets.
+DATASET_OPTIONS: dict[str, tuple[str, ...]] = {name: () if name == "digits" else ("normalize",)
+                                                for name in DATASET_NAMES}
+
 _IDX_UINT8 = 0x08
 
 Root = str | os.PathLike[str]
@@ -69,20 +95,13 @@ def load_dataset(name: str, root: Root | None, **options: Any) -> ArrayDataset:
     """
     if ":" in name:
         return _load_custom(name, root, options)
+    check_dataset_options(name, options)
     if name == "digits":
-        _check_options(name, options, ())
         return _load_digits()
-    if name not in DATASET_NAMES:
-        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)} "
-                         "or a custom 'package.module:function'")
-    _check_options(name, options, ("normalize",))
     if root is None:
         raise ValueError(f"data.root must be set to load dataset {name!r}")
     base = Path(root).expanduser()
     normalize = options.get("normalize", name != "mnist")
-    if not isinstance(normalize, bool):
-        raise ValueError(f"option normalize of dataset {name!r} must be true or false, "
-                         f"got {normalize!r}")
     if name == "mnist":
         return _load_mnist(base, root, normalize)
     if name == "cifar10":
@@ -92,12 +111,30 @@ def load_dataset(name: str, root: Root | None, **options: Any) -> ArrayDataset:
     return _load_tiny_imagenet(base, root, normalize)
 
 
-def _check_options(name: str, options: dict[str, Any], allowed: tuple[str, ...]) -> None:
+def check_dataset_options(name: str, options: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for an unknown built-in dataset or a bad loader option (no data
+    read); a custom loader's options are its own."""
+    if name not in DATASET_NAMES:
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)} "
+                         "or a custom 'package.module:function'")
+    allowed = DATASET_OPTIONS[name]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         accepted = ", ".join(allowed) if allowed else "none"
         raise ValueError(f"unknown option(s) {', '.join(unknown)} for dataset {name!r} "
                          f"(accepted: {accepted})")
+    normalize = options.get("normalize", False)
+    if not isinstance(normalize, bool):
+        raise ValueError(f"option normalize of dataset {name!r} must be true or false, "
+                         f"got {normalize!r}")
+
+
+def missing_dataset_files(name: str, root: Root, splits: tuple[str, ...] = ("train", "test")) -> list[Path]:
+    """The files (or folders) of built-in dataset ``name``'s ``splits`` that are not under
+    ``root``."""
+    base = Path(root).expanduser()
+    wanted = dict.fromkeys(f for split in splits for f in DATASET_FILES.get(name, {}).get(split, ()))
+    return [base / f for f in wanted if not (base / f).exists()]
 
 
 def _require(path: Path, root: Root) -> Path:
@@ -157,10 +194,8 @@ def _read_idx(path: Path, ndim: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims).copy()  # writable
 
 
-def _mnist_split(base: Path, root: Root, prefix: str) -> tuple[np.ndarray, np.ndarray]:
-    raw = base / "MNIST" / "raw"
-    images_path = _require(raw / f"{prefix}-images-idx3-ubyte.gz", root)
-    labels_path = _require(raw / f"{prefix}-labels-idx1-ubyte.gz", root)
+def _mnist_split(base: Path, root: Root, split: str) -> tuple[np.ndarray, np.ndarray]:
+    images_path, labels_path = (_require(base / f, root) for f in DATASET_FILES["mnist"][split])
     images = _read_idx(images_path, 3)
     labels = _read_idx(labels_path, 1)
     if len(images) != len(labels):
@@ -174,7 +209,7 @@ def _mnist_split(base: Path, root: Root, prefix: str) -> tuple[np.ndarray, np.nd
 def _load_mnist(base: Path, root: Root, normalize: bool) -> ArrayDataset:
     """MNIST from the gzipped IDX files: uint8 ``(N, 1, 28, 28)``, scale 1/255."""
     x_train, y_train = _mnist_split(base, root, "train")
-    x_test, y_test = _mnist_split(base, root, "t10k")
+    x_test, y_test = _mnist_split(base, root, "test")
     return ArrayDataset(name="mnist", x_train=x_train, y_train=y_train, x_test=x_test,
                         y_test=y_test, num_classes=10, scale=1.0 / 255,
                         mean=MNIST_MEAN if normalize else None,
@@ -258,16 +293,15 @@ def _cifar(name: str, root: Root, train_files: list[Path], test_file: Path,
 
 def _load_cifar10(base: Path, root: Root, normalize: bool) -> ArrayDataset:
     """CIFAR-10 python pickles: uint8 ``(N, 3, 32, 32)``, scale 1/255, per-channel mean/std."""
-    folder = base / "cifar-10-batches-py"
-    return _cifar("cifar10", root, [folder / f"data_batch_{i}" for i in range(1, 6)],
-                  folder / "test_batch", "labels", 10,
+    files = DATASET_FILES["cifar10"]
+    return _cifar("cifar10", root, [base / f for f in files["train"]], base / files["test"][0], "labels", 10,
                   (CIFAR10_MEAN, CIFAR10_STD) if normalize else None)
 
 
 def _load_cifar100(base: Path, root: Root, normalize: bool) -> ArrayDataset:
     """CIFAR-100 python pickles (fine labels): uint8 ``(N, 3, 32, 32)``, scale 1/255."""
-    folder = base / "cifar-100-python"
-    return _cifar("cifar100", root, [folder / "train"], folder / "test", "fine_labels", 100,
+    files = DATASET_FILES["cifar100"]
+    return _cifar("cifar100", root, [base / f for f in files["train"]], base / files["test"][0], "fine_labels", 100,
                   (CIFAR100_MEAN, CIFAR100_STD) if normalize else None)
 
 

@@ -19,6 +19,7 @@ seed. Schemes (:data:`PARTITION_SCHEMES`) and their options:
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from numbers import Integral, Real
 from typing import Any
 
@@ -53,6 +54,16 @@ def check_partition_options(scheme: str, options: dict[str, Any]) -> None:
     missing = [k for k in required if k not in options]
     if missing:
         raise ValueError(f"partition scheme {scheme!r} needs option(s) {', '.join(missing)}")
+
+
+def check_partition(scheme: str, options: dict[str, Any], num_clients: int, seed: int,
+                    class_counts: tuple[Sequence[int], Sequence[int]]) -> None:
+    """Raise ``ValueError`` when the partition cannot be cut from a dataset with these samples
+    per class (train, test), e.g. ``shards`` that do not divide into the classes. Runs
+    :func:`make_partition` itself on labels with the same class counts: every scheme decides
+    from the counts alone, so the answer is the one the clients would get, without the data."""
+    train, test = (np.repeat(np.arange(len(counts)), counts) for counts in class_counts)
+    make_partition(train, test, num_clients, scheme, seed, num_classes=len(class_counts[0]), **options)
 
 
 def make_partition(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, scheme: str,

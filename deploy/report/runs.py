@@ -25,8 +25,9 @@ class Run:
     label: str
     config: dict[str, Any]
     rounds: list[dict[str, Any]]
-    summary: dict[str, Any] | None
+    summary: dict[str, Any] | None  # summary.json of a completed run (None: the run did not complete)
     notes: list[str] = field(default_factory=list)  # what the report cannot show for this run, and why
+    status: str | None = None  # summary.json's status (completed, interrupted, failed); None without one
 
     @property
     def complete(self) -> bool:
@@ -92,8 +93,10 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     except (yaml.YAMLError, ValueError) as error:
         raise ReportError(f"{path}: unreadable run file: {error}") from error
+    # a run that ended early writes what it knew, marked; older runs' summaries carry no status
+    status = summary.get("status", "completed") if summary is not None else None
     run = Run(path=path, label=label or path.name, config=config or {}, rounds=_read_rounds(metrics_path),
-              summary=summary)
+              summary=summary if status == "completed" else None, status=status)
     run.notes = _missing(run)
     return run
 
@@ -102,7 +105,8 @@ def _missing(run: Run) -> list[str]:
     """Sentences naming what the report cannot show for ``run`` and why."""
     notes = []
     if not run.complete:
-        notes.append(f"incomplete: no summary.json, the run stopped after round {len(run.rounds)} of "
+        why = "no summary.json" if run.status is None else f"summary.json marks it {run.status}"
+        notes.append(f"incomplete: {why}, the run stopped after round {len(run.rounds)} of "
                      f"{run.configured_rounds or '?'}; the final evaluation (initial, personalized and global "
                      "accuracy, wall time) is missing")
     if not run.rounds:
