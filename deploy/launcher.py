@@ -1,11 +1,12 @@
-"""``fedpart run``: one server and ``processes`` client processes on 127.0.0.1.
+"""``fedpart run``: one server and ``processes`` client processes on 127.0.0.1 (or one client
+process per device of ``--devices``).
 
 The launcher makes throw-away credentials for the run (``fedpart certs`` into a private temporary
 directory, removed afterwards), so the local run uses TLS and per-process tokens like a deployed
 one. The server listens on a free port and announces it on its first output line; the launcher
 reads that line (bounded wait), starts the clients with an even share of the client ids and of
-the CPU cores, forwards the server's output, and stops every process it started by PID. Any
-failed process makes the whole run fail.
+the CPU cores, each on its device, forwards the server's output, and stops every process it
+started by PID. Any failed process makes the whole run fail.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from fedpart.client.placement import AUTO, resolve_devices
 from fedpart.common.config import RunConfig
 
 STARTUP_SECONDS = 120.0
@@ -33,6 +35,31 @@ def split_clients(num_clients: int, processes: int) -> list[str]:
     processes = max(1, min(processes, num_clients))
     bounds = [round(i * num_clients / processes) for i in range(processes + 1)]
     return [f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def client_processes(config: RunConfig, devices: str | None) -> tuple[list[tuple[str, str]], list[str]]:
+    """(client ids, device) of each client process ``fedpart run`` starts, and notes to print.
+
+    Without ``devices``: ``processes`` processes on the CPU. With ``devices`` (``cuda:0,cuda:1``,
+    a device repeated to share it, or ``auto``: every visible GPU) one process per device, and
+    ``processes`` of the config is not used; ``auto`` where no GPU is visible falls back to
+    ``processes`` processes on the CPU. Raises DeviceError (a ValueError) for a device that is not
+    usable here, before anything starts.
+    """
+    notes = []
+    chosen = resolve_devices(devices) if devices is not None else []
+    if devices is not None and not chosen:
+        notes.append(f"--devices {AUTO}: no GPU is visible; {config.processes} client process(es) on the CPU")
+    if not chosen:
+        return [(ids, "cpu") for ids in split_clients(config.clients, config.processes)], notes
+    ranges = split_clients(config.clients, len(chosen))
+    if len(ranges) < len(chosen):
+        notes.append(f"--devices: {len(chosen)} devices for {config.clients} client(s); "
+                     f"using {', '.join(chosen[:len(ranges)])}")
+    if config.processes != len(ranges):
+        notes.append(f"--devices: {len(ranges)} client process(es), one per device "
+                     f"(processes: {config.processes} of the config is not used)")
+    return list(zip(ranges, chosen)), notes
 
 
 def _cli(*args: str) -> list[str]:
@@ -66,21 +93,26 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_dir: str) -> int:
-    """Run the experiment locally; returns 0 when server and every client succeeded."""
+def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_dir: str,
+              devices: str | None = None) -> int:
+    """Run the experiment locally (client processes on ``devices``, see :func:`client_processes`);
+    returns 0 when server and every client succeeded."""
+    placed, notes = client_processes(config, devices)
+    for note in notes:
+        print(f"fedpart run: note: {note}", flush=True)
     signal.signal(signal.SIGTERM, _terminated)
     out = Path(out_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fedpart-credentials-") as secrets:
-        return _launch(config_path, overrides, config, out, Path(secrets))
+        return _launch(config_path, overrides, config, out, Path(secrets), placed)
 
 
-def _launch(config_path: Path, overrides: list[str], config: RunConfig, out: Path, secrets: Path) -> int:
+def _launch(config_path: Path, overrides: list[str], config: RunConfig, out: Path, secrets: Path,
+            placed: list[tuple[str, str]]) -> int:
     from fedpart.deploy.certs import write_run_credentials
 
     logs = out / "logs"
-    ranges = split_clients(config.clients, config.processes)
-    write_run_credentials(secrets, ["127.0.0.1", "localhost"], config.clients, len(ranges))
+    write_run_credentials(secrets, ["127.0.0.1", "localhost"], config.clients, len(placed))
     sets = [a for o in overrides for a in ("--set", o)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     server = subprocess.Popen(_cli("server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out), *sets,
@@ -96,13 +128,13 @@ def _launch(config_path: Path, overrides: list[str], config: RunConfig, out: Pat
         if address is None:
             print("fedpart run: the server did not start", file=sys.stderr)
             return 1
-        threads = max(1, (os.cpu_count() or 1) // len(ranges))
-        for index, ids in enumerate(ranges):
+        threads = max(1, (os.cpu_count() or 1) // len(placed))
+        for index, (ids, device) in enumerate(placed):
             log_path = logs / f"client_{index}.log"
             client_logs.append(log_path)
             with log_path.open("w") as log:
                 clients.append(subprocess.Popen(
-                    _cli("client", "--server", address, "--clients", ids, "--threads", str(threads),
+                    _cli("client", "--server", address, "--clients", ids, "--device", device, "--threads", str(threads),
                          "--state-dir", str(out / "state" / f"process_{index}"), "--ca", str(secrets / "ca.pem"),
                          "--token-file", str(secrets / f"process_{index}.token")),
                     stdout=log, stderr=subprocess.STDOUT, env=env))
