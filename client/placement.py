@@ -49,7 +49,8 @@ def resolve_device(spec: str) -> torch.device:
         raise DeviceError(f"device {spec!r}: CUDA is not available on this machine (torch {torch.__version__})")
     index = 0 if device.index is None else device.index
     if index >= len(gpus):
-        raise DeviceError(f"device {spec!r}: this machine has {len(gpus)} visible GPU(s), cuda:0 to cuda:{len(gpus) - 1}")
+        raise DeviceError(f"device {spec!r}: this machine has {len(gpus)} visible GPU(s), "
+                          f"cuda:0 to cuda:{len(gpus) - 1}")
     return torch.device("cuda", index)
 
 

@@ -124,10 +124,19 @@ class TrainingSpeed:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
-    @property
-    def fused_optimizer(self) -> bool | None:
-        """SGD's fused kernel where a gradient scaler drives the step (None: torch's default)."""
-        return True if self.amp_dtype == torch.float16 else None
+    def sgd(self, parameters: list[nn.Parameter], lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
+        """The local optimizer: torch's SGD, fused where a gradient scaler drives the step (fp16),
+        so that the scaler's overflow flag is read on the device. The fused kernel needs a momentum
+        buffer for every parameter once any has one (FedBug unfreezes parameters mid-round), so
+        they start at zero, which gives the same first step as torch's missing buffer (no
+        dampening) and a defined one after a skipped step."""
+        fused = self.amp_dtype == torch.float16
+        optimizer = torch.optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                    fused=True if fused else None)
+        if fused and momentum:
+            for parameter in parameters:
+                optimizer.state[parameter]["momentum_buffer"] = torch.zeros_like(parameter)
+        return optimizer
 
     def loss_scaled(self, optimizer: torch.optim.Optimizer) -> LossScaledOptimizer | None:
         """``optimizer`` behind a gradient scaler with fp16 (None otherwise)."""

@@ -84,8 +84,7 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
     objective = objective or ObjectiveSpec().build()
     ctx = ObjectiveContext(model, {k: r.to(device) for k, r in reference.items()},
                            {} if state is None else state, data.y_train, plan.lr, loss_fn)
-    optimizer = torch.optim.SGD(parameters, lr=plan.lr, momentum=plan.momentum, weight_decay=plan.weight_decay,
-                                fused=speed.fused_optimizer)
+    optimizer = speed.sgd(parameters, plan.lr, plan.momentum, plan.weight_decay)
     scaled = speed.loss_scaled(optimizer)
     backward = scaled.backward if scaled is not None else torch.Tensor.backward
 
