@@ -2,11 +2,12 @@
 
 The process connects out to the coordinator, joins, loads its clients' data, then long-polls for
 tasks until the run is over. It keeps one cache of global tensors (with their versions) for all
-of its clients, so that an unchanged tensor crosses the wire once per process, and each client's
-personal parts in its :class:`ClientStore`. It keeps trying to reach a server that does not
-answer yet (``--connect-timeout``) or went away (``--reconnect-timeout``), with capped exponential
-backoff and a log line per attempt, and joins a resumed server of the same run again with its cache
-and personal parts. Stopped by SIGINT or SIGTERM it tells the server (``Leave``) before it exits.
+of its clients, on its device, so that an unchanged tensor crosses the wire, and the bus to a
+GPU, once per process (:mod:`fedpart.client.placement`), and each client's personal parts in its
+:class:`ClientStore`. It keeps trying to reach a server that does not answer yet
+(``--connect-timeout``) or went away (``--reconnect-timeout``), with capped exponential backoff and
+a log line per attempt, and joins a resumed server of the same run again with its cache and
+personal parts. Stopped by SIGINT or SIGTERM it tells the server (``Leave``) before it exits.
 Exit codes: :mod:`fedpart.common.exit_codes`.
 """
 
@@ -26,6 +27,8 @@ import torch
 
 from fedpart.client.evaluation import evaluate_and_personalize
 from fedpart.client.local_data import ClientData, load_client_data
+from fedpart.client.placement import DeviceError, PeakMemory, Transfers, describe, resolve_device
+from fedpart.client.speed import SpeedError, TrainingSpeed
 from fedpart.client.store import ClientStore
 from fedpart.client.training import train_local
 from fedpart.common.codecs import build_codec, encode, encode_with_feedback, seeded_generator
@@ -130,15 +133,19 @@ class ClientProcess:
         self.reconnect_timeout = RECONNECT_SECONDS if reconnect_timeout is None else reconnect_timeout
         self.connect_timeout = CONNECT_SECONDS if connect_timeout is None else connect_timeout
         self.client_ids = client_ids
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ClientError(f"--device {device}: CUDA is not available on this machine")
+        try:
+            self.device = resolve_device(device)
+        except DeviceError as error:
+            raise ClientError(str(error)) from error
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.transfers = Transfers(self.device)
         self.data_root = data_root
         self.state_dir = Path(state_dir)
         if threads:
             torch.set_num_threads(threads)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
-        self.cache: dict[str, torch.Tensor] = {}
+        self.cache: dict[str, torch.Tensor] = {}  # global tensors, on the device
         self.versions: dict[str, int] = {}
         self._stop = threading.Event()
         self._outage: Backoff | None = None  # set while the server is unreachable
@@ -209,13 +216,21 @@ class ClientProcess:
         self.classification = num_classes > 0
         self.loss_fn = build_loss(self.config.train.loss, self.classification)
         self.unit_flops = unit_forward_flops(self.model, input_shape)
+        train = self.config.train
+        try:
+            self.speed = TrainingSpeed.configure(self.model, self.device, input_shape, train.amp, train.channels_last,
+                                                 train.compile)
+        except SpeedError as error:
+            raise ClientError(str(error)) from error
         torch.optim.SGD(self.model.parameters(), lr=0.0)  # pays torch's one-off optimizer import (~1 s) now
         self.activity.task(f"loading {self.config.data.dataset}")
         self.log(f"loading {self.config.data.dataset} for clients {format_id_ranges(self.client_ids)} "
                  f"onto {self.device}")
-        self.data: dict[int, ClientData] = load_client_data(self.config, self.client_ids, self.data_root, self.device)
+        loaded = load_client_data(self.config, self.client_ids, self.data_root, self.device)
+        self.data: dict[int, ClientData] = {c: self.speed.place(d) for c, d in loaded.items()}
         sizes = ", ".join(f"{c}: {d.train_size}/{d.test_size}" for c, d in self.data.items())
-        self.log(f"run {reply.run_id}: {self.config.algorithm.name}, data (train/test) {sizes}")
+        self.log(f"run {reply.run_id}: {self.config.algorithm.name} on {describe(self.device)}, "
+                 f"data (train/test) {sizes}")
 
     def run(self) -> int:
         """Serve tasks until the server says the run is over; returns the exit code (0: the run
@@ -291,7 +306,8 @@ class ClientProcess:
     def _next_task(self, request: pb.TaskRequest) -> tuple[pb.TaskHeader | None, dict[str, torch.Tensor]]:
         """One long poll; (None, {}) after joining again. Raises ServerUnreachable."""
         try:
-            reply = decode_chunks(self.stub.GetTask(request, timeout=POLL_SECONDS + TRANSFER_SECONDS))
+            reply = decode_chunks(self.stub.GetTask(request, timeout=POLL_SECONDS + TRANSFER_SECONDS),
+                                  into=self.transfers.staging)
         except grpc.RpcError as error:
             if _unreachable(error):
                 raise ServerUnreachable(error) from error
@@ -340,9 +356,11 @@ class ClientProcess:
 
     def _absorb(self, header: pb.TaskHeader, tensors: dict[str, torch.Tensor]) -> None:
         """Store the received global tensors (decoded on arrival when the server encodes its
-        downloads) in the process cache: deltas are taken against what the client received."""
+        downloads) in the process cache, on the device (copied there once per version): deltas
+        are taken against what the client received."""
+        received = self.transfers.to_device({spec.name: tensors[spec.name] for spec in header.tensors})
         for spec in header.tensors:
-            self.cache[spec.name] = tensors[spec.name]
+            self.cache[spec.name] = received[spec.name]
             self.versions[spec.name] = spec.version
 
     # ------------------------------------------------------------------ one task
@@ -369,6 +387,7 @@ class ClientProcess:
         if client not in self.data:
             raise ClientError(f"the server sent a task for client {client}, which this process does not host")
         data = self.data[client]
+        peak = PeakMemory(self.device)
         personal = self._load_client_model(client, task)
         objective = self.algorithm.objective.build()
         state = {k: v.to(self.device, copy=True) for k, v in self.objective_store.personal(client, task.round).items()}
@@ -385,18 +404,21 @@ class ClientProcess:
         reference = {n: self.cache[n] for n in plan.upload_deltas}
         self.activity.task(f"client {client} round {task.round}: training")
         outcome = train_local(self.model, data, plan, self.loss_fn, reference, self.unit_flops, objective, state,
-                              build_augment(self.config.train.augment, plan.seed), on_steps=self.activity.advance)
+                              build_augment(self.config.train.augment, plan.seed), self.speed,
+                              on_steps=self.activity.advance)
         self.log(f"client {client} round {task.round}: trained {outcome.steps} steps in "
                  f"{outcome.compute_seconds:.2f} s, loss {outcome.loss:.4f}")
-        trained = {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+        trained = {k: v.detach() for k, v in self.model.state_dict().items()}
         uploads = {n: trained[n] - self.cache[n] for n in plan.upload_deltas}
         uploads.update({n: trained[n] for n in plan.upload_values})
-        if personal:
-            self.store.save_personal(client, task.round, {n: trained[n] for n in personal})
+        uploads, kept, state = self.transfers.to_host(uploads, {n: trained[n] for n in personal}, state)
+        if kept:
+            self.store.save_personal(client, task.round, kept)
         if state:
             self.objective_store.save_personal(client, task.round, state)
         metrics = {"loss": outcome.loss, "steps": outcome.steps, "compute_seconds": outcome.compute_seconds,
-                   "trainable_parameters": outcome.trainable_parameters, "train_flops": outcome.flops}
+                   "trainable_parameters": outcome.trainable_parameters, "train_flops": outcome.flops,
+                   **peak.metrics()}
         return ResultInfo(self.session, task.task_id, client, task.round, num_samples=outcome.samples,
                           metrics=metrics), uploads
 

@@ -5,7 +5,9 @@ and the optimizer skips it entirely (no momentum, no weight decay). One optimize
 unit the plan ever trains in the round; the longest frozen prefix of body units runs under
 ``torch.no_grad()``, so its backward pass is never built. The loss and the update come from the
 :class:`~fedpart.common.objectives.Objective` (terms and a step rule); the loop has no branch
-for any algorithm.
+for any algorithm. The loop never waits for the device: the loss is summed on the device and
+read once at the end, batches are index slices of on-device tensors, and the speed options
+(mixed precision, channels-last, a compiled forward; :mod:`fedpart.client.speed`) apply per step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from fedpart.client.local_data import ClientData
+from fedpart.client.speed import TrainingSpeed
 from fedpart.common.algorithms import unfrozen_units
 from fedpart.common.objectives import Objective, ObjectiveContext, ObjectiveSpec
 from fedpart.common.plans import TrainPlan
@@ -54,8 +57,11 @@ def step_flops(unit_flops: Mapping[str, int], order: Sequence[str], trainable: s
 
 
 def batches(size: int, batch_size: int, generator: torch.Generator, device: torch.device):
-    """Shuffled index batches covering ``size`` samples once."""
-    order = torch.randperm(size, generator=generator).to(device)
+    """Shuffled index batches covering ``size`` samples once. The order is drawn on the host (the
+    same on every device) and copied to a GPU from pinned memory, without blocking the host."""
+    order = torch.randperm(size, generator=generator)
+    if device.type == "cuda":
+        order = order.pin_memory().to(device, non_blocking=True)
     for start in range(0, size, batch_size):
         yield order[start:start + batch_size]
 
@@ -63,13 +69,16 @@ def batches(size: int, batch_size: int, generator: torch.Generator, device: torc
 def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: LossFn,
                 reference: Mapping[str, torch.Tensor], unit_flops: Mapping[str, int],
                 objective: Objective | None = None, state: dict[str, torch.Tensor] | None = None,
-                augment: Augment | None = None, on_steps: StepsDone | None = None) -> TrainOutcome:
+                augment: Augment | None = None, speed: TrainingSpeed | None = None,
+                on_steps: StepsDone | None = None) -> TrainOutcome:
     """Train ``model`` in place following ``plan``; ``reference`` holds the global values of the
     shared tensors (the anchors of objective terms), ``state`` the client's objective state
-    (updated in place), ``augment`` a transform of each training batch's inputs. ``on_steps`` is
-    told the local step count every :data:`PROGRESS_STEPS` steps (a count: no device sync)."""
+    (updated in place), ``augment`` a transform of each training batch's inputs, ``speed`` the
+    speed options (configured for this ``model``; default plain float32). ``on_steps`` is told the
+    local step count every :data:`PROGRESS_STEPS` steps (a count: no device sync)."""
     started = time.perf_counter()
     device = data.x_train.device
+    speed = speed or TrainingSpeed(device)
     order = model.schedule_units
     used = [u for u in order if any(u in phase.trainable for phase in plan.phases)]
     parameters = [p for u in used for p in model.unit_parameters(u)]
@@ -80,12 +89,16 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
     objective = objective or ObjectiveSpec().build()
     ctx = ObjectiveContext(model, {k: r.to(device) for k, r in reference.items()},
                            {} if state is None else state, data.y_train, plan.lr, loss_fn)
-    optimizer = torch.optim.SGD(parameters, lr=plan.lr, momentum=plan.momentum, weight_decay=plan.weight_decay)
+    optimizer = speed.sgd(parameters, plan.lr, plan.momentum, plan.weight_decay)
+    scaled = speed.loss_scaled(optimizer)
+    backward = scaled.backward if scaled is not None else torch.Tensor.backward
 
     def gradients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = objective.batch_loss(ctx, model(x, pieces=True), y)
-        loss.backward()
+        forward = speed.forward(model, full_batch=x.shape[0] == plan.batch_size)
+        with speed.autocast():
+            loss = objective.batch_loss(ctx, forward(speed.layout(x), pieces=True), y)
+        backward(loss)
         objective.adjust_gradients(ctx)
         if plan.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_([p for p in parameters if p.grad is not None], plan.grad_clip)
@@ -114,7 +127,7 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
                     current = wanted
                     sample_flops = step_flops(unit_flops, order, set(wanted), 1)
                 x, y = data.x_train[index], data.y_train[index]
-                loss = objective.step_rule.step(ctx, augment(x) if augment else x, y, gradients, optimizer)
+                loss = objective.step_rule.step(ctx, augment(x) if augment else x, y, gradients, scaled or optimizer)
                 size = len(index)
                 total_loss += loss * size
                 seen += size
@@ -126,5 +139,6 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
         on_steps(steps, all_steps)
     objective.end(ctx)
     model.set_trainable(order)
+    mean_loss = float(total_loss) / max(seen, 1)  # the loop's one wait for the device, before the clock stops
     trainable = sum(p.numel() for p in parameters)
-    return TrainOutcome(float(total_loss) / max(seen, 1), steps, n, time.perf_counter() - started, trainable, flops)
+    return TrainOutcome(mean_loss, steps, n, time.perf_counter() - started, trainable, flops)

@@ -84,6 +84,10 @@ class TrainConfig:
     weighting: str = "samples"  # "samples" (n_i) or "uniform"
     loss: str | None = None     # "package.module:function"; default cross-entropy (MSE for regression)
     augment: str = "none"       # batch transform of the training inputs (fedpart.common.data.augment)
+    # speed options, each applied where the client's device supports it (fedpart.client.speed)
+    amp: str = "off"            # mixed precision on GPUs: "off", "bf16" or "fp16" (with a gradient scaler)
+    channels_last: bool = False  # conv nets: weights and images in the channels-last memory format
+    compile: bool = False       # torch.compile the forward of full training batches
 
 
 @dataclass
@@ -177,6 +181,10 @@ SERVER_OPTIMIZER_OPTIONS: dict[str, dict[str, type]] = {
 
 # Settings that moved: old key -> new key.
 _MOVED = {"train.server_lr": "server_optimizer.lr"}
+
+# String settings whose value "off" YAML 1.1 reads as the boolean false (``amp: off``).
+_OFF_STRINGS = {"train.amp"}
+AMP_MODES = ("off", "bf16", "fp16")
 
 # Options of each codec with their types (defaults in fedpart.common.codecs).
 CODEC_OPTIONS: dict[str, dict[str, type]] = {
@@ -288,6 +296,8 @@ def _build(cls: type, raw: Any, prefix: str):
                 continue
             raise ConfigError(f"unknown setting {full!r}; known: {sorted(names)}")
         annotation = hints[key]
+        if full in _OFF_STRINGS and value is False:
+            value = "off"
         if dataclasses.is_dataclass(annotation):
             kwargs[key] = _build(annotation, value, f"{full}.")
         else:
@@ -312,6 +322,7 @@ def _validate(config: RunConfig) -> None:
         (config.train.lr >= 0, "train.lr must be >= 0"),
         (config.train.weighting in ("samples", "uniform"), "train.weighting must be 'samples' or 'uniform'"),
         (config.train.augment in AUGMENTATIONS, f"train.augment must be one of {', '.join(AUGMENTATIONS)}"),
+        (config.train.amp in AMP_MODES, f"train.amp must be one of {', '.join(AMP_MODES)}, got {config.train.amp!r}"),
         (config.train.augment == "none" or config.data.input_shape is None
          or len(config.data.input_shape) == 3,
          "train.augment transforms images: data.input_shape must be [channels, height, width]"),

@@ -15,7 +15,7 @@ spec's dtype and shape.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -337,8 +337,10 @@ def _writable_bytes(target: torch.Tensor) -> memoryview:
     return memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def decode_chunks(chunks: Iterable, max_total_bytes: int | None = None):
-    """Read a whole chunk stream: returns ``(header, tensors by name)``."""
+def decode_chunks(chunks: Iterable, max_total_bytes: int | None = None,
+                  into: Callable[[Sequence[pb.TensorSpec]], Mapping[str, torch.Tensor]] | None = None):
+    """Read a whole chunk stream: returns ``(header, tensors by name)``. ``into``, given the
+    header's specs, names buffers to assemble tensors into (see :class:`TensorAssembler`)."""
     iterator = iter(chunks)
     try:
         first = next(iterator)
@@ -347,7 +349,7 @@ def decode_chunks(chunks: Iterable, max_total_bytes: int | None = None):
     if not first.HasField("header"):
         raise WireError("the first chunk carries no header")
     header = first.header
-    assembler = TensorAssembler(header.tensors, max_total_bytes)
+    assembler = TensorAssembler(header.tensors, max_total_bytes, into(header.tensors) if into else None)
     assembler.add(first.pieces)
     for chunk in iterator:
         if chunk.HasField("header"):

@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
 
     path = resolve_config_path(args.config)
     config = load_config(path, args.set)
-    return run_local(path, args.set, config, args.out or default_out_dir(config.name), args.overwrite)
+    return run_local(path, args.set, config, args.out or default_out_dir(config.name), args.overwrite, args.devices)
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     client = commands.add_parser("client", help="run a client process hosting one or more clients")
     client.add_argument("--server", required=True, help="coordinator HOST:PORT")
     client.add_argument("--clients", required=True, help="client ids, e.g. 0-9 or 3,5,7")
-    client.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    client.add_argument("--device", default="cpu",
+                        help="cpu, cuda:N, or auto: the first visible GPU, else the CPU (default cpu)")
     client.add_argument("--data-root", help="local data root (default: the config's data.root)")
     client.add_argument("--state-dir", default="fedpart-state", help="where personal parts and models stay")
     client.add_argument("--threads", type=int, help="torch threads (default: all cores)")
@@ -242,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true",
                      help="replace the run in --out (removed only once the server listens)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    run.add_argument("--devices", metavar="DEVICES",
+                     help="one client process per device, with an even share of the client ids: e.g. "
+                          "cuda:0,cuda:1 (repeat a device to share it: cuda:0,cuda:0) or auto (every visible GPU; "
+                          "the CPU where there is none); replaces the config's processes (default: processes "
+                          "client processes on the CPU)")
     run.set_defaults(handler=_run)
 
     certs = commands.add_parser("certs", help="make a CA, server certificate, client certificates and tokens")

@@ -1,19 +1,20 @@
-"""``fedpart run``: one server and ``processes`` client processes on 127.0.0.1.
+"""``fedpart run``: one server and ``processes`` client processes on 127.0.0.1 (or one client
+process per device of ``--devices``).
 
 Everything is checked first, in this process, before any process starts: the whole config
 (``fedpart.common.experiment.check_experiment``, with the clients' data and the server's own
-needs on this machine) and the run directory (an earlier run is refused unless ``--overwrite``).
-The launcher then makes throw-away credentials for the run (``fedpart certs`` into a private
-temporary directory, removed afterwards), so the local run uses TLS and per-process tokens like a
-deployed one. The server listens on a free port and announces it on its first output line; the
-launcher reads that line (bounded wait), starts the clients with an even share of the client ids
-and of the CPU cores (their output goes to ``<out>/logs/client_K.log``), forwards the server's
-output, and stops every process it started by PID. On a terminal it shows the live progress
-display, rendered from the progress lines the server prints with ``--progress json``; elsewhere it
-forwards plain lines only. A failed client process makes the whole run fail. Exit codes: the
-server's (README "Exit codes"); a client process's when it failed first; 130 / 143 when the
-launcher was interrupted / terminated (its processes then stop in order: the clients leave, the
-server writes what it knows marked ``interrupted``).
+needs on this machine), the devices of ``--devices``, and the run directory (an earlier run is
+refused unless ``--overwrite``). The launcher then makes throw-away credentials for the run
+(``fedpart certs`` into a private temporary directory, removed afterwards), so the local run uses
+TLS and per-process tokens like a deployed one. The server listens on a free port and announces it
+on its first output line; the launcher reads that line (bounded wait), starts the clients with an
+even share of the client ids and of the CPU cores, each on its device (their output goes to
+``<out>/logs/client_K.log``), forwards the server's output, and stops every process it started by
+PID. On a terminal it shows the live progress display, rendered from the progress lines the server
+prints with ``--progress json``; elsewhere it forwards plain lines only. A failed client process
+makes the whole run fail. Exit codes: the server's (README "Exit codes"); a client process's when
+it failed first; 130 / 143 when the launcher was interrupted / terminated (its processes then stop
+in order: the clients leave, the server writes what it knows marked ``interrupted``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from fedpart.client.placement import AUTO, resolve_devices
 from fedpart.common.config import RunConfig
 from fedpart.common.console import Display, RunProgress, render_run, stamp
 from fedpart.common.exit_codes import ExitCode, Stopped
@@ -42,6 +44,31 @@ def split_clients(num_clients: int, processes: int) -> list[str]:
     processes = max(1, min(processes, num_clients))
     bounds = [round(i * num_clients / processes) for i in range(processes + 1)]
     return [f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def client_processes(config: RunConfig, devices: str | None) -> tuple[list[tuple[str, str]], list[str]]:
+    """(client ids, device) of each client process ``fedpart run`` starts, and notes to print.
+
+    Without ``devices``: ``processes`` processes on the CPU. With ``devices`` (``cuda:0,cuda:1``,
+    a device repeated to share it, or ``auto``: every visible GPU) one process per device, and
+    ``processes`` of the config is not used; ``auto`` where no GPU is visible falls back to
+    ``processes`` processes on the CPU. Raises DeviceError (a ValueError) for a device that is not
+    usable here, before anything starts.
+    """
+    notes = []
+    chosen = resolve_devices(devices) if devices is not None else []
+    if devices is not None and not chosen:
+        notes.append(f"--devices {AUTO}: no GPU is visible; {config.processes} client process(es) on the CPU")
+    if not chosen:
+        return [(ids, "cpu") for ids in split_clients(config.clients, config.processes)], notes
+    ranges = split_clients(config.clients, len(chosen))
+    if len(ranges) < len(chosen):
+        notes.append(f"--devices: {len(chosen)} devices for {config.clients} client(s); "
+                     f"using {', '.join(chosen[:len(ranges)])}")
+    if config.processes != len(ranges):
+        notes.append(f"--devices: {len(ranges)} client process(es), one per device "
+                     f"(processes: {config.processes} of the config is not used)")
+    return list(zip(ranges, chosen)), notes
 
 
 def _cli(*args: str) -> list[str]:
@@ -80,30 +107,35 @@ def _error(message: str) -> None:
 
 
 def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_dir: str,
-              overwrite: bool = False) -> int:
-    """Run the experiment locally; returns the exit code (0 when the server and every client
-    succeeded). Raises ConfigError, before anything starts, for a config or run directory that
-    cannot be run."""
+              overwrite: bool = False, devices: str | None = None) -> int:
+    """Run the experiment locally, the client processes on ``devices`` (see
+    :func:`client_processes`); returns the exit code (0 when the server and every client
+    succeeded). Raises ConfigError (or DeviceError), before anything starts, for a config, device
+    or run directory that cannot be run."""
     from fedpart.common.experiment import LocalData, check_experiment
     from fedpart.server.report import check_new_run_dir
 
     check_experiment(config, clients_data=LocalData(config.data.root), server_data=True)
+    placed, notes = client_processes(config, devices)
     check_new_run_dir(out_dir, overwrite)
+    for note in notes:
+        print(stamp(f"fedpart run: note: {note}"), flush=True)
     with tempfile.TemporaryDirectory(prefix="fedpart-credentials-") as secrets:
-        return Launch(config_path, overrides, config, Path(out_dir), Path(secrets), overwrite).run()
+        return Launch(config_path, overrides, config, Path(out_dir), Path(secrets), overwrite, placed).run()
 
 
 class Launch:
     """One local run: the server, its clients, and what the launcher prints."""
 
     def __init__(self, config_path: Path, overrides: list[str], config: RunConfig, out: Path, secrets: Path,
-                 overwrite: bool) -> None:
+                 overwrite: bool, placed: list[tuple[str, str]]) -> None:
         self.config_path = config_path
         self.overrides = overrides
         self.config = config
         self.out = out
         self.secrets = secrets
         self.overwrite = overwrite
+        self.placed = placed
         self.progress: RunProgress | None = None
         self.display = Display(lambda: render_run(self.progress))
         self.lines: queue.Queue = queue.Queue()
@@ -113,8 +145,7 @@ class Launch:
     def run(self) -> int:
         from fedpart.deploy.certs import write_run_credentials
 
-        ranges = split_clients(self.config.clients, self.config.processes)
-        write_run_credentials(self.secrets, ["127.0.0.1", "localhost"], self.config.clients, len(ranges))
+        write_run_credentials(self.secrets, ["127.0.0.1", "localhost"], self.config.clients, len(self.placed))
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         secrets = self.secrets
         server = subprocess.Popen(
@@ -132,7 +163,7 @@ class Launch:
                     stop_processes([server])
                     _error(f"the server did not start (exit code {server.returncode})")
                     return server.returncode if server.returncode > 0 else ExitCode.ERROR
-                self._start_clients(address, ranges, env)
+                self._start_clients(address, env)
                 return self._follow(server)
         except Stopped as stop:
             _error(f"{stop.reason}, stopping the server and the clients")
@@ -140,19 +171,19 @@ class Launch:
         finally:
             stop_processes(self.clients + [server])
 
-    def _start_clients(self, address: str, ranges: list[str], env: dict[str, str]) -> None:
-        """One client process per id range, each writing into its log (the server has written the
-        run directory by now)."""
+    def _start_clients(self, address: str, env: dict[str, str]) -> None:
+        """One client process per (id range, device), each writing into its log (the server has
+        written the run directory by now)."""
         logs = self.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        threads = max(1, (os.cpu_count() or 1) // len(ranges))
-        for index, ids in enumerate(ranges):
+        threads = max(1, (os.cpu_count() or 1) // len(self.placed))
+        for index, (ids, device) in enumerate(self.placed):
             log_path = logs / f"client_{index}.log"
             self.client_logs.append(log_path)
             with log_path.open("w") as log:
                 self.clients.append(subprocess.Popen(
-                    _cli("client", "--server", address, "--clients", ids, "--threads", str(threads),
-                         "--state-dir", str(self.out / "state" / f"process_{index}"),
+                    _cli("client", "--server", address, "--clients", ids, "--device", device,
+                         "--threads", str(threads), "--state-dir", str(self.out / "state" / f"process_{index}"),
                          "--ca", str(self.secrets / "ca.pem"),
                          "--token-file", str(self.secrets / f"process_{index}.token")),
                     stdout=log, stderr=subprocess.STDOUT, env=env))

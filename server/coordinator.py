@@ -278,10 +278,12 @@ class Coordinator:
         with self._cond:
             self._completed_rounds = round_number
             self._round_seconds.append(seconds)
-        return self._round_record(round_number, sampled, completed, results, seconds)
+        processes = {c: host.name for c, host in hosts.items()}
+        return self._round_record(round_number, sampled, completed, results, processes, seconds)
 
     def _round_record(self, round_number: int, sampled: list[int], completed: list[int],
-                      results: RoundResults, seconds: float) -> dict:
+                      results: RoundResults, processes: Mapping[int, str], seconds: float) -> dict:
+        """The round's line of metrics.jsonl; ``processes`` names the process each client's task went to."""
         metrics = results.metrics
         samples = results.samples
         total = sum(samples.values())
@@ -295,7 +297,11 @@ class Coordinator:
             return sum(metrics[c].get(key, 0.0) for c in completed)
 
         totals = self.ledger.totals(round_number)
-        return {
+        gpu_peak: dict[str, int] = {}  # per client process: its highest peak over this round's tasks
+        for c in completed:
+            if "gpu_peak_bytes" in metrics[c]:
+                gpu_peak[processes[c]] = max(gpu_peak.get(processes[c], 0), int(metrics[c]["gpu_peak_bytes"]))
+        record = {
             "round": round_number,
             "sampled": sampled,
             "completed": completed,
@@ -315,6 +321,9 @@ class Coordinator:
             "robust": results.robust.as_dict(),
             "server_step": self.aggregation.step_report(),
         }
+        if gpu_peak:
+            record["gpu_peak_bytes"] = gpu_peak
+        return record
 
     def evaluate_all(self) -> dict[int, dict[str, float]]:
         """Every client evaluates and personalises the final model on its own data.

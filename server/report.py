@@ -194,11 +194,19 @@ def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
             "client_seconds": sum(r["client_compute_seconds"] for r in rounds),
             "train_flops": sum(r["train_flops"] for r in rounds),
             "round_seconds_mean": statistics.fmean(r["seconds"] for r in rounds) if rounds else None,
+            **_gpu_peak(rounds),
         },
         "seconds": round(seconds, 3),
         "failures": failures,
         "per_client": per_client,
     }
+
+
+def _gpu_peak(rounds: list[dict]) -> dict[str, int]:
+    """``{gpu_peak_bytes: n}``: the highest peak GPU memory of a client process in any round
+    (nothing when no process trained on a GPU)."""
+    peaks = [peak for r in rounds for peak in r.get("gpu_peak_bytes", {}).values()]
+    return {"gpu_peak_bytes": max(peaks)} if peaks else {}
 
 
 def _compression(ledger: ByteLedger) -> dict[str, Any]:

@@ -177,6 +177,20 @@ def read_summary(out: Path) -> dict[str, Any]:
     return json.loads((out / "summary.json").read_text())
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip, saying why, where torch sees no CUDA device."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA device: torch.cuda.is_available() is False (torch {torch.__version__})")
+    for item in gpu_tests:
+        item.add_marker(skip)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Destroy gRPC objects the tests left in reference cycles while the interpreter is whole:
     gRPC's core torn down during interpreter shutdown may abort the process after a green run."""
