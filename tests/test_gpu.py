@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import PROCESS_TIMEOUT, child_env, fedpart_command, read_metrics, read_summary, small_config, write_config
+from conftest import WAIT, child_env, fedpart_command, read_metrics, read_summary, small_config, write_config
 from fedpart.client.local_data import ClientData
 from fedpart.client.placement import Transfers, resolve_device, resolve_devices
 from fedpart.client.speed import TrainingSpeed
@@ -42,7 +42,7 @@ def run_on(tmp_path: Path, name: str, config: dict, devices: str) -> Path:
     out = tmp_path / name
     done = subprocess.run(fedpart_command("run", str(path), "--out", str(out), "--devices", devices),
                           capture_output=True, text=True, env={**child_env(), **NO_TF32}, cwd=tmp_path,
-                          timeout=PROCESS_TIMEOUT)
+                          timeout=WAIT)
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from conftest import PROCESS_TIMEOUT, child_env, fedpart_command, read_metrics, read_summary, small_config, write_config
+from conftest import WAIT, child_env, fedpart_command, read_metrics, read_summary, small_config, write_config
 from fedpart.client.placement import DeviceError, PeakMemory, Transfers, resolve_device, resolve_devices
 from fedpart.common.config import config_from_dict
 from fedpart.common.wire import make_spec
@@ -114,7 +114,7 @@ def test_auto_without_a_gpu_falls_back_to_processes_on_the_cpu(no_gpu):
 
 def _run_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(fedpart_command(*args), capture_output=True, text=True, env=child_env(), cwd=tmp_path,
-                          timeout=PROCESS_TIMEOUT)
+                          timeout=WAIT)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
