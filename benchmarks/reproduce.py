@@ -266,7 +266,7 @@ def _fedbug(size: str) -> Study:
     """FedBug (GU ratio 0.2 / 0.4) against FedAvg on global accuracy."""
     if size == "full":
         data = {"data.dataset": "mnist", "data.options": {"normalize": True}, "model.name": "cnn2",
-                "clients": 100, "processes": 2, "rounds": 20, "evaluate.global_every": 5, "train.epochs": 5,
+                "clients": 50, "processes": 2, "rounds": 20, "evaluate.global_every": 5, "train.epochs": 5,
                 "data.partition": {"scheme": "dirichlet_prior", "alpha": 0.3, "samples_per_client": 150,
                                    "test_samples_per_client": 50}}
     else:
