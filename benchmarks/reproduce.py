@@ -457,6 +457,30 @@ def measure(run: Run) -> tuple[dict[str, float | None], list[dict[str, float]]]:
     return values, curve
 
 
+def run_directory(out_root: Path, study: Study, seed: int, cell: Cell, variant: Variant) -> Path:
+    return out_root / study.name / f"seed{seed}" / cell.key / variant.label.replace(" ", "_")
+
+
+def collect_study(study: Study, seeds: Sequence[int], out_root: Path) -> list[Record]:
+    """The records of the run directories an earlier invocation left under ``out_root``, nothing
+    run (tables of a study stopped between seeds). A run's wall seconds are then the server's run
+    time from its ``summary.json``; a missing or unfinished run is a failed row."""
+    records = []
+    for seed in seeds:
+        for cell in study.cells:
+            for variant in cell.variants:
+                out = run_directory(out_root, study, seed, cell, variant)
+                record = Record(study.name, cell.key, variant.label, seed, str(out), [], 0.0)
+                try:
+                    run = read_run(out)
+                    record.values, record.curve = measure(run)
+                    record.wall_seconds = float(run.summary["seconds"])
+                except (ReportError, KeyError, TypeError, ValueError) as error:
+                    record.error = f"no finished run in {out}: {error}"
+                records.append(record)
+    return records
+
+
 def run_study(study: Study, seeds: Sequence[int], out_root: Path, data_root: Path, extra: dict[str, Any],
               timeout: float) -> list[Record]:
     """Every seed x cell x variant, one run after another (seed-major, so that an interrupted
@@ -467,7 +491,7 @@ def run_study(study: Study, seeds: Sequence[int], out_root: Path, data_root: Pat
             done: dict[str, Record] = {}
             for variant in cell.variants:
                 settings = run_settings(study, cell, variant, seed, data_root, extra)
-                out = out_root / study.name / f"seed{seed}" / cell.key / variant.label.replace(" ", "_")
+                out = run_directory(out_root, study, seed, cell, variant)
                 if variant.start_from is not None:
                     origin = done.get(variant.start_from)
                     if origin is None or origin.error is not None:
@@ -609,13 +633,13 @@ def verdict_table(found: Sequence[Verdict]) -> str:
                      [[v.text, v.cell, v.measured, f"**{v.verdict}**"] for v in found])
 
 
-def study_markdown(study: Study, records: Sequence[Record], seeds: Sequence[int], size: str, wall: float,
+def study_markdown(study: Study, records: Sequence[Record], seeds: Sequence[int], size: str, wall: str,
                    command: str) -> str:
-    """The study's section: command, setting, tables and verdicts."""
+    """The study's section: command, setting, tables and verdicts; ``wall`` says how long it took."""
     runs_ok = sum(r.error is None for r in records)
     parts = [f"### {study.paper}", "", f"`{command}`", "",
              f"Setting ({size}): {study.setting}. Seeds {', '.join(map(str, seeds))}; {runs_ok}/{len(records)} runs "
-             f"completed; study wall time {wall / 60:.1f} min (2 shared CPU cores).", "",
+             f"completed; {wall}.", "",
              results_table(study, records), ""]
     if study.curve_columns:
         parts += [study.curve_title + ":", "", curve_table(study, records), ""]
@@ -652,7 +676,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write every run's numbers and the tables to this file")
     parser.add_argument("--markdown", type=Path, help="write the studies' sections (README 'Results') to this file")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    parser.add_argument("--collect", action="store_true",
+                        help="run nothing: tabulate the run directories an earlier invocation left under --out-root")
     args = parser.parse_args(argv)
+    if args.collect and args.out_root is None:
+        parser.error("--collect needs the --out-root of the earlier invocation")
     unknown = [s for s in args.studies if s not in STUDIES]
     if unknown:
         parser.error(f"unknown studies {unknown}; known: {', '.join(STUDIES)}")
@@ -674,11 +702,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.studies:
         study = STUDIES[name](args.size)
         started = time.perf_counter()
-        records = run_study(study, args.seeds, out_root, args.data_root, extra, args.timeout)
-        wall = time.perf_counter() - started
+        if args.collect:
+            records = collect_study(study, args.seeds, out_root)
+            wall = sum(r.wall_seconds for r in records)
+            wall_text = f"the runs' server times add up to {wall / 60:.1f} min (tabulated from their run directories)"
+        else:
+            records = run_study(study, args.seeds, out_root, args.data_root, extra, args.timeout)
+            wall = time.perf_counter() - started
+            wall_text = f"study wall time {wall / 60:.1f} min"
         command = f"python benchmarks/reproduce.py {name} --size {args.size} --seeds {','.join(map(str, args.seeds))}"
         command += "".join(f" --set {k}={json.dumps(v)}" for k, v in extra.items())
-        section = study_markdown(study, records, args.seeds, args.size, wall, command)
+        section = study_markdown(study, records, args.seeds, args.size, wall_text, command)
         print("\n" + section, flush=True)
         sections.append(section)
         found = verdicts(study, records)
