@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from fedpart.common.algorithms import Algorithm, RoundContext, build_algorithm, has_global_model
 from fedpart.common.checkpoint import load_tensors
 from fedpart.common.config import ConfigError, RunConfig
-from fedpart.common.data.datasets import CLASS_COUNTS, check_dataset_options, missing_dataset_files
+from fedpart.common.data.datasets import check_dataset_options, class_counts, missing_dataset_files
 from fedpart.common.data.partition import check_partition
 from fedpart.common.importing import import_callable
 from fedpart.common.models.zoo import build_model
@@ -102,11 +102,11 @@ def check_experiment(config: RunConfig, clients_data: LocalData | None = None, s
         return
     try:
         check_dataset_options(data.dataset, data.options)
+        counts = class_counts(data.dataset, data.options)
     except ValueError as error:
         raise ConfigError(f"data.options: {error}") from error
     try:
-        check_partition(data.partition.scheme, data.partition.options, config.clients, config.seed,
-                        CLASS_COUNTS[data.dataset])
+        check_partition(data.partition.scheme, data.partition.options, config.clients, config.seed, counts)
     except ValueError as error:
         raise ConfigError(f"data.partition cannot be cut from {data.dataset} for {config.clients} clients: "
                           f"{error}") from error

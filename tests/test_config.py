@@ -118,6 +118,21 @@ def test_partition_options_are_checked():
         config_from_dict({"data": {"partition": {"scheme": "stripes"}}})
 
 
+def test_dataset_options_are_checked():
+    with pytest.raises(ConfigError, match=r"data\.options.*train_samples.*positive integer"):
+        config_from_dict({"data": {"dataset": "mnist", "options": {"train_samples": 0}}})
+    with pytest.raises(ConfigError, match=r"data\.options.*test_samples.*positive integer"):
+        config_from_dict({"data": {"dataset": "digits", "options": {"test_samples": True}}})
+    with pytest.raises(ConfigError, match=r"data\.options.*normalize"):
+        config_from_dict({"data": {"dataset": "digits", "options": {"normalize": True}}})
+    with pytest.raises(ConfigError, match=r"data\.options.*colour"):
+        config_from_dict({"data": {"dataset": "cifar10", "options": {"colour": True}}})
+    config = config_from_dict({"data": {"dataset": "mnist", "options": {"train_samples": 3000, "normalize": True}}})
+    assert config.data.options == {"train_samples": 3000, "normalize": True}
+    # a custom loader checks its own options
+    assert config_from_dict({"data": {"dataset": "mypkg.data:load", "options": {"any": 1}}}).data.options == {"any": 1}
+
+
 def test_unknown_dataset_is_rejected():
     with pytest.raises(ConfigError, match=r"data\.dataset"):
         config_from_dict({"data": {"dataset": "imagenet-9000"}})

@@ -18,6 +18,7 @@ from fedpart.common.data.datasets import (
     DATASET_FILES,
     DATASET_NAMES,
     RestrictedUnpickler,
+    class_counts,
     load_dataset,
     missing_dataset_files,
 )
@@ -291,6 +292,47 @@ def test_custom_dataset_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     with pytest.raises(ImportError, match="my_fake_datasets:missing"):
         load_dataset("my_fake_datasets:missing", None)
     sys.modules.pop("my_fake_datasets", None)
+
+
+# ---------------------------------------------------------------------------------------- subsets
+
+
+def test_subset_is_stratified_exact_and_fixed() -> None:
+    full = load_dataset("digits", None)
+    ds = load_dataset("digits", None, train_samples=500, test_samples=101)
+    assert len(ds.y_train) == 500 and len(ds.y_test) == 101 and ds.scale == full.scale
+    for subset, whole in ((ds.y_train, full.y_train), (ds.y_test, full.y_test)):
+        share = np.bincount(whole, minlength=10) * len(subset) / len(whole)
+        assert np.all(np.abs(np.bincount(subset, minlength=10) - share) < 1)  # each class keeps its share
+    # the kept samples are samples of the split, in file order: each row is found at increasing positions
+    rows = [int(np.flatnonzero((full.x_train == x).all(axis=(1, 2, 3)) & (full.y_train == y))[0])
+            for x, y in zip(ds.x_train, ds.y_train)]
+    assert rows == sorted(rows) and len(set(rows)) == 500
+    again = load_dataset("digits", None, train_samples=500, test_samples=101)
+    assert np.array_equal(ds.x_train, again.x_train) and np.array_equal(ds.y_test, again.y_test)
+    whole_test = load_dataset("digits", None, train_samples=500)
+    assert np.array_equal(whole_test.y_test, full.y_test)  # a split without a size is kept whole
+
+
+def test_subset_class_counts_are_known_without_the_data() -> None:
+    """What the config check cuts partitions from is what a subset really holds."""
+    options = {"train_samples": 500, "test_samples": 101}
+    ds = load_dataset("digits", None, **options)
+    train, test = class_counts("digits", options)
+    assert train == tuple(np.bincount(ds.y_train)) and test == tuple(np.bincount(ds.y_test))
+    assert class_counts("digits", {}) == CLASS_COUNTS["digits"]
+
+
+def test_subset_sizes_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"train_samples must be an integer in 1\.\.1438"):
+        load_dataset("digits", None, train_samples=1439)
+    for bad in (0, -3, 2.5, True, "10"):
+        with pytest.raises(ValueError, match="test_samples.*positive integer"):
+            load_dataset("digits", None, test_samples=bad)
+    _write_fake_mnist(tmp_path, n_train=20, n_test=10)
+    ds = load_dataset("mnist", tmp_path, train_samples=10, test_samples=5, normalize=True)
+    assert ds.x_train.shape == (10, 1, 28, 28) and sorted(ds.y_train.tolist()) == list(range(10))
+    assert ds.x_test.shape == (5, 1, 28, 28) and ds.mean is not None
 
 
 def test_unknown_dataset_and_option() -> None:

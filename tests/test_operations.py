@@ -137,6 +137,11 @@ def _check(**overrides) -> None:
      r"data.partition cannot be cut from digits for 6 clients: .*2 \* 6 = 12 is not a multiple"),
     ({"clients": 500, "data": {"dataset": "digits", "partition": {"scheme": "dirichlet", "alpha": 0.1}}},
      r"data.partition cannot be cut .*min_size=10 x 500 clients exceeds"),
+    ({"clients": 100, "data": {"dataset": "digits", "options": {"train_samples": 500},
+                               "partition": {"scheme": "dirichlet", "alpha": 0.1}}},
+     r"data.partition cannot be cut .*min_size=10 x 100 clients exceeds"),  # 1,438 samples would do
+    ({"data": {"dataset": "digits", "options": {"test_samples": 400}, "partition": {"scheme": "iid"}}},
+     r"data.options: dataset option test_samples must be an integer in 1\.\.359"),
     ({"data": {"dataset": "mnist", "root": "/nonexistent", "partition": {"scheme": "iid"}}},
      r"data.root: dataset file /nonexistent/MNIST/raw/train-images-idx3-ubyte.gz not found \(and 3 more\)"),
     ({"data": {"dataset": "mnist", "partition": {"scheme": "iid"}}}, r"data.root: no data root is set"),

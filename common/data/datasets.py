@@ -13,6 +13,11 @@ Supported names (:data:`DATASET_NAMES`) and the files read under the data root (
 - ``tiny-imagenet``: ``tiny-imagenet-200/`` (JPEG folders; the ``val`` split is the test split).
 - ``package.module:function``: a custom loader called as ``function(root=root, **options)``.
 
+Every built-in dataset also takes ``train_samples`` / ``test_samples``: keep only that many
+samples of the split, a class-stratified subset drawn with the fixed seed :data:`SUBSET_SEED` (part
+of the dataset, like the digits split, so every run and process sees the same subset), for runs
+sized to a small machine.
+
 CIFAR pickles are read with :class:`RestrictedUnpickler`, which only resolves the globals numpy
 arrays need, so a tampered file cannot run code.
 """
@@ -25,6 +30,7 @@ import os
 import pickle
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +49,9 @@ DATASET_NAMES: tuple[str, ...] = ("digits", "mnist", "cifar10", "cifar100", "tin
 DIGITS_TEST_FRACTION = 0.2
 # Fixed seed of the digits train/test split: the split is part of the dataset, not of a run.
 DIGITS_SPLIT_SEED = 0
+# Fixed seed of the ``train_samples`` / ``test_samples`` subsets (part of the dataset, not of a run).
+SUBSET_SEED = 0
+SUBSET_OPTIONS = ("train_samples", "test_samples")
 
 # Per-channel statistics of the training images (after scaling to [0, 1]).
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -78,8 +87,8 @@ CLASS_COUNTS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "tiny-imagenet": ((500,) * 200, (50,) * 200),
 }
 # Loader options of the built-in datasets.
-DATASET_OPTIONS: dict[str, tuple[str, ...]] = {name: () if name == "digits" else ("normalize",)
-                                                for name in DATASET_NAMES}
+DATASET_OPTIONS: dict[str, tuple[str, ...]] = {
+    name: SUBSET_OPTIONS + (() if name == "digits" else ("normalize",)) for name in DATASET_NAMES}
 
 _IDX_UINT8 = 0x08
 
@@ -91,11 +100,17 @@ def load_dataset(name: str, root: Root | None, **options: Any) -> ArrayDataset:
 
     ``root`` is the data root (the ``data.root`` setting); ``options`` are loader options:
     ``normalize`` (bool) for ``mnist`` (default False), ``cifar10``/``cifar100`` and
-    ``tiny-imagenet`` (default True); anything for a custom loader.
+    ``tiny-imagenet`` (default True); ``train_samples`` / ``test_samples`` (int) for every
+    built-in dataset (see :func:`stratified_subset`); anything for a custom loader.
     """
     if ":" in name:
         return _load_custom(name, root, options)
     check_dataset_options(name, options)
+    sizes = {key: options.pop(key) for key in SUBSET_OPTIONS if key in options}
+    return stratified_subset(_load_builtin(name, root, **options), **sizes)
+
+
+def _load_builtin(name: str, root: Root | None, **options: Any) -> ArrayDataset:
     if name == "digits":
         return _load_digits()
     if root is None:
@@ -109,6 +124,53 @@ def load_dataset(name: str, root: Root | None, **options: Any) -> ArrayDataset:
     if name == "cifar100":
         return _load_cifar100(base, root, normalize)
     return _load_tiny_imagenet(base, root, normalize)
+
+
+def stratified_subset(dataset: ArrayDataset, train_samples: int | None = None,
+                      test_samples: int | None = None) -> ArrayDataset:
+    """``dataset`` with only ``train_samples`` / ``test_samples`` samples of its splits (``None``:
+    the whole split). Each class keeps its share (largest remainders, ties to the lower class),
+    the samples of a class drawn with :data:`SUBSET_SEED`; the kept samples stay in file order."""
+    rng = np.random.default_rng(SUBSET_SEED)
+    x_train, y_train = _subset("train_samples", dataset.x_train, dataset.y_train, train_samples, rng)
+    x_test, y_test = _subset("test_samples", dataset.x_test, dataset.y_test, test_samples, rng)
+    return replace(dataset, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+
+
+def _subset(key: str, x: np.ndarray, y: np.ndarray, size: int | None,
+            rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    if size is None:
+        return x, y
+    if y.dtype.kind not in "iu":
+        raise ValueError(f"dataset option {key} needs integer class labels, the split has {y.dtype}")
+    classes, counts = np.unique(y, return_counts=True)
+    quota = _stratified_quota(key, counts, size)
+    keep = np.sort(np.concatenate([rng.permutation(np.flatnonzero(y == c))[:k]
+                                   for c, k in zip(classes, quota)]))
+    return x[keep], y[keep]
+
+
+def _stratified_quota(key: str, counts: np.ndarray, size: int) -> np.ndarray:
+    """Samples kept per class when a split with ``counts`` per class keeps ``size``: each class
+    its share, the remainder to the largest fractional parts (ties to the lower class)."""
+    total = int(np.sum(counts))
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= total:
+        raise ValueError(f"dataset option {key} must be an integer in 1..{total} (the split's size), "
+                         f"got {size!r}")
+    exact = np.asarray(counts) * size / total
+    quota = np.floor(exact).astype(np.int64)
+    remainder = size - int(quota.sum())
+    quota[np.argsort(-(exact - quota), kind="stable")[:remainder]] += 1
+    return quota
+
+
+def class_counts(name: str, options: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Samples per class (train, test) of built-in dataset ``name`` loaded with ``options``
+    (after ``train_samples`` / ``test_samples``), without reading the data."""
+    counts = CLASS_COUNTS[name]
+    return tuple(tuple(int(k) for k in (split if options.get(key) is None
+                                        else _stratified_quota(key, np.asarray(split), options[key])))
+                 for key, split in zip(SUBSET_OPTIONS, counts))
 
 
 def check_dataset_options(name: str, options: dict[str, Any]) -> None:
@@ -127,6 +189,10 @@ def check_dataset_options(name: str, options: dict[str, Any]) -> None:
     if not isinstance(normalize, bool):
         raise ValueError(f"option normalize of dataset {name!r} must be true or false, "
                          f"got {normalize!r}")
+    for key in SUBSET_OPTIONS:
+        size = options.get(key, 1)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"option {key} of dataset {name!r} must be a positive integer, got {size!r}")
 
 
 def missing_dataset_files(name: str, root: Root, splits: tuple[str, ...] = ("train", "test")) -> list[Path]:
