@@ -309,7 +309,7 @@ def _build(cls: type, raw: Any, prefix: str):
 
 def _validate(config: RunConfig) -> None:
     from fedpart.common.data.augment import AUGMENTATIONS
-    from fedpart.common.data.datasets import DATASET_NAMES
+    from fedpart.common.data.datasets import DATASET_NAMES, check_dataset_options
     from fedpart.common.data.partition import check_partition_options
     from fedpart.common.objectives import check_objective
 
@@ -362,6 +362,11 @@ def _validate(config: RunConfig) -> None:
     if ":" not in config.data.dataset and config.data.dataset not in DATASET_NAMES:
         raise ConfigError(f"data.dataset {config.data.dataset!r} is not one of {', '.join(DATASET_NAMES)} "
                           "nor a 'package.module:function' path")
+    if ":" not in config.data.dataset:
+        try:
+            check_dataset_options(config.data.dataset, config.data.options)
+        except ValueError as error:
+            raise ConfigError(f"data.options: {error}") from error
     try:
         check_partition_options(config.data.partition.scheme, config.data.partition.options)
     except ValueError as error:

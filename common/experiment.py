@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from fedpart.common.algorithms import Algorithm, RoundContext, build_algorithm, has_global_model
 from fedpart.common.checkpoint import load_tensors
 from fedpart.common.config import ConfigError, RunConfig
-from fedpart.common.data.datasets import check_dataset_options, class_counts, missing_dataset_files
+from fedpart.common.data.datasets import class_counts, missing_dataset_files
 from fedpart.common.data.partition import check_partition
 from fedpart.common.importing import import_callable
 from fedpart.common.models.zoo import build_model
@@ -101,7 +101,6 @@ def check_experiment(config: RunConfig, clients_data: LocalData | None = None, s
                 raise ConfigError(str(error)) from error
         return
     try:
-        check_dataset_options(data.dataset, data.options)
         counts = class_counts(data.dataset, data.options)
     except ValueError as error:
         raise ConfigError(f"data.options: {error}") from error
