@@ -34,10 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpart.common.algorithms import ALGORITHMS
+from fedpart.deploy.launcher import failure, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "mnist_cnn2.yaml"
@@ -54,7 +52,6 @@ SHARDS_PER_CLIENT = 2
 FINETUNE_LR = 0.001
 FINETUNE_MOMENTUM = 0.9
 FINETUNE_BATCH_SIZE = 50
-STOP_SECONDS = 30.0
 
 # Algorithm options scaled to a run of a few rounds.
 ALGORITHM_OPTIONS: dict[str, dict[str, Any]] = {
@@ -177,37 +174,13 @@ def run_row(variant: str, codec: str, overrides: list[str], out: Path, timeout: 
     log_path = out.parent / f"{out.name}.log"  # beside the run directory: fedpart run wants a new one
     command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(CONFIG), "--out", str(out)]
     command += [a for o in overrides + row_overrides(variant, codec) for a in ("--set", o)]
-    started = time.perf_counter()
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        try:
-            code: int | None = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            _stop(process)
-    wall = time.perf_counter() - started
+    code, wall = run_bounded(command, log_path, timeout, cwd=REPO)
     if code != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-        reason = f"exit code {code}" if code is not None else f"no end within {timeout:.0f} s"
-        return Result(variant, codec, str(out), wall, error=f"{reason}; last lines of {log_path}:\n{tail}")
+        return Result(variant, codec, str(out), wall, error=failure(code, timeout, log_path))
     try:
         return read_run(variant, codec, out, wall)
     except (OSError, KeyError, ValueError) as error:
         return Result(variant, codec, str(out), wall, error=f"unreadable run directory: {error!r}")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """Stop the launcher by PID (SIGTERM makes it stop its server and clients), then its group."""
-    if process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=STOP_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
 
 
 def read_run(variant: str, codec: str, out: Path, wall: float) -> Result:

@@ -37,10 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,10 +49,10 @@ from typing import Any
 import yaml
 
 from fedpart.common.config import apply_overrides
+from fedpart.deploy.launcher import failure, run_bounded
 from fedpart.deploy.report.runs import ReportError, Run, read_run
 
 REPO = Path(__file__).resolve().parents[1]
-STOP_SECONDS = 30.0
 SIZES = ("full", "tiny")
 FINETUNE_SWEEP = [0, 1, 2, 3, 4, 5, 10]  # FedBABU's personalization-speed curve (tau_f)
 
@@ -376,33 +373,6 @@ def run_settings(study: Study, cell: Cell, variant: Variant, seed: int, data_roo
     return settings
 
 
-def launch(command: list[str], log_path: Path, timeout: float) -> tuple[int | None, float]:
-    """Run ``command`` (its output to ``log_path``); stop it by PID at ``timeout``. Returns the
-    exit code (None at the timeout) and the wall seconds."""
-    started = time.perf_counter()
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code: int | None = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            _stop(process)
-    return code, time.perf_counter() - started
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """Stop the launcher by PID (SIGTERM makes it stop its server and clients), then its group."""
-    if process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=STOP_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
-
-
 def run_one(study: Study, cell: Cell, variant: Variant, seed: int, out: Path, settings: dict[str, Any],
             timeout: float) -> Record:
     """``fedpart run`` of a config holding exactly ``settings`` (every other key at its documented
@@ -413,12 +383,10 @@ def run_one(study: Study, cell: Cell, variant: Variant, seed: int, out: Path, se
                                           sort_keys=False))
     command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(config_path), "--out", str(out)]
     log_path = out.parent / f"{out.name}.log"
-    code, wall = launch(command, log_path, timeout)
+    code, wall = run_bounded(command, log_path, timeout, cwd=REPO)
     record = Record(study.name, cell.key, variant.label, seed, str(out), command, wall)
     if code != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-        reason = f"exit code {code}" if code is not None else f"no end within {timeout:.0f} s"
-        record.error = f"{reason}; last lines of {log_path}:\n{tail}"
+        record.error = failure(code, timeout, log_path)
         return record
     try:
         run = read_run(out)

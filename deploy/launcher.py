@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -93,6 +94,35 @@ def stop_processes(processes: list[subprocess.Popen], grace_seconds: float = 10.
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=5)
+
+
+def run_bounded(command: list[str], log_path: Path, timeout: float, cwd: Path | None = None) -> tuple[int | None, float]:
+    """Run ``command`` (a whole ``fedpart run``, as the benchmark scripts do) in its own session,
+    its output in ``log_path``. At ``timeout`` it is stopped by PID (SIGTERM: a launcher then stops
+    its server and clients), and its process group killed if it has not ended within
+    :data:`STOP_SECONDS`. Returns the exit code (None when it ran out of time) and the wall seconds."""
+    started = time.perf_counter()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code: int | None = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=STOP_SECONDS)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait(timeout=10)
+    return code, time.perf_counter() - started
+
+
+def failure(code: int | None, timeout: float, log_path: Path) -> str:
+    """Why a :func:`run_bounded` command failed, with the last lines of its log."""
+    reason = f"exit code {code}" if code is not None else f"no end within {timeout:.0f} s"
+    return f"{reason}; last lines of {log_path}:\n{_tail(log_path, 15)}"
 
 
 def _tail(path: Path, lines: int = 20) -> str:
