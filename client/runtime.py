@@ -424,23 +424,32 @@ class ClientProcess:
 
     def _submit(self, result: ResultInfo, uploads: dict[str, torch.Tensor], deltas: Collection[str]) -> None:
         """Send the result, its tensors encoded by ``compression.up``; the error-feedback
-        residuals it leaves are kept once the server took it."""
+        residuals it leaves are kept once the server took it. A send the server could not take
+        now (unreachable, busy, or its transport reset the stream before the server read it) is
+        tried again as a task request is; the server takes one result per task, so a copy that
+        did arrive is refused, not counted twice."""
         specs, tensors, residuals = self._wire_forms(result, uploads, deltas)
         self.activity.task(f"client {result.client_id} round {result.round}: sending the result")
-        sent = [0]
+        header = result_header(result, specs)
+        while True:
+            sent = [0]
 
-        def counted(chunks: Iterator[pb.ResultChunk]) -> Iterator[pb.ResultChunk]:
-            for chunk in chunks:
-                sent[0] += chunk.ByteSize()
-                yield chunk
+            def counted(chunks: Iterator[pb.ResultChunk]) -> Iterator[pb.ResultChunk]:
+                for chunk in chunks:
+                    sent[0] += chunk.ByteSize()
+                    yield chunk
 
-        chunks = encode_chunks(pb.ResultChunk, result_header(result, specs), tensors, self.config.server.chunk_bytes)
-        try:
-            self.stub.SubmitResult(counted(chunks), timeout=TRANSFER_SECONDS)
-        except grpc.RpcError as error:
-            self.log(f"warning: result for client {result.client_id} round {result.round} not taken: "
-                     f"{error.details()}")
-            return
+            chunks = encode_chunks(pb.ResultChunk, header, tensors, self.config.server.chunk_bytes)
+            try:
+                self.stub.SubmitResult(counted(chunks), timeout=TRANSFER_SECONDS)
+                break
+            except grpc.RpcError as error:
+                if not _unreachable(error):
+                    self.log(f"warning: result for client {result.client_id} round {result.round} not taken: "
+                             f"{error.details()}")
+                    return
+                self._wait_for_server(error)
+        self._server_back()
         self.log(f"client {result.client_id} round {result.round}: result sent ({sent[0]:,} bytes)")
         if residuals is not None:
             self.store.save_residuals(result.client_id, result.round, residuals)

@@ -8,9 +8,9 @@ versions of the global tensors it has received, reads every task stream to its e
 size, discarding the bytes) and answers each task without computing anything: a training task with
 exactly the tensors its plan asks for, shaped like the global model (small seeded deltas), an
 evaluation with the metrics a real client reports. Failures are handled as the real client handles
-them: an unreachable server is retried with capped backoff, a lost session joins again, a refused
-join or task request ends the virtual process, a refused result or heartbeat is counted and the
-process goes on.
+them: an unreachable server is retried with capped backoff (a result the server could not take
+now is sent again), a lost session joins again, a refused join or task request ends the virtual
+process, a refused result or heartbeat is counted and the process goes on.
 
 Every virtual process of an OS process shares one asyncio event loop, one model built from the
 run config of the join reply, and one pre-encoded set of result chunks per upload list: from one
@@ -412,13 +412,19 @@ class VirtualProcess:
 
     async def _submit(self, chunks: list[pb.ResultChunk]) -> bool:
         """Send one result; False when the server did not take it (counted; the process goes on,
-        as fedpart client does)."""
-        try:
-            reply = await self.stub.SubmitResult(iter(chunks), timeout=self._stream_seconds(TRANSFER_SECONDS))
-        except grpc.aio.AioRpcError as error:
-            self.host.stats.error("SubmitResult", error.code())
-            return False
-        return reply.accepted
+        as fedpart client does). A send the server could not take now is counted and tried
+        again with backoff, as fedpart client tries it."""
+        while True:
+            try:
+                reply = await self.stub.SubmitResult(iter(chunks), timeout=self._stream_seconds(TRANSFER_SECONDS))
+            except grpc.aio.AioRpcError as error:
+                self.host.stats.error("SubmitResult", error.code())
+                if error.code() not in RETRY_LATER_CODES:
+                    return False
+                await self._back_off(error)
+                continue
+            self._outage = None
+            return reply.accepted
 
 
 def slice_clients(client_ids: list[int], processes: int) -> list[list[int]]:

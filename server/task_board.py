@@ -5,8 +5,11 @@ Each live process has a :class:`Mailbox`: its queued tasks, the ids of those it 
 answered, and at most one waiting long poll (a newer poll of the same process supersedes the
 older one). Queueing a task wakes exactly the poll of its process; nothing rescans the processes.
 A task is *open* from dispatch until it is answered, dropped, or closed with its round (a late
-result is then refused); *outstanding* once its process took it; *awaited* while the round loop
-waits for it, and the round loop is woken when the last awaited task closes.
+result is then refused); *outstanding* once its process took it; *claimed* while one result
+stream for it is being received (a second stream for the same task is refused, so a result is
+never folded twice, and a stream the server never saw leaves the task outstanding for the
+client's retry); *awaited* while the round loop waits for it, and the round loop is woken when
+the last awaited task closes.
 
 The board shares the round engine's condition variable; every method takes it.
 """
@@ -66,6 +69,7 @@ class TaskBoard:
         self._mailboxes: dict[str, Mailbox] = {}  # by session, live processes only
         self._open: dict[int, Task] = {}          # queued or taken, on a live process
         self._outstanding: dict[int, Task] = {}   # taken and not yet answered
+        self._claimed: set[int] = set()           # outstanding tasks whose result is being received
         self._awaited: set[int] = set()           # open tasks the round loop waits for
         registry.events = self
 
@@ -168,8 +172,9 @@ class TaskBoard:
     # ------------------------------------------------------------------ results
 
     def result_task(self, result: ResultInfo, principal: Principal | None = None) -> Task:
-        """The outstanding task a result answers; raises :class:`UnknownSession` for a session
-        the caller does not hold, :class:`Rejected` if it answers no outstanding task."""
+        """Claim the outstanding task a result answers for the calling stream (the claim ends
+        when the task closes); raises :class:`UnknownSession` for a session the caller does not
+        hold, :class:`Rejected` if it answers no outstanding task or another stream holds it."""
         with self._cond:
             if self.registry.session(result.session, principal) is None:
                 raise UnknownSession("unknown or expired session: join again")
@@ -179,6 +184,9 @@ class TaskBoard:
             if result.client_id != task.client_id or result.round != task.round:
                 raise Rejected(f"result names client {result.client_id} round {result.round}, "
                                f"task {result.task_id} is client {task.client_id} round {task.round}")
+            if task.task_id in self._claimed:
+                raise Rejected(f"a result for task {task.task_id} is already being received")
+            self._claimed.add(task.task_id)
             return task
 
     def check_current(self, task: Task) -> None:
@@ -260,6 +268,7 @@ class TaskBoard:
         """Take a task out of every queue; wakes the round loop when its last awaited task closes."""
         task.closed = True
         self._open.pop(task.task_id, None)
+        self._claimed.discard(task.task_id)
         if self._outstanding.pop(task.task_id, None) is not None:
             mailbox = self._mailboxes.get(task.session)
             if mailbox is not None:

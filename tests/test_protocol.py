@@ -4,6 +4,7 @@ liveness and large models. The server runs in-process on 127.0.0.1; the clients 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -260,3 +261,74 @@ def test_done_tells_how_the_run_ended(harness_factory, outcome) -> None:
     assert header.kind == pb.DONE and header.outcome == outcome
     assert (header.SerializeToString() == pb.TaskHeader(kind=pb.DONE).SerializeToString()) == \
         (outcome == RunOutcome.COMPLETED)
+
+
+def test_one_result_stream_per_task(harness_factory) -> None:
+    """While one stream of a task's result is being read, a second one for the same task is
+    refused (a client sending again cannot have its result folded twice); the first is taken."""
+    harness = harness_factory()
+    session = harness.join([0])
+    harness.start_rounds(1)
+    header, _ = harness.get_task(session)
+    uploads = _zero_deltas(header, harness.coordinator.global_state)
+    result = pb.ResultHeader(session=session, task_id=header.task_id, client_id=header.client_id,
+                             round=header.round, num_samples=10, metrics={"loss": 1.0},
+                             tensors=[make_spec(n, t) for n, t in uploads.items()])
+    chunks = list(encode_chunks(pb.ResultChunk, result, list(uploads.values()), chunk_bytes=1024))
+    assert len(chunks) > 2
+    release = threading.Event()
+
+    def held_after_the_header() -> Iterator[pb.ResultChunk]:
+        yield chunks[0]
+        release.wait(BOUND)
+        yield from chunks[1:]
+
+    first = harness.stub.SubmitResult.future(held_after_the_header(), timeout=BOUND)
+    board = harness.coordinator.board
+    deadline = time.monotonic() + BOUND
+    while header.task_id not in board._claimed:  # the server has read the first stream's header
+        assert time.monotonic() < deadline and not first.done(), "the server never read the first header"
+        time.sleep(0.01)
+    with pytest.raises(grpc.RpcError) as error:
+        harness.stub.SubmitResult(iter(chunks), timeout=BOUND)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "already being received" in error.value.details()
+    release.set()
+    assert first.result(timeout=BOUND).accepted
+    harness.wait_rounds()
+    assert harness.records[0]["completed"] == [0]
+
+
+def test_a_result_the_server_did_not_take_is_sent_again(harness_factory, tmp_path, monkeypatch) -> None:
+    """Seen with 2,000 client processes evaluating at once: result streams ended CANCELLED before
+    the server read them, the task stayed open and the evaluation waited for its timeout. The
+    client now sends such a result again; here the server answers the first stream of each
+    task's result CANCELLED without reading it, and the round and the evaluation still complete
+    with the client."""
+    from fedpart.client.runtime import ClientProcess
+    from fedpart.server.service import CoordinatorService
+
+    serve = CoordinatorService.SubmitResult
+    calls: list[bool] = []
+
+    async def cancel_every_other(self, request_iterator, context):
+        calls.append(len(calls) % 2 == 0)
+        if calls[-1]:
+            await context.abort(grpc.StatusCode.CANCELLED, "stream reset before the server read it (test)")
+        return await serve(self, request_iterator, context)
+
+    monkeypatch.setattr(CoordinatorService, "SubmitResult", cancel_every_other)
+    harness = harness_factory()
+    client = ClientProcess(f"127.0.0.1:{harness.server_port}", [0], state_dir=tmp_path / "state", threads=1)
+    codes: list[int] = []
+    worker = threading.Thread(target=lambda: codes.append(client.run()), daemon=True)
+    worker.start()
+    harness.start_rounds(1)
+    harness.wait_rounds()
+    assert harness.records[0]["completed"] == [0]
+    evaluated = harness.coordinator.evaluate_all()
+    assert list(evaluated) == [0]
+    assert calls == [True, False, True, False]
+    harness.coordinator.finish()
+    worker.join(timeout=BOUND)
+    assert codes == [0]
