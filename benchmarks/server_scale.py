@@ -29,7 +29,9 @@ Columns:
   measurements; *round/floor* is the mean round time over it. For reference, a plain float32
   ``add_`` of the same tensors (the bare summation) is printed beside it.
 
-Linux only (``/proc``). Every process is stopped by PID when a row ends, however it ends.
+``--set KEY=VALUE`` changes a key of the server's config (e.g. ``server.receive_window=65536``),
+for measuring a setting against the default in two invocations. Linux only (``/proc``). Every
+process is stopped by PID when a row ends, however it ends.
 
     python benchmarks/server_scale.py --rows 1000x100,1000x600 --rounds 2
 """
@@ -54,7 +56,7 @@ from typing import TextIO
 import torch
 import yaml
 
-from fedpart.common.config import config_from_dict
+from fedpart.common.config import apply_overrides, config_from_dict
 from fedpart.common.experiment import build_run_model
 from fedpart.deploy.launcher import split_clients, stop_processes
 from fedpart.server.aggregation import WeightedMean
@@ -64,7 +66,9 @@ SAMPLE_SECONDS = 0.05
 LISTEN_SECONDS = 120.0
 READY_SECONDS = 300.0
 STOP_SECONDS = 10.0
-RECONNECT_SECONDS = 10.0  # virtual processes give up this soon after the server went away
+# Virtual processes give up this long after the server went away or stopped taking their calls (a
+# saturated server answers some result streams CANCELLED; they are sent again with backoff).
+RECONNECT_SECONDS = 60.0
 FLOOR_REPEATS = 3
 FOLD_POOL = 4  # distinct delta sets the fold floor cycles through, so it does not run from cache
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
@@ -93,9 +97,10 @@ def parse_rows(text: str) -> list[Row]:
     return rows
 
 
-def scale_config(clients: int, rounds: int, fraction: float, model: str, timeout: float) -> dict:
-    """The server's run config for one row."""
-    return {
+def scale_config(clients: int, rounds: int, fraction: float, model: str, timeout: float,
+                 overrides: list[str] = ()) -> dict:
+    """The server's run config for one row, with ``--set`` overrides (dotted ``KEY=VALUE``)."""
+    return apply_overrides({
         "name": "server_scale", "seed": 0, "rounds": rounds, "clients": clients,
         "sampling": {"fraction": fraction},
         "data": {"dataset": "mnist", "partition": {"scheme": "iid"}},
@@ -105,7 +110,7 @@ def scale_config(clients: int, rounds: int, fraction: float, model: str, timeout
         "evaluate": {"finetune_epochs": [1, 5], "global_test": False},
         "robust": {"partition_sizes": False},
         "server": {"join_timeout": timeout, "round_timeout": timeout, "evaluation_timeout": timeout},
-    }
+    }, list(overrides))
 
 
 class Lines:
@@ -236,7 +241,7 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
     """One real server and the row's virtual processes; every process is stopped by PID at the end."""
     config_path = work / "config.yaml"
     config_path.write_text(yaml.safe_dump(scale_config(row.clients, args.rounds, args.fraction, args.model,
-                                                       args.timeout)))
+                                                       args.timeout, args.set)))
     out = work / "run"
     started: list[subprocess.Popen] = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -465,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="the server's join, round and evaluation timeouts (a row ends by them)")
     parser.add_argument("--keep", type=Path, help="keep each row's run directory and counts under this directory")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key of the server's config, e.g. server.receive_window=65536 (repeatable)")
     args = parser.parse_args(argv)
     if args.generators < 1:
         parser.error("--generators must be at least 1")
@@ -474,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model: {error}")
     for row in args.rows:
         try:
-            config_from_dict(scale_config(row.clients, args.rounds, args.fraction, args.model, args.timeout))
+            config_from_dict(scale_config(row.clients, args.rounds, args.fraction, args.model, args.timeout,
+                                          args.set))
         except ValueError as error:
             parser.error(f"row {row.clients}x{row.processes}: {error}")
         if args.keep is not None and (args.keep / f"{row.clients}x{row.processes}").exists():
@@ -494,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             floors[count] = measure_floor(count, tensors)
         results.append((result, floors[count]))
         print(format_details(result, floors[count]), flush=True)
-    print(f"\nFedAvg, {args.model}, fraction {args.fraction}, {args.rounds} rounds, {os.cpu_count()} cores")
+    settings = "".join(f", {override}" for override in args.set)
+    print(f"\nFedAvg, {args.model}, fraction {args.fraction}, {args.rounds} rounds, {os.cpu_count()} cores{settings}")
     print(format_table(results))
     return 0 if all(not result.problems for result, _ in results) else 1
 
