@@ -138,9 +138,10 @@ def _piece_bytes(index: int, length: int) -> int:
     return _PIECES_FIELD_TAG_BYTES + varint_size(body) + body
 
 
-def piece_wire_bytes(piece: pb.TensorPiece) -> int:
-    """Bytes one piece adds to its chunk message: field tag, length prefix and body."""
-    return _piece_bytes(piece.index, len(piece.data))
+def chunk_pieces(chunk) -> list[tuple[int, bytes]]:
+    """The ``(tensor index, bytes)`` of a chunk's pieces, each read once: reading a bytes field of
+    a protobuf message copies it, so a receiver measures and assembles from this list."""
+    return [(piece.index, piece.data) for piece in chunk.pieces]
 
 
 def _fitting_length(index: int, room: int, wanted: int) -> int:
@@ -207,11 +208,12 @@ class ChunkBytes:
         return self.total - sum(self.by_tensor.values())
 
 
-def measure_chunk(chunk) -> ChunkBytes:
-    """Exact serialized size of a chunk message, attributing each piece to its tensor."""
+def measure_chunk(chunk, pieces: Sequence[tuple[int, bytes]] | None = None) -> ChunkBytes:
+    """Exact serialized size of a chunk message, attributing each piece (field tag, length prefix
+    and body) to its tensor; ``pieces`` are the chunk's :func:`chunk_pieces` when already read."""
     by_tensor: dict[int, int] = {}
-    for piece in chunk.pieces:
-        by_tensor[piece.index] = by_tensor.get(piece.index, 0) + piece_wire_bytes(piece)
+    for index, data in chunk_pieces(chunk) if pieces is None else pieces:
+        by_tensor[index] = by_tensor.get(index, 0) + _piece_bytes(index, len(data))
     return ChunkBytes(total=chunk.ByteSize(), by_tensor=by_tensor)
 
 
@@ -248,21 +250,21 @@ class TensorAssembler:
         self._filled = [0] * len(self.specs)
         self._wire = [0] * len(self.specs)  # serialized piece bytes per tensor
 
-    def add(self, pieces: Iterable[pb.TensorPiece]) -> None:
-        """Append the pieces' bytes to their tensors."""
-        for piece in pieces:
-            if piece.index >= len(self.specs):
-                raise WireError(f"piece for tensor index {piece.index}, but only {len(self.specs)} tensors declared")
-            start = self._filled[piece.index]
-            end = start + len(piece.data)
-            if end > self._expected[piece.index]:
-                spec = self.specs[piece.index]
+    def add(self, pieces: Iterable[tuple[int, bytes]]) -> None:
+        """Append the pieces' bytes (a chunk's :func:`chunk_pieces`) to their tensors."""
+        for index, data in pieces:
+            if index >= len(self.specs):
+                raise WireError(f"piece for tensor index {index}, but only {len(self.specs)} tensors declared")
+            start = self._filled[index]
+            end = start + len(data)
+            if end > self._expected[index]:
+                spec = self.specs[index]
                 raise WireError(f"tensor {spec.name!r}: more bytes than its dtype {spec.dtype} and shape {list(spec.shape)} hold")
-            if self._buffers[piece.index] is None:
-                self._buffers[piece.index] = memoryview(bytearray(self._expected[piece.index]))
-            self._buffers[piece.index][start:end] = piece.data
-            self._filled[piece.index] = end
-            self._wire[piece.index] += _piece_bytes(piece.index, end - start)
+            if self._buffers[index] is None:
+                self._buffers[index] = memoryview(bytearray(self._expected[index]))
+            self._buffers[index][start:end] = data
+            self._filled[index] = end
+            self._wire[index] += _piece_bytes(index, end - start)
 
     def encoding_bytes(self) -> dict[str, dict[str, int]]:
         """Serialized and decoded bytes by encoding of the pieces added so far."""
@@ -350,11 +352,11 @@ def decode_chunks(chunks: Iterable, max_total_bytes: int | None = None,
         raise WireError("the first chunk carries no header")
     header = first.header
     assembler = TensorAssembler(header.tensors, max_total_bytes, into(header.tensors) if into else None)
-    assembler.add(first.pieces)
+    assembler.add(chunk_pieces(first))
     for chunk in iterator:
         if chunk.HasField("header"):
             raise WireError("a second header inside one message stream")
-        assembler.add(chunk.pieces)
+        assembler.add(chunk_pieces(chunk))
     return header, assembler.tensors()
 
 

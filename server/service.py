@@ -31,7 +31,7 @@ from fedpart.common.plans import TaskKind
 from fedpart.common.protocol import RESULT_REJECTED, InvalidResult, Rejected
 from fedpart.common.serde import join_info, result_info, task_header
 from fedpart.common.split_model import tensor_part
-from fedpart.common.wire import TensorAssembler, WireError, measure_chunk
+from fedpart.common.wire import TensorAssembler, WireError, chunk_pieces, measure_chunk
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 from fedpart.server.accounting import PROCESS, ByteLedger
@@ -229,12 +229,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                        parts: list[str], staging: dict) -> dict:
         """Read the pieces of a result whose header was checked against its task."""
         assembler = TensorAssembler(first.header.tensors, into=staging)
-        assembler.add(first.pieces)
+        assembler.add(chunk_pieces(first))
         async for chunk in rest:
-            size = measure_chunk(chunk)
+            pieces = chunk_pieces(chunk)
+            size = measure_chunk(chunk, pieces)
             received.add(bytes_by_part(chunk, parts, size), "up")
             check_later_chunk(chunk, size)
-            assembler.add(chunk.pieces)
+            assembler.add(pieces)
         tensors = assembler.tensors()
         received.encodings = assembler.encoding_bytes()
         return tensors

@@ -24,6 +24,7 @@ from fedpart.common.codecs import (
 from fedpart.common.wire import (
     TensorAssembler,
     WireError,
+    chunk_pieces,
     decode_chunks,
     decoded_nbytes,
     encode_chunks,
@@ -177,7 +178,7 @@ def test_encoded_tensors_cross_the_wire_and_are_counted_by_encoding() -> None:
     staging = {"w": torch.full((10, 30), SENTINEL)}  # a server's reused buffer: fully overwritten
     assembler = TensorAssembler(chunks[0].header.tensors, into=staging)
     for chunk in chunks:
-        assembler.add(chunk.pieces)
+        assembler.add(chunk_pieces(chunk))
     got = assembler.tensors()
     assert got["w"] is staging["w"] and torch.equal(got["steps"], tensors["steps"])
     assert int((got["w"] != 0).sum()) == 25

@@ -9,11 +9,11 @@ from fedpart.common import wire
 from fedpart.common.wire import (
     TensorAssembler,
     WireError,
+    chunk_pieces,
     decode_chunks,
     encode_chunks,
     measure_chunk,
     named_specs,
-    piece_wire_bytes,
     varint_size,
 )
 from fedpart.proto import fedpart_pb2 as pb
@@ -173,8 +173,10 @@ def test_measure_chunk_attributes_every_byte():
 @pytest.mark.parametrize("length", [1, 127, 128, 20_000])
 def test_piece_wire_bytes_is_exact(index, length):
     piece = pb.TensorPiece(index=index, data=bytes(length))
-    assert piece_wire_bytes(piece) == pb.ResultChunk(pieces=[piece]).ByteSize()
-    assert piece_wire_bytes(piece) == pb.TaskChunk(pieces=[piece]).ByteSize()
+    for chunk in (pb.ResultChunk(pieces=[piece]), pb.TaskChunk(pieces=[piece])):
+        size = measure_chunk(chunk)
+        assert size.by_tensor == {index: chunk.ByteSize()} and size.control == 0
+        assert measure_chunk(chunk, chunk_pieces(chunk)) == size
 
 
 def test_no_tensors_gives_single_header_chunk():
@@ -196,14 +198,14 @@ def _spec(name="x", dtype="float32", shape=(2,)):
 
 def test_assembler_rejects_too_many_bytes():
     assembler = TensorAssembler([_spec()])
-    assembler.add([pb.TensorPiece(index=0, data=bytes(4))])
+    assembler.add([(0, bytes(4))])
     with pytest.raises(WireError, match="more bytes"):
-        assembler.add([pb.TensorPiece(index=0, data=bytes(8))])
+        assembler.add([(0, bytes(8))])
 
 
 def test_assembler_rejects_too_few_bytes():
     assembler = TensorAssembler([_spec(), _spec("y", "int64", (1,))])
-    assembler.add([pb.TensorPiece(index=0, data=bytes(8)), pb.TensorPiece(index=1, data=bytes(4))])
+    assembler.add([(0, bytes(8)), (1, bytes(4))])
     with pytest.raises(WireError, match="'y': got 4 of 8"):
         assembler.tensors()
 
@@ -211,7 +213,7 @@ def test_assembler_rejects_too_few_bytes():
 def test_assembler_rejects_out_of_range_index():
     assembler = TensorAssembler([_spec()])
     with pytest.raises(WireError, match="index 1"):
-        assembler.add([pb.TensorPiece(index=1, data=bytes(4))])
+        assembler.add([(1, bytes(4))])
 
 
 @pytest.mark.parametrize("dtype", ["complex64", "float", "torch.float32", ""])
@@ -298,7 +300,7 @@ def test_chunk_size_bounded_for_many_small_tensors():
 def _assemble(chunks, into=None, max_total_bytes=None) -> dict[str, torch.Tensor]:
     assembler = TensorAssembler(chunks[0].header.tensors, max_total_bytes, into=into)
     for chunk in chunks:
-        assembler.add(chunk.pieces)
+        assembler.add(chunk_pieces(chunk))
     return assembler.tensors()
 
 
@@ -374,8 +376,8 @@ def test_assembler_into_caller_buffers_keeps_every_check():
     with pytest.raises(WireError, match="15"):
         _assemble(chunks, into=staging, max_total_bytes=15)
     assembler = TensorAssembler(chunks[0].header.tensors, into=staging)
-    assembler.add(chunks[0].pieces)
+    assembler.add(chunk_pieces(chunks[0]))
     with pytest.raises(WireError, match="more bytes"):
-        assembler.add([*chunks[0].pieces, *chunks[1].pieces])
+        assembler.add([*chunk_pieces(chunks[0]), *chunk_pieces(chunks[1])])
     with pytest.raises(WireError, match="index 1"):
-        assembler.add([pb.TensorPiece(index=1, data=bytes(4))])
+        assembler.add([(1, bytes(4))])
