@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -76,6 +77,16 @@ class Harness:
                                  tensors=[make_spec(n, t) for n, t in uploads.items()])
         chunks: Iterator = encode_chunks(pb.ResultChunk, result, list(uploads.values()))
         return self.stub.SubmitResult(chunks, timeout=BOUND)
+
+    def start_client(self, state_dir: Path) -> tuple[threading.Thread, list[int]]:
+        """fedpart client's runtime for client 0 on a thread; its exit code lands in the list."""
+        from fedpart.client.runtime import ClientProcess
+
+        client = ClientProcess(f"127.0.0.1:{self.server_port}", [0], state_dir=state_dir, threads=1)
+        codes: list[int] = []
+        worker = threading.Thread(target=lambda: codes.append(client.run()), daemon=True)
+        worker.start()
+        return worker, codes
 
     def close(self) -> None:
         self.coordinator.finish()
@@ -203,14 +214,8 @@ def test_a_100_megabyte_model_moves_with_default_message_limits(harness_factory,
 def test_a_dropped_client_process_joins_again_and_keeps_working(harness_factory, tmp_path) -> None:
     """A process the server gave up on (e.g. a network blip longer than the heartbeat timeout)
     is told to join again on its next poll, does so, and takes part in the next round."""
-    from fedpart.client.runtime import ClientProcess
-
     harness = harness_factory()
-    address = f"127.0.0.1:{harness.server_port}"
-    client = ClientProcess(address, [0], state_dir=tmp_path / "state", threads=1)
-    codes: list[int] = []
-    worker = threading.Thread(target=lambda: codes.append(client.run()), daemon=True)
-    worker.start()
+    worker, codes = harness.start_client(tmp_path / "state")
     harness.start_rounds(1)
     harness.wait_rounds()
     assert harness.records[0]["completed"] == [0]
@@ -305,7 +310,6 @@ def test_a_result_the_server_did_not_take_is_sent_again(harness_factory, tmp_pat
     client now sends such a result again; here the server answers the first stream of each
     task's result CANCELLED without reading it, and the round and the evaluation still complete
     with the client."""
-    from fedpart.client.runtime import ClientProcess
     from fedpart.server.service import CoordinatorService
 
     serve = CoordinatorService.SubmitResult
@@ -319,10 +323,7 @@ def test_a_result_the_server_did_not_take_is_sent_again(harness_factory, tmp_pat
 
     monkeypatch.setattr(CoordinatorService, "SubmitResult", cancel_every_other)
     harness = harness_factory()
-    client = ClientProcess(f"127.0.0.1:{harness.server_port}", [0], state_dir=tmp_path / "state", threads=1)
-    codes: list[int] = []
-    worker = threading.Thread(target=lambda: codes.append(client.run()), daemon=True)
-    worker.start()
+    worker, codes = harness.start_client(tmp_path / "state")
     harness.start_rounds(1)
     harness.wait_rounds()
     assert harness.records[0]["completed"] == [0]
