@@ -27,8 +27,8 @@ UNKNOWN_SESSION = grpc.StatusCode.NOT_FOUND
 RESULT_REJECTED = grpc.StatusCode.INVALID_ARGUMENT
 # Answers after which the same call is tried again later: the server is down, restarting, cut
 # off, busy (it refuses calls beyond its cap at once rather than queueing them), or its transport
-# reset the stream (CANCELLED: seen for joins, heartbeats and result streams of 2,000 processes at
-# once, before the server's handlers saw the calls; a result is then sent again).
+# reset the stream (CANCELLED: seen for joins, heartbeats and result streams when 2,000 processes
+# called at once; the results' tasks were still open, so the server never read those streams).
 RETRY_LATER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                      grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 
