@@ -431,14 +431,15 @@ class ClientProcess:
         specs, tensors, residuals = self._wire_forms(result, uploads, deltas)
         self.activity.task(f"client {result.client_id} round {result.round}: sending the result")
         header = result_header(result, specs)
+        sent = [0]  # bytes of the last attempt
+
+        def counted(chunks: Iterator[pb.ResultChunk]) -> Iterator[pb.ResultChunk]:
+            for chunk in chunks:
+                sent[0] += chunk.ByteSize()
+                yield chunk
+
         while True:
-            sent = [0]
-
-            def counted(chunks: Iterator[pb.ResultChunk]) -> Iterator[pb.ResultChunk]:
-                for chunk in chunks:
-                    sent[0] += chunk.ByteSize()
-                    yield chunk
-
+            sent[0] = 0
             chunks = encode_chunks(pb.ResultChunk, header, tensors, self.config.server.chunk_bytes)
             try:
                 self.stub.SubmitResult(counted(chunks), timeout=TRANSFER_SECONDS)

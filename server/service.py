@@ -195,6 +195,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 await context.abort(error.code, str(error))
             received = Received(task)
             parts = [tensor_part(spec.name) for spec in header.tensors]
+            # measured now, its pieces read again once a slot is free: no copy of them waits for one
             received.add(bytes_by_part(first, parts), "up")
             reply = pb.SubmitReply(accepted=True)
             handed_over = False  # to the fold threads: from then on the fold decides
