@@ -44,7 +44,7 @@ from fedpart.common.protocol import PROTOCOL_VERSION, RETRY_LATER_CODES, UNKNOWN
 from fedpart.common.security import ClientSecurity, format_id_ranges
 from fedpart.common.serde import result_header, task_info
 from fedpart.common.split_model import tensor_part
-from fedpart.common.wire import decode_chunks, encode_chunks, wire_form
+from fedpart.common.wire import decode_chunks, header_then_pieces, wire_form
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 
@@ -440,7 +440,7 @@ class ClientProcess:
 
         while True:
             sent[0] = 0
-            chunks = encode_chunks(pb.ResultChunk, header, tensors, self.config.server.chunk_bytes)
+            chunks = header_then_pieces(pb.ResultChunk, header, tensors, self.config.server.chunk_bytes)
             try:
                 self.stub.SubmitResult(counted(chunks), timeout=TRANSFER_SECONDS)
                 break

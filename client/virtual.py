@@ -153,18 +153,19 @@ class LoadStats:
 
 @dataclass(frozen=True)
 class EncodedUpload:
-    """The tensors of a training result, encoded once; the first chunk's header lists their specs."""
+    """The tensors of a training result, encoded once, and their specs."""
 
+    specs: list[pb.TensorSpec]
     chunks: list[pb.ResultChunk]
     tensor_bytes: int
     parameters: int
 
     def stream(self, header: pb.ResultHeader) -> list[pb.ResultChunk]:
-        """The chunk stream of one result: ``header`` merged into a copy of the first chunk."""
-        first = pb.ResultChunk()
-        first.CopyFrom(self.chunks[0])
-        first.header.MergeFrom(header)
-        return [first, *self.chunks[1:]]
+        """The chunk stream of one result: ``header`` with the specs alone (as
+        :func:`~fedpart.common.wire.header_then_pieces` sends it), then the shared chunks."""
+        first = pb.ResultChunk(header=header)
+        first.header.tensors.extend(self.specs)
+        return [first, *self.chunks]
 
 
 class Payloads:
@@ -199,9 +200,8 @@ class Payloads:
             else:
                 delta = torch.zeros_like(like)
             tensors[name] = delta if name in deltas else like + delta
-        header = pb.ResultHeader(tensors=named_specs(tensors))
-        chunks = list(encode_chunks(pb.ResultChunk, header, list(tensors.values()), self.config.server.chunk_bytes))
-        return EncodedUpload(chunks=chunks,
+        chunks = list(encode_chunks(pb.ResultChunk, None, list(tensors.values()), self.config.server.chunk_bytes))
+        return EncodedUpload(specs=named_specs(tensors), chunks=chunks,
                              tensor_bytes=sum(len(piece.data) for chunk in chunks for piece in chunk.pieces),
                              parameters=sum(t.numel() for t in tensors.values()))
 

@@ -196,6 +196,17 @@ def encode_chunks(chunk_type: type, header, tensors: Iterable[torch.Tensor], chu
         yield chunk_type(header=header)
 
 
+def header_then_pieces(chunk_type: type, header, tensors: Iterable[torch.Tensor],
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator:
+    """A chunk stream whose first chunk is the header alone, then :func:`encode_chunks` of the
+    tensors. Serialized, it is as long as the stream with the header in the first chunk of pieces.
+    A receiver that checks the header and then waits before reading on (the server waits for an
+    upload slot) holds only the small header meanwhile; flow control keeps the pieces at the sender.
+    """
+    yield chunk_type(header=header)
+    yield from encode_chunks(chunk_type, None, tensors, chunk_bytes)
+
+
 @dataclass
 class ChunkBytes:
     """Serialized size of one chunk split into tensor bytes (per tensor index) and the rest."""

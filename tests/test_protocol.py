@@ -304,6 +304,41 @@ def test_one_result_stream_per_task(harness_factory) -> None:
     assert harness.records[0]["completed"] == [0]
 
 
+def test_a_result_stream_opens_with_the_header_alone(harness_factory, tmp_path, monkeypatch) -> None:
+    """Seen with 2,000 client processes: the server's peak RSS reached 2.1 GB because each of up to
+    1,000 result streams waiting for an upload slot held its first chunk, the header with 1 MiB of
+    pieces. The client now sends the header alone first, so a waiting stream holds a few hundred
+    bytes and flow control keeps its pieces at the client (1.2 GB at the same size)."""
+    from fedpart.server.service import CoordinatorService
+
+    serve = CoordinatorService.SubmitResult
+    streams: list[list[tuple[bool, int]]] = []
+
+    async def record(self, request_iterator, context):
+        seen: list[tuple[bool, int]] = []
+        streams.append(seen)
+
+        async def chunks():
+            async for chunk in request_iterator:
+                seen.append((chunk.HasField("header"), len(chunk.pieces)))
+                yield chunk
+
+        return await serve(self, chunks(), context)
+
+    monkeypatch.setattr(CoordinatorService, "SubmitResult", record)
+    harness = harness_factory(server={"round_timeout": 30, "heartbeat_timeout": 30, "chunk_bytes": 4096})
+    worker, codes = harness.start_client(tmp_path / "state")
+    harness.start_rounds(1)
+    harness.wait_rounds()
+    assert harness.records[0]["completed"] == [0]
+    harness.coordinator.finish()
+    worker.join(timeout=BOUND)
+    assert codes == [0]
+    (training,) = streams
+    assert training[0] == (True, 0)
+    assert len(training) > 2 and all(not header and pieces > 0 for header, pieces in training[1:])
+
+
 def test_a_result_the_server_did_not_take_is_sent_again(harness_factory, tmp_path, monkeypatch) -> None:
     """Seen with 2,000 client processes evaluating at once: result streams ended CANCELLED before
     the server read them, the task stayed open and the evaluation waited for its timeout. The

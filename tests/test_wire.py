@@ -12,6 +12,7 @@ from fedpart.common.wire import (
     chunk_pieces,
     decode_chunks,
     encode_chunks,
+    header_then_pieces,
     measure_chunk,
     named_specs,
     varint_size,
@@ -81,6 +82,20 @@ def test_result_round_trip_all_dtypes_bit_identical(chunk_bytes):
     assert got["empty"].shape == (0, 4)
     assert got["empty_i64"].shape == (3, 0, 2)
     assert got["noncontig"].is_contiguous()
+
+
+def test_header_then_pieces_sends_the_header_alone_in_as_many_bytes():
+    tensors = _sample_tensors()
+    header = _result_header(tensors)
+    together = list(encode_chunks(pb.ResultChunk, header, tensors.values(), chunk_bytes=1024))
+    apart = list(header_then_pieces(pb.ResultChunk, header, tensors.values(), chunk_bytes=1024))
+    assert apart[0] == pb.ResultChunk(header=header)
+    assert all(not c.HasField("header") and c.pieces for c in apart[1:])
+    assert sum(c.ByteSize() for c in apart) == sum(c.ByteSize() for c in together)
+    got_header, got = decode_chunks([pb.ResultChunk.FromString(c.SerializeToString()) for c in apart])
+    assert got_header == header
+    for name, tensor in tensors.items():
+        _assert_bit_identical(got[name], tensor)
 
 
 def test_task_round_trip_with_versions_and_plan():
