@@ -20,6 +20,8 @@ Columns:
 - *server CPU s/round*: user + system CPU of the server (``/proc/PID/stat``, sampled every
   50 ms) over each round's window, which ends at the round's log line and is ``seconds`` long,
   averaged over the rounds;
+- *generators CPU s/round*: the same for the load generators together; they share the cores with
+  the server, so a round cannot take less than (server + generators CPU) / cores;
 - *heartbeats missed*: server log lines "went silent";
 - *final evaluation s*: from the server's "evaluating" line to the line after it (every client
   evaluated and the summary written);
@@ -204,6 +206,7 @@ class RowResult:
     round_seconds: list[float]
     peak_rss_bytes: int
     cpu_per_round: float | None
+    generators_cpu_per_round: float | None
     heartbeats_missed: int
     evaluation_seconds: float | None
     generator_exits: list[int | None]
@@ -246,6 +249,7 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
     started: list[subprocess.Popen] = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     sampler = None
+    generator_samplers: list[ProcSampler] = []
     try:
         server = subprocess.Popen([sys.executable, "-m", "fedpart.deploy.cli", "server", str(config_path),
                                    "--address", "127.0.0.1:0", "--out", str(out)],
@@ -262,6 +266,7 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
                  "--stats", str(work / f"load_{index}.json")],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             started.append(generator)
+            generator_samplers.append(ProcSampler(generator.pid))
             generators.append((generator, Lines(generator)))
         for _, lines in generators:
             lines.wait_for(re.compile(r"^ready$"), READY_SECONDS, "'ready' from a load generator")
@@ -280,14 +285,14 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
                 pass
     finally:
         stop_processes(started, STOP_SECONDS)
-        if sampler is not None:
-            sampler.close()
-    return _collect(row, args, work, out, go, server, server_lines, sampler, generators)
+        for each in [sampler, *generator_samplers] if sampler is not None else []:
+            each.close()
+    return _collect(row, args, work, out, go, server, server_lines, sampler, generators, generator_samplers)
 
 
 def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: float, server: subprocess.Popen,
              server_lines: Lines, sampler: ProcSampler,
-             generators: list[tuple[subprocess.Popen, Lines]]) -> RowResult:
+             generators: list[tuple[subprocess.Popen, Lines]], generator_samplers: list[ProcSampler]) -> RowResult:
     """Read what the row's processes left behind into its result."""
     problems = []
     metrics_path = out / "metrics.jsonl"
@@ -296,8 +301,11 @@ def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: floa
         problems.append(f"{len(records)} of {args.rounds} rounds completed")
     lines = server_lines.snapshot()
     round_lines = {int(m.group(1)): t for t, line in lines if (m := _ROUND_LINE.search(line))}
-    cpu = [sampler.cpu_at(round_lines[r["round"]]) - sampler.cpu_at(round_lines[r["round"]] - r["seconds"])
-           for r in records if r["round"] in round_lines]
+    windows = [(round_lines[r["round"]] - r["seconds"], round_lines[r["round"]]) for r in records
+               if r["round"] in round_lines]
+    cpu = [sampler.cpu_at(end) - sampler.cpu_at(start) for start, end in windows]
+    generators_cpu = [sum(each.cpu_at(end) - each.cpu_at(start) for each in generator_samplers)
+                      for start, end in windows]
     evaluation = None
     for index, (moment, line) in enumerate(lines):
         if _EVALUATING in line and index + 1 < len(lines):
@@ -324,6 +332,7 @@ def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: floa
         round_seconds=[r["seconds"] for r in records],
         peak_rss_bytes=sampler.peak_rss_bytes,
         cpu_per_round=statistics.fmean(cpu) if cpu else None,
+        generators_cpu_per_round=statistics.fmean(generators_cpu) if generators_cpu else None,
         heartbeats_missed=sum(_SILENT in line for _, line in lines),
         evaluation_seconds=evaluation,
         generator_exits=[generator.returncode for generator, _ in generators],
@@ -427,7 +436,7 @@ def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
 
 def format_table(results: list[tuple[RowResult, Floor]]) -> str:
     header = ["clients N", "processes K", "results per round", "joined-in s", "round s", "server peak RSS",
-              "server CPU s/round", "heartbeats missed", "final evaluation s", "floor s", "round/floor"]
+              "server CPU s/round", "generators CPU s/round", "heartbeats missed", "final evaluation s", "floor s", "round/floor"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result, floor in results:
         rounds = ", ".join(f"{s:.2f}" for s in result.round_seconds) or "-"
@@ -436,7 +445,8 @@ def format_table(results: list[tuple[RowResult, Floor]]) -> str:
         ratio = statistics.fmean(result.round_seconds) / floor.seconds if result.round_seconds else None
         lines.append("| " + " | ".join([
             f"{result.row.clients:,}", f"{result.row.processes:,}", per_round, _fmt(result.joined_in), rounds,
-            f"{result.peak_rss_bytes / 1e9:.2f} GB", _fmt(result.cpu_per_round), str(result.heartbeats_missed),
+            f"{result.peak_rss_bytes / 1e9:.2f} GB", _fmt(result.cpu_per_round),
+            _fmt(result.generators_cpu_per_round), str(result.heartbeats_missed),
             _fmt(result.evaluation_seconds), f"{floor.seconds:.2f}", _fmt(ratio, "{:.1f}x"),
         ]) + " |")
     return "\n".join(lines)
