@@ -149,6 +149,7 @@ class ClientProcess:
         self.versions: dict[str, int] = {}
         self._stop = threading.Event()
         self._outage: Backoff | None = None  # set while the server is unreachable
+        self._poll_waiting = False  # a long poll is open and unanswered: the server counts it alive
         self.activity = ClientActivity()
         self.display = Display(lambda: render_client(self.activity))
 
@@ -195,7 +196,11 @@ class ClientProcess:
                 self._stop.wait(delay)
 
     def _heartbeats(self, interval: float) -> None:
+        """A sign of life every ``interval`` while no long poll waits: the server counts a waiting
+        poll as one, so thousands of idle processes do not send thousands of heartbeats."""
         while not self._stop.wait(interval):
+            if self._poll_waiting:
+                continue
             try:
                 self.stub.Heartbeat(pb.HeartbeatRequest(session=self.session), timeout=max(interval, 1.0))
             except grpc.RpcError:
@@ -305,8 +310,9 @@ class ClientProcess:
 
     def _next_task(self, request: pb.TaskRequest) -> tuple[pb.TaskHeader | None, dict[str, torch.Tensor]]:
         """One long poll; (None, {}) after joining again. Raises ServerUnreachable."""
+        self._poll_waiting = True
         try:
-            reply = decode_chunks(self.stub.GetTask(request, timeout=POLL_SECONDS + TRANSFER_SECONDS),
+            reply = decode_chunks(self._answered(self.stub.GetTask(request, timeout=POLL_SECONDS + TRANSFER_SECONDS)),
                                   into=self.transfers.staging)
         except grpc.RpcError as error:
             if _unreachable(error):
@@ -315,8 +321,17 @@ class ClientProcess:
                 self._rejoin()
                 return None, {}
             raise ClientError(f"server refused the task request: {error.details()}") from error
+        finally:
+            self._poll_waiting = False
         self._server_back()
         return reply
+
+    def _answered(self, chunks: Iterator[pb.TaskChunk]) -> Iterator[pb.TaskChunk]:
+        """The task stream; the poll stops waiting at its first chunk (heartbeats resume while
+        the rest arrives)."""
+        for chunk in chunks:
+            self._poll_waiting = False
+            yield chunk
 
     def _wait_for_server(self, error: grpc.RpcError) -> None:
         """The server did not answer: wait before the next attempt (capped exponential backoff),

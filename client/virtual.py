@@ -3,7 +3,7 @@
 One OS process stands in for thousands of client processes. Each :class:`VirtualProcess` hosts a
 slice of the client ids (split as ``fedpart.deploy.launcher.split_clients`` splits them) over its
 own gRPC channel and TCP connection and behaves on the wire like ``fedpart client``
-(``client/runtime.py``): it joins, heartbeats at the same interval, long-polls ``GetTask`` with the
+(``client/runtime.py``): it joins, heartbeats at the same interval while no poll waits, long-polls ``GetTask`` with the
 versions of the global tensors it has received, reads every task stream to its end (checking its
 size, discarding the bytes) and answers each task without computing anything: a training task with
 exactly the tensors its plan asks for, shaped like the global model (small seeded deltas), an
@@ -34,6 +34,7 @@ import socket
 import sys
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -237,6 +238,7 @@ class VirtualProcess:
         self.session = ""
         self.run_id = ""
         self._outage: Backoff | None = None
+        self._poll_waiting = False  # as in fedpart client: no heartbeat while a long poll waits
         self.channel: grpc.aio.Channel
         self.stub: pb_grpc.CoordinatorStub
         self.payloads: Payloads  # the run's, from the join reply
@@ -297,6 +299,9 @@ class VirtualProcess:
         # virtual processes join in a burst; a seeded phase spreads their beats as real start-ups do
         await asyncio.sleep(random.Random(self.index).uniform(0.0, interval))
         while True:
+            if self._poll_waiting:
+                await asyncio.sleep(interval)
+                continue
             try:
                 reply = await self.stub.Heartbeat(pb.HeartbeatRequest(session=self.session),
                                                   timeout=max(interval, 1.0))
@@ -345,14 +350,18 @@ class VirtualProcess:
         call = self.stub.GetTask(request, timeout=self._stream_seconds(POLL_SECONDS + TRANSFER_SECONDS))
         header: pb.TaskHeader | None = None
         received = 0
-        async for chunk in call:
-            if chunk.HasField("header"):
-                if header is not None:
-                    raise VirtualClientError("a second header inside one task stream")
-                header = chunk.header
-            elif header is None:
-                raise VirtualClientError("the first chunk of a task stream carries no header")
-            received += sum(len(piece.data) for piece in chunk.pieces)
+        self._poll_waiting = True
+        try:
+            async for chunk in self._answered(call):
+                if chunk.HasField("header"):
+                    if header is not None:
+                        raise VirtualClientError("a second header inside one task stream")
+                    header = chunk.header
+                elif header is None:
+                    raise VirtualClientError("the first chunk of a task stream carries no header")
+                received += sum(len(piece.data) for piece in chunk.pieces)
+        finally:
+            self._poll_waiting = False
         if header is None:
             raise VirtualClientError("an empty task stream")
         expected = sum(spec_nbytes(spec) for spec in header.tensors)
@@ -365,6 +374,12 @@ class VirtualProcess:
         self.versions.update({spec.name: spec.version for spec in header.tensors})
         self.host.stats.bytes_down += received
         return task
+
+    async def _answered(self, call) -> AsyncIterator[pb.TaskChunk]:
+        """The task stream; the poll stops waiting at its first chunk."""
+        async for chunk in call:
+            self._poll_waiting = False
+            yield chunk
 
     async def _recover(self, error: grpc.aio.AioRpcError) -> None:
         """After a failed task request: wait for an unreachable server, join again when the

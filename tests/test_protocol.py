@@ -304,6 +304,45 @@ def test_one_result_stream_per_task(harness_factory) -> None:
     assert harness.records[0]["completed"] == [0]
 
 
+def test_no_heartbeats_while_a_long_poll_waits(harness_factory, tmp_path, monkeypatch) -> None:
+    """Seen with 2,000 client processes: each sent a heartbeat every 5 s while its long poll
+    waited, 400 calls a second that the server answered late (3,536 heartbeats ended
+    DEADLINE_EXCEEDED in one run) and that held up the round. The server counts a waiting poll as
+    a sign of life, so the client now beats only while no poll waits; with a 2 s heartbeat timeout
+    (a beat every 0.5 s otherwise) the waiting client sends none and is not taken for gone."""
+    from fedpart.server.service import CoordinatorService
+
+    beat, poll = CoordinatorService.Heartbeat, CoordinatorService.GetTask
+    beats: list[float] = []
+    polled = threading.Event()
+
+    async def count_beat(self, request, context):
+        beats.append(time.monotonic())
+        return await beat(self, request, context)
+
+    async def note_poll(self, request, context):
+        polled.set()
+        async for chunk in poll(self, request, context):
+            yield chunk
+
+    monkeypatch.setattr(CoordinatorService, "Heartbeat", count_beat)
+    monkeypatch.setattr(CoordinatorService, "GetTask", note_poll)
+    harness = harness_factory(server={"round_timeout": 30, "heartbeat_timeout": 2})
+    worker, codes = harness.start_client(tmp_path / "state")
+    assert polled.wait(BOUND)
+    threading.Event().wait(0.5)  # a beat sent just before the poll opened has arrived
+    before = len(beats)
+    threading.Event().wait(3.0)  # six heartbeat intervals of a client that beats while polling
+    assert len(beats) == before
+    harness.start_rounds(1)
+    harness.wait_rounds()
+    assert harness.records[0]["completed"] == [0]
+    assert not [line for line in harness.logs if "went silent" in line]
+    harness.coordinator.finish()
+    worker.join(timeout=BOUND)
+    assert codes == [0]
+
+
 def test_a_result_stream_opens_with_the_header_alone(harness_factory, tmp_path, monkeypatch) -> None:
     """Seen with 2,000 client processes: the server's peak RSS reached 2.1 GB because each of up to
     1,000 result streams waiting for an upload slot held its first chunk, the header with 1 MiB of
