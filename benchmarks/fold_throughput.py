@@ -13,7 +13,7 @@ Variants:
   intra-op threads (an OpenMP team on tensors of more than 32,768 elements), one result at a time.
 - **blocked, 1 thread**: :class:`fedpart.server.aggregation.WeightedMean` fed from one thread.
 - **blocked, N threads**: the same mean fed by a pool of ``--threads`` Python threads, one
-  result per task, as the server's fold threads feed it.
+  result per task, as the server's fold threads feed it with ``server.fold_workers``.
 
 Conditions, each measured for every variant:
 

@@ -132,9 +132,10 @@ class ServerConfig:
     heartbeat_timeout: float = 60.0  # a process silent this long is considered gone
     chunk_bytes: int = 1 << 20
     call_timeout: float = 900.0     # longest deadline a task or result stream may ask for
-    fold_workers: int = 0           # threads that validate and fold results (0 = one per CPU core)
+    fold_workers: int = 0           # threads that validate and fold results (0 = none: the event loop does)
     upload_slots: int = 0           # results read at once, each into a reused staging buffer; more
-                                    # uploads wait under gRPC flow control (0 = 4 per fold worker)
+                                    # uploads wait under gRPC flow control (0 = 4 per fold worker,
+                                    # or per CPU core without fold workers)
     download_slots: int = 64        # tasks sent at once; more wait under flow control
     receive_window: int = 256 << 10  # bytes a connection may send before the server reads them
                                      # (0 = gRPC's adaptive window, which grows per connection)
@@ -336,8 +337,8 @@ def _validate(config: RunConfig) -> None:
         (config.server.chunk_bytes >= 1024, "server.chunk_bytes must be at least 1024"),
         (min(config.server.round_timeout, config.server.join_timeout, config.server.evaluation_timeout,
              config.server.heartbeat_timeout, config.server.call_timeout) > 0, "server timeouts must be positive"),
-        (config.server.fold_workers >= 0, "server.fold_workers must be >= 0 (0 = one per CPU core)"),
-        (config.server.upload_slots >= 0, "server.upload_slots must be >= 0 (0 = 4 per fold worker)"),
+        (config.server.fold_workers >= 0, "server.fold_workers must be >= 0 (0 = fold on the event loop)"),
+        (config.server.upload_slots >= 0, "server.upload_slots must be >= 0 (0 = 4 per fold worker or CPU core)"),
         (config.server.download_slots >= 1, "server.download_slots must be at least 1"),
         (config.server.receive_window == 0 or config.server.receive_window >= 65536,
          "server.receive_window must be 0 (adaptive) or at least 65536 bytes"),

@@ -14,8 +14,8 @@ They share one condition variable: one lock over the whole state machine, only e
 bookkeeping (never while sending, receiving or folding), re-entrant so that the engine can make
 several registry and board calls one atomic step. The gRPC service (``fedpart.server.service``)
 calls them from its event loop and counts bytes into the :class:`~fedpart.server.accounting.ByteLedger`;
-results are validated (``fedpart.server.validation``) and folded by a pool of fold threads,
-several at once. The round loop (:meth:`Coordinator.run_round`) runs in the server's main thread
+results are validated (``fedpart.server.validation``) and folded on its event loop, or by
+``server.fold_workers`` threads, several at once. The round loop (:meth:`Coordinator.run_round`) runs in the server's main thread
 and waits on the condition variable with a deadline on every wait.
 
 Nothing is rescanned per event: a waiting long poll waits on its own process's mailbox and only

@@ -58,7 +58,7 @@ class AddressInUse(OSError):
 
 
 class GrpcServer:
-    """The gRPC (asyncio) server on an event loop of its own thread, with the fold threads.
+    """The gRPC (asyncio) server on an event loop of its own thread (and the fold threads, if any).
 
     A waiting client costs a coroutine and a socket, not a thread. Calls beyond
     ``maximum_concurrent_rpcs`` are refused at once (RESOURCE_EXHAUSTED) instead of queueing,
@@ -67,12 +67,12 @@ class GrpcServer:
 
     def __init__(self, coordinator: Coordinator, address: str, security: ServerSecurity) -> None:
         server_config = coordinator.config.server
-        workers = server_config.fold_workers or os.cpu_count() or 1
-        self._fold_pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fold")
+        workers = server_config.fold_workers
+        self._fold_pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fold") if workers else None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-server", daemon=True)
         self._thread.start()
-        start = self._start(coordinator, address, security, server_config.upload_slots or 4 * workers,
+        start = self._start(coordinator, address, security, server_config.upload_slots or 4 * (workers or os.cpu_count() or 1),
                             server_config.download_slots)
         try:
             self._server, self.address = asyncio.run_coroutine_threadsafe(start, self._loop).result()
@@ -122,7 +122,8 @@ class GrpcServer:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
-        self._fold_pool.shutdown(wait=True)
+        if self._fold_pool is not None:
+            self._fold_pool.shutdown(wait=True)
 
 
 def receive_window_options(window_bytes: int) -> list[tuple[str, int]]:

@@ -30,7 +30,7 @@ class Harness:
 
     def __init__(self, **overrides) -> None:
         overrides.setdefault("server", {"round_timeout": 30, "heartbeat_timeout": 30})
-        config = small_config(clients=1, rounds=2, **overrides)
+        config = small_config(**{"clients": 1, "rounds": 2, **overrides})
         self.config = config_from_dict(config)
         self.logs: list[str] = []
         self.coordinator = Coordinator(self.config, log=self.logs.append)
@@ -266,6 +266,28 @@ def test_done_tells_how_the_run_ended(harness_factory, outcome) -> None:
     assert header.kind == pb.DONE and header.outcome == outcome
     assert (header.SerializeToString() == pb.TaskHeader(kind=pb.DONE).SerializeToString()) == \
         (outcome == RunOutcome.COMPLETED)
+
+
+def test_fold_threads_give_the_model_the_event_loop_gives(harness_factory) -> None:
+    """Results are folded on the server's event loop by default and on ``server.fold_workers``
+    threads when set: the same results give the bit-identical model either way."""
+    models = []
+    for workers in (0, 2):
+        harness = harness_factory(clients=3, rounds=1, server={"round_timeout": 30, "heartbeat_timeout": 30,
+                                                                "fold_workers": workers})
+        session = harness.join([0, 1, 2])
+        harness.start_rounds(1)
+        for _ in range(3):
+            header, state = harness.get_task(session)
+            generator = torch.Generator().manual_seed(7 + header.client_id)
+            uploads = {n: torch.randn(state[n].shape, generator=generator) for n in header.train.upload_deltas}
+            assert harness.submit(session, header, uploads, samples=10 + header.client_id).accepted
+        harness.wait_rounds()
+        assert sorted(harness.records[0]["completed"]) == [0, 1, 2]
+        models.append(harness.coordinator.global_state)
+    loop, threads = models
+    assert all(torch.equal(loop[name].view(-1).view(torch.uint8), threads[name].view(-1).view(torch.uint8))
+               for name in loop)
 
 
 def test_one_result_stream_per_task(harness_factory) -> None:
