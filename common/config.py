@@ -20,6 +20,12 @@ import yaml
 # The registries the checks below read (algorithms, objectives, augmentations: torch) are imported
 # when a config is validated, not with this module: ``fedpart --help`` loads no torch.
 
+DEFAULT_CHUNK_BYTES = 256 << 10
+"""Tensor bytes per gRPC message. gRPC buffers received messages of the uploads that wait for a
+slot in its own memory: at 10,000 clients in 2,000 processes heaptrack found 1.15 GB there at
+the server's peak with 1 MiB messages (peak RSS 1.75 GB after 5 rounds, still rising); with
+256 KiB the peak was 1.14 GB after 8 rounds, level from the fourth, at the same round times."""
+
 
 class ConfigError(ValueError):
     """A configuration that cannot be run, with the offending key in the message."""
@@ -130,7 +136,7 @@ class ServerConfig:
     round_timeout: float = 600.0    # a round closes with the results in hand after this
     evaluation_timeout: float = 3600.0  # the final evaluation (every client fine-tunes) closes after this
     heartbeat_timeout: float = 60.0  # a process silent this long is considered gone
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     call_timeout: float = 900.0     # longest deadline a task or result stream may ask for
     fold_workers: int = 0           # threads that validate and fold results (0 = none: the event loop does)
     upload_slots: int = 0           # results read at once, each into a reused staging buffer; more

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from fedpart.common.codecs import CodecError, Encoded, decode, payload_nbytes
+from fedpart.common.config import DEFAULT_CHUNK_BYTES
 from fedpart.proto import fedpart_pb2 as pb
 
-DEFAULT_CHUNK_BYTES = 1 << 20
 TensorSpec = pb.TensorSpec  # a tensor's name, dtype, shape, version and encoding on the wire
 
 DTYPES: dict[str, torch.dtype] = {
