@@ -26,9 +26,10 @@ PROTOCOL_VERSION = 1
 UNKNOWN_SESSION = grpc.StatusCode.NOT_FOUND
 RESULT_REJECTED = grpc.StatusCode.INVALID_ARGUMENT
 # Answers after which the same call is tried again later: the server is down, restarting, cut
-# off, busy (it refuses calls beyond its cap at once rather than queueing them), or its transport
-# reset the stream (CANCELLED: seen for joins, heartbeats and result streams when 2,000 processes
-# called at once; the results' tasks were still open, so the server never read those streams).
+# off, busy (it refuses calls beyond its cap at once rather than queueing them), or gRPC cancelled
+# the call before the server took it (CANCELLED: seen for joins, heartbeats and result streams
+# when 2,000 processes called at once, from gRPC's default backlog of calls waiting to be taken,
+# which the server now raises to its cap on calls).
 RETRY_LATER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                      grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 

@@ -51,6 +51,8 @@ from fedpart.server.service import CoordinatorService
 SHUTDOWN_GRACE_SECONDS = 10.0
 # Calls one client may have open at once, for the server-wide cap (a poll, an upload, a heartbeat).
 MAX_CALLS_PER_CLIENT = 3
+# gRPC's own hard limit on calls waiting to be taken by the server (grpc.server.max_pending_requests_hard_limit)
+GRPC_PENDING_CALLS_HARD_LIMIT = 3000
 
 
 class AddressInUse(OSError):
@@ -84,11 +86,18 @@ class GrpcServer:
                      upload_slots: int, download_slots: int) -> tuple[grpc.aio.Server, str]:
         principals = Principals(security.principals) if security.principals is not None else None
         mutual_tls = security.client_ca is not None
+        most_calls = MAX_CALLS_PER_CLIENT * coordinator.config.clients + 64
+        backlog = max(most_calls, GRPC_PENDING_CALLS_HARD_LIMIT)
         server = grpc.aio.server(
             interceptors=[TokenGate(principals, mutual_tls)] if principals else [],
-            maximum_concurrent_rpcs=MAX_CALLS_PER_CLIENT * coordinator.config.clients + 64,
+            maximum_concurrent_rpcs=most_calls,
             options=[
                 ("grpc.so_reuseport", 0),
+                # calls that arrived and wait for the event loop to take them (one a turn): past
+                # gRPC's default backlog some are cancelled, CANCELLED at the client (1,600-3,900
+                # result uploads a run at 2,000 processes)
+                ("grpc.server.max_pending_requests", backlog),
+                ("grpc.server.max_pending_requests_hard_limit", backlog),
                 # clients ping every 30 s to keep NAT mappings alive while they train for minutes
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),

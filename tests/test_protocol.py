@@ -3,6 +3,8 @@ liveness and large models. The server runs in-process on 127.0.0.1; the clients 
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import threading
 import time
 from collections.abc import Iterator
@@ -429,3 +431,36 @@ def test_a_result_the_server_did_not_take_is_sent_again(harness_factory, tmp_pat
     harness.coordinator.finish()
     worker.join(timeout=BOUND)
     assert codes == [0]
+
+
+def test_a_burst_of_calls_the_busy_server_has_not_taken_is_not_cancelled(harness_factory, monkeypatch) -> None:
+    """Seen with 2,000 client processes: 1,600-3,900 result uploads a run (and joins) ended
+    CANCELLED before the server read them, because gRPC cancels calls that wait to be taken by
+    the event loop beyond its default backlog. Here the loop is held up while 3,500 heartbeats
+    arrive (more than gRPC's default hard limit of 3,000); every one is answered."""
+    from fedpart.server.service import CoordinatorService
+
+    beat = CoordinatorService.Heartbeat
+    holding = threading.Event()
+
+    async def hold_the_loop_once(self, request, context):
+        if not holding.is_set():
+            holding.set()
+            time.sleep(5.0)  # blocks the event loop: the calls arriving meanwhile wait untaken
+        return await beat(self, request, context)
+
+    monkeypatch.setattr(CoordinatorService, "Heartbeat", hold_the_loop_once)
+    harness = harness_factory(clients=1500)
+
+    async def burst(calls: int) -> list[grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{harness.server_port}") as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            first = asyncio.ensure_future(stub.Heartbeat(pb.HeartbeatRequest(session="none"), timeout=BOUND))
+            while not holding.is_set():
+                await asyncio.sleep(0.01)
+            rest = [stub.Heartbeat(pb.HeartbeatRequest(session="none"), timeout=BOUND) for _ in range(calls - 1)]
+            outcomes = await asyncio.gather(first, *rest, return_exceptions=True)
+        return [o.code() if isinstance(o, grpc.aio.AioRpcError) else grpc.StatusCode.OK for o in outcomes]
+
+    codes = asyncio.run(burst(3500))
+    assert collections.Counter(codes) == {grpc.StatusCode.OK: 3500}
