@@ -436,7 +436,8 @@ def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
 
 def format_table(results: list[tuple[RowResult, Floor]]) -> str:
     header = ["clients N", "processes K", "results per round", "joined-in s", "round s", "server peak RSS",
-              "server CPU s/round", "generators CPU s/round", "heartbeats missed", "final evaluation s", "floor s", "round/floor"]
+              "server CPU s/round", "generators CPU s/round", "heartbeats missed", "final evaluation s",
+              "floor s", "round/floor"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result, floor in results:
         rounds = ", ".join(f"{s:.2f}" for s in result.round_seconds) or "-"

@@ -312,8 +312,8 @@ class ClientProcess:
         """One long poll; (None, {}) after joining again. Raises ServerUnreachable."""
         self._poll_waiting = True
         try:
-            reply = decode_chunks(self._answered(self.stub.GetTask(request, timeout=POLL_SECONDS + TRANSFER_SECONDS)),
-                                  into=self.transfers.staging)
+            stream = self.stub.GetTask(request, timeout=POLL_SECONDS + TRANSFER_SECONDS)
+            reply = decode_chunks(self._answered(stream), into=self.transfers.staging)
         except grpc.RpcError as error:
             if _unreachable(error):
                 raise ServerUnreachable(error) from error

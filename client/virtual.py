@@ -3,11 +3,11 @@
 One OS process stands in for thousands of client processes. Each :class:`VirtualProcess` hosts a
 slice of the client ids (split as ``fedpart.deploy.launcher.split_clients`` splits them) over its
 own gRPC channel and TCP connection and behaves on the wire like ``fedpart client``
-(``client/runtime.py``): it joins, heartbeats at the same interval while no poll waits, long-polls ``GetTask`` with the
-versions of the global tensors it has received, reads every task stream to its end (checking its
-size, discarding the bytes) and answers each task without computing anything: a training task with
-exactly the tensors its plan asks for, shaped like the global model (small seeded deltas), an
-evaluation with the metrics a real client reports. Failures are handled as the real client handles
+(``client/runtime.py``): it joins, heartbeats at the same interval while no poll of its waits,
+long-polls ``GetTask`` with the versions of the global tensors it has received, reads every task
+stream to its end (checking its size, discarding the bytes) and answers each task without
+computing anything: a training task with exactly the tensors its plan asks for, shaped like the
+global model (small seeded deltas), an evaluation with the metrics a real client reports. Failures are handled as the real client handles
 them: an unreachable server is retried with capped backoff (a result the server could not take
 now is sent again), a lost session joins again, a refused join or task request ends the virtual
 process, a refused result or heartbeat is counted and the process goes on.

@@ -201,7 +201,8 @@ def header_then_pieces(chunk_type: type, header, tensors: Iterable[torch.Tensor]
     """A chunk stream whose first chunk is the header alone, then :func:`encode_chunks` of the
     tensors. Serialized, it is as long as the stream with the header in the first chunk of pieces.
     A receiver that checks the header and then waits before reading on (the server waits for an
-    upload slot) holds only the small header meanwhile; flow control keeps the pieces at the sender.
+    upload slot) holds only the small header meanwhile; flow control keeps the pieces at the sender
+    (gRPC may take in about one message of them, so ``chunk_bytes`` bounds that).
     """
     yield chunk_type(header=header)
     yield from encode_chunks(chunk_type, None, tensors, chunk_bytes)

@@ -15,8 +15,8 @@ bookkeeping (never while sending, receiving or folding), re-entrant so that the 
 several registry and board calls one atomic step. The gRPC service (``fedpart.server.service``)
 calls them from its event loop and counts bytes into the :class:`~fedpart.server.accounting.ByteLedger`;
 results are validated (``fedpart.server.validation``) and folded on its event loop, or by
-``server.fold_workers`` threads, several at once. The round loop (:meth:`Coordinator.run_round`) runs in the server's main thread
-and waits on the condition variable with a deadline on every wait.
+``server.fold_workers`` threads, several at once. The round loop (:meth:`Coordinator.run_round`)
+runs in the server's main thread and waits on the condition variable with a deadline on every wait.
 
 Nothing is rescanned per event: a waiting long poll waits on its own process's mailbox and only
 that process is woken when a task is queued for it; the round loop waits on the set of its open

@@ -70,12 +70,13 @@ class GrpcServer:
     def __init__(self, coordinator: Coordinator, address: str, security: ServerSecurity) -> None:
         server_config = coordinator.config.server
         workers = server_config.fold_workers
-        self._fold_pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fold") if workers else None
+        self._fold_pool = (futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fold")
+                           if workers else None)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-server", daemon=True)
         self._thread.start()
-        start = self._start(coordinator, address, security, server_config.upload_slots or 4 * (workers or os.cpu_count() or 1),
-                            server_config.download_slots)
+        upload_slots = server_config.upload_slots or 4 * (workers or os.cpu_count() or 1)
+        start = self._start(coordinator, address, security, upload_slots, server_config.download_slots)
         try:
             self._server, self.address = asyncio.run_coroutine_threadsafe(start, self._loop).result()
         except BaseException:
