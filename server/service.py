@@ -200,7 +200,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # measured now, its pieces read again once a slot is free: no copy of them waits for one
             received.add(bytes_by_part(first, parts), "up")
             reply = pb.SubmitReply(accepted=True)
-            handed_over = False  # to the fold threads: from then on the fold decides
+            handed_over = False  # to the fold (inline or on a fold thread): from then on it decides
 
             def drop_unless_handed_over(_: grpc.aio.ServicerContext) -> None:
                 # a call the client cancelled or the transport reset may be abandoned by gRPC
