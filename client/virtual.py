@@ -13,8 +13,10 @@ now is sent again), a lost session joins again, a refused join or task request e
 process, a refused result or heartbeat is counted and the process goes on.
 
 Every virtual process of an OS process shares one asyncio event loop, one model built from the
-run config of the join reply, and one pre-encoded set of result chunks per upload list: from one
-result to the next only the header differs. :class:`LoadStats` counts what happened (joins,
+run config of the join reply, and one pre-encoded set of result chunks per upload list, serialized
+once: from one result to the next only the header differs. Task streams are read with
+:func:`~fedpart.common.wire.read_chunk`, which measures pieces without copying them, so a load
+generator sharing the server's cores takes little of them. :class:`LoadStats` counts what happened (joins,
 heartbeats, results, evaluations, errors by RPC and status code, join times) for tests and
 ``benchmarks/server_scale.py``.
 
@@ -36,6 +38,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -55,10 +58,10 @@ from fedpart.common.config import config_from_dict
 from fedpart.common.experiment import build_run_model, dataset_dims
 from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.plans import EvalPlan, ResultInfo, TaskInfo, TaskKind, TrainPlan
-from fedpart.common.protocol import PROTOCOL_VERSION, RETRY_LATER_CODES, UNKNOWN_SESSION
+from fedpart.common.protocol import PROTOCOL_VERSION, RETRY_LATER_CODES, UNKNOWN_SESSION, method_path
 from fedpart.common.security import ClientSecurity, SecurityError, parse_id_ranges
 from fedpart.common.serde import result_header, task_info
-from fedpart.common.wire import WireError, encode_chunks, named_specs, spec_nbytes
+from fedpart.common.wire import ReceivedChunk, WireError, encode_chunks, named_specs, read_chunk, spec_nbytes
 from fedpart.deploy.launcher import split_clients
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
@@ -154,19 +157,19 @@ class LoadStats:
 
 @dataclass(frozen=True)
 class EncodedUpload:
-    """The tensors of a training result, encoded once, and their specs."""
+    """The tensors of a training result, encoded and serialized once, and their specs."""
 
     specs: list[pb.TensorSpec]
-    chunks: list[pb.ResultChunk]
+    chunks: list[bytes]  # serialized ResultChunk messages of pieces
     tensor_bytes: int
     parameters: int
 
-    def stream(self, header: pb.ResultHeader) -> list[pb.ResultChunk]:
-        """The chunk stream of one result: ``header`` with the specs alone (as
+    def stream(self, header: pb.ResultHeader) -> list[bytes]:
+        """The serialized chunk stream of one result: ``header`` with the specs alone (as
         :func:`~fedpart.common.wire.header_then_pieces` sends it), then the shared chunks."""
         first = pb.ResultChunk(header=header)
         first.header.tensors.extend(self.specs)
-        return [first, *self.chunks]
+        return [first.SerializeToString(), *self.chunks]
 
 
 class Payloads:
@@ -202,7 +205,7 @@ class Payloads:
                 delta = torch.zeros_like(like)
             tensors[name] = delta if name in deltas else like + delta
         chunks = list(encode_chunks(pb.ResultChunk, None, list(tensors.values()), self.config.server.chunk_bytes))
-        return EncodedUpload(specs=named_specs(tensors), chunks=chunks,
+        return EncodedUpload(specs=named_specs(tensors), chunks=[chunk.SerializeToString() for chunk in chunks],
                              tensor_bytes=sum(len(piece.data) for chunk in chunks for piece in chunk.pieces),
                              parameters=sum(t.numel() for t in tensors.values()))
 
@@ -241,6 +244,8 @@ class VirtualProcess:
         self._poll_waiting = False  # as in fedpart client: no heartbeat while a long poll waits
         self.channel: grpc.aio.Channel
         self.stub: pb_grpc.CoordinatorStub
+        self._get_task: grpc.aio.UnaryStreamMultiCallable  # chunks read by wire.read_chunk: no copies
+        self._submit_result: grpc.aio.StreamUnaryMultiCallable  # chunks sent as serialized once
         self.payloads: Payloads  # the run's, from the join reply
 
     async def run(self) -> None:
@@ -248,6 +253,11 @@ class VirtualProcess:
         self.channel = self.security.aio_channel(self.host.server, CHANNEL_OPTIONS)
         try:
             self.stub = pb_grpc.CoordinatorStub(self.channel)
+            self._get_task = self.channel.unary_stream(
+                method_path("GetTask"), request_serializer=pb.TaskRequest.SerializeToString,
+                response_deserializer=partial(read_chunk, pb.TaskHeader))
+            self._submit_result = self.channel.stream_unary(
+                method_path("SubmitResult"), request_serializer=None, response_deserializer=pb.SubmitReply.FromString)
             try:
                 await asyncio.wait_for(self.channel.channel_ready(), CONNECT_SECONDS)
             except asyncio.TimeoutError as error:
@@ -347,19 +357,21 @@ class VirtualProcess:
 
     async def _next_task(self, request: pb.TaskRequest) -> TaskInfo:
         """One long poll, read to the end; the received versions are held from then on."""
-        call = self.stub.GetTask(request, timeout=self._stream_seconds(POLL_SECONDS + TRANSFER_SECONDS))
+        call = self._get_task(request, timeout=self._stream_seconds(POLL_SECONDS + TRANSFER_SECONDS))
         header: pb.TaskHeader | None = None
         received = 0
         self._poll_waiting = True
         try:
             async for chunk in self._answered(call):
-                if chunk.HasField("header"):
+                if chunk.malformed:
+                    raise VirtualClientError(f"task stream: {chunk.malformed}")
+                if chunk.header is not None:
                     if header is not None:
                         raise VirtualClientError("a second header inside one task stream")
                     header = chunk.header
                 elif header is None:
                     raise VirtualClientError("the first chunk of a task stream carries no header")
-                received += sum(len(piece.data) for piece in chunk.pieces)
+                received += sum(len(data) for _, data in chunk.pieces)
         finally:
             self._poll_waiting = False
         if header is None:
@@ -375,7 +387,7 @@ class VirtualProcess:
         self.host.stats.bytes_down += received
         return task
 
-    async def _answered(self, call) -> AsyncIterator[pb.TaskChunk]:
+    async def _answered(self, call) -> AsyncIterator[ReceivedChunk]:
         """The task stream; the poll stops waiting at its first chunk."""
         async for chunk in call:
             self._poll_waiting = False
@@ -422,16 +434,16 @@ class VirtualProcess:
     async def _submit_evaluation(self, task: TaskInfo) -> None:
         metrics = evaluation_metrics(task.evaluate, task.client_id, self.payloads.classification)
         result = ResultInfo(self.session, task.task_id, task.client_id, task.round, metrics=metrics)
-        if await self._submit([pb.ResultChunk(header=result_header(result))]):
+        if await self._submit([pb.ResultChunk(header=result_header(result)).SerializeToString()]):
             self.host.stats.evaluations += 1
 
-    async def _submit(self, chunks: list[pb.ResultChunk]) -> bool:
+    async def _submit(self, chunks: list[bytes]) -> bool:
         """Send one result; False when the server did not take it (counted; the process goes on,
         as fedpart client does). A send the server could not take now is counted and tried
         again with backoff, as fedpart client tries it."""
         while True:
             try:
-                reply = await self.stub.SubmitResult(iter(chunks), timeout=self._stream_seconds(TRANSFER_SECONDS))
+                reply = await self._submit_result(iter(chunks), timeout=self._stream_seconds(TRANSFER_SECONDS))
             except grpc.aio.AioRpcError as error:
                 self.host.stats.error("SubmitResult", error.code())
                 if error.code() not in RETRY_LATER_CODES:

@@ -1,5 +1,5 @@
 """What both sides of the wire agree on beyond the messages of ``proto/fedpart.proto``: the
-protocol version, and the gRPC status codes the protocol gives a meaning to.
+protocol version, the service's name, and the gRPC status codes the protocol gives a meaning to.
 
 A client acts on the code of a refused call, never on its message:
 
@@ -21,7 +21,17 @@ from __future__ import annotations
 
 import grpc
 
+from fedpart.proto import fedpart_pb2 as pb
+
 PROTOCOL_VERSION = 1
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+def method_path(rpc: str) -> str:
+    """The gRPC path of one of the service's RPCs, for calls that bring their own serializers."""
+    return f"/{SERVICE_NAME}/{rpc}"
+
 
 UNKNOWN_SESSION = grpc.StatusCode.NOT_FOUND
 RESULT_REJECTED = grpc.StatusCode.INVALID_ARGUMENT

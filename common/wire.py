@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from google.protobuf.message import DecodeError
 
 from fedpart.common.codecs import CodecError, Encoded, decode, payload_nbytes
 from fedpart.common.config import DEFAULT_CHUNK_BYTES
@@ -218,6 +219,115 @@ class ChunkBytes:
     @property
     def control(self) -> int:
         return self.total - sum(self.by_tensor.values())
+
+
+@dataclass
+class ReceivedChunk:
+    """A chunk message read from its serialized bytes by :func:`read_chunk`: its pieces are views
+    of those bytes (no copy), and ``size`` is measured from them, not re-encoded."""
+
+    header: object | None  # the parsed header message, when the chunk carries one
+    pieces: list[tuple[int, memoryview]]
+    size: ChunkBytes
+    malformed: str = ""  # why the bytes are not a chunk message ("" when they are)
+
+
+# Protobuf wire types (https://protobuf.dev/programming-guides/encoding/) and the two fields a
+# chunk message holds: its header (1) and its pieces (2); a piece holds index (1) and data (2).
+_VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
+_HEADER_FIELD, _PIECES_FIELD = 1, 2
+_INDEX_FIELD, _DATA_FIELD = 1, 2
+_MAX_VARINT_BYTES = 10
+_UINT32_MAX = (1 << 32) - 1
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _read_varint(data: memoryview, position: int, end: int) -> tuple[int, int]:
+    """The varint at ``position`` and the position after it."""
+    value = shift = 0
+    for offset in range(_MAX_VARINT_BYTES):
+        if position + offset >= end:
+            raise _Malformed("a varint runs past the end of its message")
+        byte = data[position + offset]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position + offset + 1
+        shift += 7
+    raise _Malformed(f"a varint longer than {_MAX_VARINT_BYTES} bytes")
+
+
+def _read_field(data: memoryview, position: int, end: int) -> tuple[int, int, int, int]:
+    """``(field number, wire type, start, next)`` of the field at ``position``: for a
+    length-delimited field its value is ``data[start:next]``, for other wire types ``start`` is
+    where the value begins (a varint's value is read by the caller)."""
+    key, position = _read_varint(data, position, end)
+    number, wire_type = key >> 3, key & 7
+    if number == 0:
+        raise _Malformed("field number 0")
+    if wire_type == _VARINT:
+        return number, wire_type, position, _read_varint(data, position, end)[1]
+    if wire_type == _LENGTH_DELIMITED:
+        length, start = _read_varint(data, position, end)
+        if length > end - start:
+            raise _Malformed("a field runs past the end of its message")
+        return number, wire_type, start, start + length
+    width = {_FIXED64: 8, _FIXED32: 4}.get(wire_type)
+    if width is None:
+        raise _Malformed(f"wire type {wire_type}")
+    if position + width > end:
+        raise _Malformed("a field runs past the end of its message")
+    return number, wire_type, position, position + width
+
+
+def _read_piece(data: memoryview, start: int, end: int) -> tuple[int, memoryview]:
+    """The ``(index, data)`` of the TensorPiece message in ``data[start:end]`` (later
+    occurrences of a field win, as protobuf parses them; other fields are skipped)."""
+    index, piece = 0, data[start:start]
+    position = start
+    while position < end:
+        number, wire_type, value, position = _read_field(data, position, end)
+        if number == _INDEX_FIELD and wire_type == _VARINT:
+            index = _read_varint(data, value, end)[0]
+            if index > _UINT32_MAX:
+                raise _Malformed(f"piece index {index} does not fit in 32 bits")
+        elif number == _DATA_FIELD and wire_type == _LENGTH_DELIMITED:
+            piece = data[value:position]
+    return index, piece
+
+
+def read_chunk(header_type: type, data: bytes) -> ReceivedChunk:
+    """Read a serialized chunk message (TaskChunk or ResultChunk, whose header is a
+    ``header_type``) without copying its pieces. Bytes that are no such message come back with
+    ``malformed`` saying why, never as an exception: this runs as gRPC's deserializer of
+    messages from the network. Fields the schema does not have count as control bytes in
+    ``size`` (and ``size.control`` of a chunk with only pieces is 0), as they would in a parsed
+    message's ``ByteSize()``."""
+    view = memoryview(data)
+    end = len(view)
+    header_fields: list[memoryview] = []
+    pieces: list[tuple[int, memoryview]] = []
+    try:
+        position = 0
+        while position < end:
+            number, wire_type, start, position = _read_field(view, position, end)
+            if wire_type != _LENGTH_DELIMITED:
+                continue
+            if number == _HEADER_FIELD:
+                header_fields.append(view[start:position])
+            elif number == _PIECES_FIELD:
+                pieces.append(_read_piece(view, start, position))
+        header = None
+        if header_fields:  # repeated occurrences merge, as protobuf parses them
+            header = header_type.FromString(b"".join(header_fields) if len(header_fields) > 1 else header_fields[0])
+    except (_Malformed, DecodeError) as error:
+        return ReceivedChunk(None, [], ChunkBytes(end, {}), f"not a chunk message: {error}")
+    by_tensor: dict[int, int] = {}
+    for index, piece in pieces:
+        by_tensor[index] = by_tensor.get(index, 0) + _piece_bytes(index, len(piece))
+    return ReceivedChunk(header, pieces, ChunkBytes(end, by_tensor))
 
 
 def measure_chunk(chunk, pieces: Sequence[tuple[int, bytes]] | None = None) -> ChunkBytes:

@@ -31,7 +31,6 @@ from fedpart.common.exit_codes import ExitCode, Stopped
 from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.plans import RunOutcome
 from fedpart.common.security import ServerSecurity
-from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 from fedpart.server.auth import CallGuard, Principals, TokenGate
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.global_eval import GlobalEvaluator
@@ -45,7 +44,7 @@ from fedpart.server.report import (
     format_table,
 )
 from fedpart.server.run_state import mark_finished, read_run_state, write_run_state
-from fedpart.server.service import CoordinatorService
+from fedpart.server.service import CoordinatorService, add_to_server
 
 # How long the server keeps answering after the run so that every process hears DONE.
 SHUTDOWN_GRACE_SECONDS = 10.0
@@ -107,7 +106,7 @@ class GrpcServer:
             ])
         service = CoordinatorService(coordinator, coordinator.ledger, CallGuard(principals, mutual_tls),
                                      self._fold_pool, upload_slots, download_slots)
-        pb_grpc.add_CoordinatorServicer_to_server(service, server)
+        add_to_server(service, server)
         host, _, _ = address.rpartition(":")
         try:
             if security.tls:

@@ -30,10 +30,10 @@ import grpc
 
 from fedpart.common.codecs import build_codec
 from fedpart.common.plans import TaskKind
-from fedpart.common.protocol import RESULT_REJECTED, InvalidResult, Rejected
+from fedpart.common.protocol import RESULT_REJECTED, SERVICE_NAME, InvalidResult, Rejected
 from fedpart.common.serde import join_info, result_info, task_header
 from fedpart.common.split_model import tensor_part
-from fedpart.common.wire import TensorAssembler, WireError, chunk_pieces, measure_chunk
+from fedpart.common.wire import ReceivedChunk, TensorAssembler, WireError, read_chunk
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 from fedpart.server.accounting import PROCESS, ByteLedger
@@ -111,7 +111,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return reply
 
     async def GetTask(self, request: pb.TaskRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TaskChunk]:
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TaskChunk | bytes]:
         async with self.guard.admit(context, self.stream_seconds) as principal:
             try:
                 task = await self._wait_for_task(request, principal)
@@ -168,8 +168,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         finally:
             self.board.end_poll(request.session, waiter)
 
-    def _task_chunks(self, task: Task, request: pb.TaskRequest) -> Iterator[pb.TaskChunk]:
-        """The header alone, then the shared chunks of the tensors the process lacks."""
+    def _task_chunks(self, task: Task, request: pb.TaskRequest) -> Iterator[pb.TaskChunk | bytes]:
+        """The header alone, then the shared, serialized chunks of the tensors the process lacks."""
         specs, tensors = self.payloads.wire_forms(*self.coordinator.task_tensors(task, request.held_versions))
         first = pb.TaskChunk(header=task_header(task, specs))
         self.ledger.add(task.round, task.client_id, "down", _control(first.ByteSize()))
@@ -181,10 +181,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             yield chunk
         self.ledger.add_encodings("down", encodings)
 
-    async def SubmitResult(self, request_iterator: AsyncIterator[pb.ResultChunk],
+    async def SubmitResult(self, request_iterator: AsyncIterator[ReceivedChunk],
                            context: grpc.aio.ServicerContext) -> pb.SubmitReply:
         async with self.guard.admit(context, self.stream_seconds) as principal:
-            chunks = aiter(request_iterator)
+            chunks = aiter(request_iterator)  # ReceivedChunk: see add_to_server
             first = await anext(chunks, None)
             try:
                 header = check_first_chunk(first)
@@ -193,12 +193,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except InvalidResult as error:
                 await context.abort(error.code, str(error))
             except Rejected as error:
-                self.ledger.refuse(first.ByteSize())
+                self.ledger.refuse(first.size.total)
                 await context.abort(error.code, str(error))
             received = Received(task)
             parts = [tensor_part(spec.name) for spec in header.tensors]
             # measured now, its pieces read again once a slot is free: no copy of them waits for one
-            received.add(bytes_by_part(first, parts), "up")
+            received.add(bytes_by_part(first.size, parts), "up")
             reply = pb.SubmitReply(accepted=True)
             handed_over = False  # to the fold (inline or on a fold thread): from then on it decides
 
@@ -231,20 +231,52 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 raise
             return reply
 
-    async def _receive(self, received: Received, first: pb.ResultChunk, rest: AsyncIterator[pb.ResultChunk],
+    async def _receive(self, received: Received, first: ReceivedChunk, rest: AsyncIterator[ReceivedChunk],
                        parts: list[str], staging: dict) -> dict:
         """Read the pieces of a result whose header was checked against its task."""
         assembler = TensorAssembler(first.header.tensors, into=staging)
-        assembler.add(chunk_pieces(first))
+        assembler.add(first.pieces)
         async for chunk in rest:
-            pieces = chunk_pieces(chunk)
-            size = measure_chunk(chunk, pieces)
-            received.add(bytes_by_part(chunk, parts, size), "up")
-            check_later_chunk(chunk, size)
-            assembler.add(pieces)
+            received.add(bytes_by_part(chunk.size, parts), "up")
+            check_later_chunk(chunk)
+            assembler.add(chunk.pieces)
         tensors = assembler.tensors()
         received.encodings = assembler.encoding_bytes()
         return tensors
+
+
+def _serialize_task_chunk(chunk: pb.TaskChunk | bytes) -> bytes:
+    """A task stream's message: tensor chunks come serialized already (shared by the tasks that
+    send them, :class:`~fedpart.server.transfers.TaskPayloads`), headers as messages."""
+    return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
+
+
+def add_to_server(service: CoordinatorService, server: grpc.aio.Server) -> None:
+    """Serve ``service`` as ``proto/fedpart.proto``'s Coordinator. Unlike the generated
+    ``add_CoordinatorServicer_to_server``, tensor chunks skip protobuf's message objects at this
+    edge: a task's are sent as the bytes :class:`TaskPayloads` serialized once a round, and a
+    result's are read by :func:`~fedpart.common.wire.read_chunk` into views of the received bytes
+    (parsing them into messages copied every piece twice and measuring them re-encoded it). The
+    bytes on the wire are the same."""
+    handlers = {
+        "Join": grpc.unary_unary_rpc_method_handler(
+            service.Join, request_deserializer=pb.JoinRequest.FromString,
+            response_serializer=pb.JoinReply.SerializeToString),
+        "GetTask": grpc.unary_stream_rpc_method_handler(
+            service.GetTask, request_deserializer=pb.TaskRequest.FromString,
+            response_serializer=_serialize_task_chunk),
+        "SubmitResult": grpc.stream_unary_rpc_method_handler(
+            service.SubmitResult, request_deserializer=partial(read_chunk, pb.ResultHeader),
+            response_serializer=pb.SubmitReply.SerializeToString),
+        "Heartbeat": grpc.unary_unary_rpc_method_handler(
+            service.Heartbeat, request_deserializer=pb.HeartbeatRequest.FromString,
+            response_serializer=pb.HeartbeatReply.SerializeToString),
+        "Leave": grpc.unary_unary_rpc_method_handler(
+            service.Leave, request_deserializer=pb.LeaveRequest.FromString,
+            response_serializer=pb.LeaveReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 async def _run_to_end(future: asyncio.Future) -> None:

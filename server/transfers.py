@@ -8,7 +8,7 @@ O(slots x model), whatever the number of uploads in flight.
 
 Downloads: a task is sent only while it holds one of a fixed number of *download slots*; every
 sent chunk is awaited until the transport took it, so at most one chunk per slot is buffered.
-The tensor chunks themselves are encoded once per set of tensors and versions
+The tensor chunks themselves are encoded and serialized once per set of tensors and versions
 (:class:`TaskPayloads`) and shared by every task that sends the same tensors, as a round sends
 the same global model to every sampled client. With a download codec (``compression.down``) each
 version of a global tensor is encoded once, and the chunks carry the encoded payloads.
@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager
 import torch
 
 from fedpart.common.codecs import Codec, encode, seeded_generator
-from fedpart.common.wire import DTYPES, encode_chunks, encoding_bytes, measure_chunk, wire_form
+from fedpart.common.wire import DTYPES, ChunkBytes, encode_chunks, encoding_bytes, measure_chunk, wire_form
 from fedpart.proto import fedpart_pb2 as pb
 
 Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
@@ -70,7 +70,7 @@ class UploadSlots:
 
 
 class TaskPayloads:
-    """Encoded tensor chunks of task streams with their bytes by part, for the last few sets of
+    """Serialized tensor chunks of task streams with their bytes by part, for the last few sets of
     (tensor name, version) sent, and the wire form of each global tensor's latest version under
     the download ``codec`` (stochastic rounding seeded by ``seed``, the name and the version, so
     it is the same after a restart). Used from the event loop only."""
@@ -80,7 +80,7 @@ class TaskPayloads:
         self.keep = keep
         self.codec = codec
         self.seed = seed
-        self._encoded: OrderedDict[tuple, list[tuple[pb.TaskChunk, dict[str, int]]]] = OrderedDict()
+        self._encoded: OrderedDict[tuple, list[tuple[bytes, dict[str, int]]]] = OrderedDict()
         self._encoding_bytes: dict[tuple, dict[str, dict[str, int]]] = {}
         self._wire_forms: dict[str, tuple[int, pb.TensorSpec, torch.Tensor]] = {}  # name -> (version, spec, payload)
 
@@ -106,16 +106,17 @@ class TaskPayloads:
         return self._encoding_bytes[_key(specs)]
 
     def chunks(self, specs: list[pb.TensorSpec], tensors: list[torch.Tensor],
-               parts: list[str]) -> list[tuple[pb.TaskChunk, dict[str, int]]]:
-        """The chunks carrying ``tensors`` (described by ``specs``, in order), each with its
-        serialized bytes by part (a piece's bytes count for its tensor's part, the rest as control)."""
+               parts: list[str]) -> list[tuple[bytes, dict[str, int]]]:
+        """The serialized TaskChunk messages carrying ``tensors`` (described by ``specs``, in
+        order), each with its bytes by part (a piece's bytes count for its tensor's part, the rest
+        as control). Serialized once, they go out as they are to every task that sends them."""
         key = _key(specs)
         encoded = self._encoded.get(key)
         if encoded is None:
             encoded, wire_by_index = [], {}
             for chunk in encode_chunks(pb.TaskChunk, None, tensors, self.chunk_bytes):
                 size = measure_chunk(chunk)
-                encoded.append((chunk, bytes_by_part(chunk, parts, size)))
+                encoded.append((chunk.SerializeToString(), bytes_by_part(size, parts)))
                 for index, count in size.by_tensor.items():
                     wire_by_index[index] = wire_by_index.get(index, 0) + count
             self._encoded[key] = encoded
@@ -131,9 +132,9 @@ def _key(specs: list[pb.TensorSpec]) -> tuple:
     return tuple((spec.name, spec.version) for spec in specs)
 
 
-def bytes_by_part(chunk, parts: list[str], size=None) -> dict[str, int]:
-    """Serialized bytes of ``chunk`` by part (tensor bytes by their tensor's part, the rest control)."""
-    size = size or measure_chunk(chunk)
+def bytes_by_part(size: ChunkBytes, parts: list[str]) -> dict[str, int]:
+    """A chunk's serialized bytes (``size``) by part: tensor bytes by their tensor's part, the
+    rest control."""
     by_part = {"control": size.control}
     for index, count in size.by_tensor.items():
         part = parts[index] if index < len(parts) else "control"

@@ -230,7 +230,7 @@ def test_downloads_are_encoded_once_per_version() -> None:
     assert payloads.wire_forms([newer], [tensor])[1][0] is not sent[0]
     header = pb.TaskChunk(header=pb.TaskHeader(tensors=specs))
     chunks = payloads.chunks(specs, sent, ["body"])
-    _, decoded = decode_chunks([header, *(chunk for chunk, _ in chunks)])
+    _, decoded = decode_chunks([header, *(pb.TaskChunk.FromString(serialized) for serialized, _ in chunks)])
     assert (decoded["body.w"] - tensor).abs().max() <= tensor.abs().max() / 127 + 1e-6
     counts = payloads.encoding_bytes(specs)
     assert counts["qsgd8"]["raw"] == 12_000

@@ -383,7 +383,7 @@ def test_a_result_stream_opens_with_the_header_alone(harness_factory, tmp_path, 
 
         async def chunks():
             async for chunk in request_iterator:
-                seen.append((chunk.HasField("header"), len(chunk.pieces)))
+                seen.append((chunk.header is not None, len(chunk.pieces)))
                 yield chunk
 
         return await serve(self, chunks(), context)

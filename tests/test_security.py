@@ -18,7 +18,7 @@ import torch
 
 from conftest import fedpart_command, small_config, write_config
 from fedpart.common.config import config_from_dict
-from fedpart.common.protocol import PROTOCOL_VERSION
+from fedpart.common.protocol import PROTOCOL_VERSION, method_path
 from fedpart.common.security import ClientSecurity, ServerSecurity, hash_token, load_credentials
 from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
 from fedpart.deploy.certs import write_run_credentials
@@ -400,6 +400,29 @@ def test_junk_chunks_are_refused_and_not_counted_as_traffic(secure) -> None:
     assert harness.coordinator.ledger.totals(1)["up"] == before
     assert harness.coordinator.ledger.refused_bytes > 0
     assert all(torch.equal(harness.initial[k], v) for k, v in harness.coordinator.global_state.items())
+
+
+@pytest.mark.parametrize("position", ["first", "later"])
+def test_bytes_that_are_no_result_chunk_are_refused_and_change_nothing(secure, position) -> None:
+    """The server reads result chunks straight off the wire (``wire.read_chunk``, not protobuf's
+    parser): bytes that do not parse as a ResultChunk are refused with the reason, whichever
+    message of the stream they are."""
+    harness = secure()
+    stub, session, header, uploads = _train_task(harness)
+    chunks = [chunk.SerializeToString() for chunk in _result(session, header, uploads)]
+    submit_raw = harness.channels[0].stream_unary(method_path("SubmitResult"), request_serializer=None,
+                                                  response_deserializer=pb.SubmitReply.FromString)
+    cut_short = b"\x12\x80\x80\x04" + b"\0" * 100  # a piece of 64 KiB declared, 100 bytes sent
+    stream = [cut_short] + chunks if position == "first" else chunks[:1] + [cut_short] + chunks[1:]
+    before = harness.coordinator.ledger.totals(1)["up"]
+    with pytest.raises(grpc.RpcError) as error:
+        submit_raw(iter(stream), timeout=BOUND)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a chunk message: a field runs past the end" in error.value.details()
+    assert harness.coordinator.ledger.totals(1)["up"] == before
+    assert all(torch.equal(harness.initial[k], v) for k, v in harness.coordinator.global_state.items())
+    if position == "first":  # the stream never named its task, which is still open
+        assert stub.SubmitResult(iter(_result(session, header, uploads)), timeout=BOUND).accepted
 
 
 def test_an_oversized_message_inside_a_result_always_loses_the_result(secure) -> None:

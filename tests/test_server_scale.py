@@ -54,7 +54,7 @@ def test_a_virtual_result_carries_exactly_the_tensors_its_plan_asks_for(algorith
     payloads = Payloads(config.to_json())
     upload = payloads.upload(plan)
     header = pb.ResultHeader(session="s", task_id=7, client_id=3, round=1, num_samples=train_sample_count(3))
-    sent, tensors = decode_chunks(upload.stream(header))
+    sent, tensors = decode_chunks(pb.ResultChunk.FromString(serialized) for serialized in upload.stream(header))
     check_header(result_info(sent), sent.tensors, coordinator.expected_uploads(task))  # raises when they differ
     assert tuple(tensors) == task.uploads()
     assert (sent.task_id, sent.client_id, sent.num_samples) == (7, 3, train_sample_count(3))

@@ -79,11 +79,13 @@ def test_task_payloads_are_encoded_once_per_tensor_versions_and_decode_to_the_te
     encoded = payloads.chunks(specs, list(tensors.values()), parts)
     assert payloads.chunks(specs, list(tensors.values()), parts) is encoded
     assert len(encoded) > 2, "several chunks of at most chunk_bytes"
-    assert all(chunk.ByteSize() <= 4096 and not chunk.HasField("header") for chunk, _ in encoded)
-    assert sum(sum(by_part.values()) for _, by_part in encoded) == sum(chunk.ByteSize() for chunk, _ in encoded)
+    messages = [pb.TaskChunk.FromString(serialized) for serialized, _ in encoded]
+    assert all(len(serialized) <= 4096 for serialized, _ in encoded)
+    assert not any(message.HasField("header") for message in messages)
+    assert sum(sum(by_part.values()) for _, by_part in encoded) == sum(len(serialized) for serialized, _ in encoded)
     assert sum(by_part.get("head", 0) for _, by_part in encoded) > 40
     header = pb.TaskChunk(header=pb.TaskHeader(kind=pb.TRAIN, tensors=specs))
-    _, decoded = decode_chunks([header, *(chunk for chunk, _ in encoded)])
+    _, decoded = decode_chunks([header, *messages])
     assert all(torch.equal(decoded[n], t) for n, t in tensors.items())
     newer = [make_spec(n, t, version=3) for n, t in tensors.items()]
     assert payloads.chunks(newer, list(tensors.values()), parts) is not encoded

@@ -184,6 +184,52 @@ def test_measure_chunk_attributes_every_byte():
     assert total == sum(c.ByteSize() for c in chunks)
 
 
+@pytest.mark.parametrize("chunk_type, header_type", [(pb.ResultChunk, pb.ResultHeader), (pb.TaskChunk, pb.TaskHeader)])
+def test_read_chunk_gives_what_protobuf_parses_with_views_of_the_bytes(chunk_type, header_type):
+    tensors = {"big": torch.randn(30_000), "tiny": torch.tensor([1, 2, 3], dtype=torch.int8),
+               "empty": torch.empty(0), "last": torch.ones(5, dtype=torch.bfloat16)}
+    header = header_type(tensors=named_specs(tensors))
+    for stream in (encode_chunks(chunk_type, header, tensors.values(), chunk_bytes=10_000),
+                   header_then_pieces(chunk_type, header, tensors.values(), chunk_bytes=10_000)):
+        for message in stream:
+            serialized = message.SerializeToString()
+            chunk = wire.read_chunk(header_type, serialized)
+            assert not chunk.malformed
+            assert chunk.header == (message.header if message.HasField("header") else None)
+            assert [(index, bytes(data)) for index, data in chunk.pieces] == chunk_pieces(message)
+            assert all(data.obj is serialized for _, data in chunk.pieces)  # views, not copies
+            assert chunk.size == measure_chunk(message)
+
+
+def test_read_chunk_merges_repeated_headers_and_counts_unknown_fields_as_control():
+    first = pb.ResultChunk(header=pb.ResultHeader(session="s", task_id=4)).SerializeToString()
+    second = pb.ResultChunk(header=pb.ResultHeader(client_id=9)).SerializeToString()
+    piece = pb.ResultChunk(pieces=[pb.TensorPiece(index=1, data=b"abcd")]).SerializeToString()
+    merged = wire.read_chunk(pb.ResultHeader, first + piece + second)
+    assert merged.header == pb.ResultChunk.FromString(first + piece + second).header
+    assert merged.pieces == [(1, memoryview(b"abcd"))]
+    unknown = b"\x18\x05" + b"\x21" + bytes(8) + b"\x2d" + bytes(4) + b"\x22\x01x"  # fields 3-5, every wire type
+    extra = wire.read_chunk(pb.ResultHeader, piece + unknown)
+    assert extra.pieces == [(1, memoryview(b"abcd"))] and extra.size.control == len(unknown)
+    explicit_zero = b"\x12\x05\x08\x00\x12\x01z"  # index 0 written out: not protobuf's own encoding
+    assert wire.read_chunk(pb.ResultHeader, explicit_zero).size.control == 2
+
+
+@pytest.mark.parametrize("garbage, reason", [
+    (b"\x12\x05\x08", "runs past the end"),
+    (b"\x12" + b"\xff" * 11, "longer than 10 bytes"),
+    (b"\x0a\x02\xff\xff", "ResultHeader"),
+    (b"\x13\x14", "wire type 3"),
+    (b"\x00", "field number 0"),
+    (b"\x12\x07\x08\x80\x80\x80\x80\x10\x12", "does not fit in 32 bits"),
+    (b"\x19\x00", "runs past the end"),
+])
+def test_read_chunk_says_why_bytes_are_not_a_chunk_and_raises_nothing(garbage, reason):
+    chunk = wire.read_chunk(pb.ResultHeader, garbage)
+    assert reason in chunk.malformed and chunk.header is None and chunk.pieces == []
+    assert chunk.size.total == len(garbage) == chunk.size.control
+
+
 @pytest.mark.parametrize("index", [0, 1, 127, 128, 70_000])
 @pytest.mark.parametrize("length", [1, 127, 128, 20_000])
 def test_piece_wire_bytes_is_exact(index, length):
