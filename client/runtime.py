@@ -305,7 +305,8 @@ class ClientProcess:
                      f"({len(header.tensors)} tensors received)")
             self._absorb(header, tensors)
             result, uploads = self._execute(task)
-            self._submit(result, uploads, task.train.upload_deltas if task.train is not None else ())
+            self._submit(result, uploads, task.train.upload_deltas if task.train is not None else (),
+                         task.result_chunk_bytes or self.config.server.chunk_bytes)
             self.activity.task("waiting for a task")
 
     def _next_task(self, request: pb.TaskRequest) -> tuple[pb.TaskHeader | None, dict[str, torch.Tensor]]:
@@ -437,8 +438,10 @@ class ClientProcess:
         return ResultInfo(self.session, task.task_id, client, task.round, num_samples=outcome.samples,
                           metrics=metrics), uploads
 
-    def _submit(self, result: ResultInfo, uploads: dict[str, torch.Tensor], deltas: Collection[str]) -> None:
-        """Send the result, its tensors encoded by ``compression.up``; the error-feedback
+    def _submit(self, result: ResultInfo, uploads: dict[str, torch.Tensor], deltas: Collection[str],
+                chunk_bytes: int) -> None:
+        """Send the result in messages of at most ``chunk_bytes``, its tensors encoded by
+        ``compression.up``; the error-feedback
         residuals it leaves are kept once the server took it. A send the server could not take
         now (unreachable, busy, or its transport reset the stream before the server read it) is
         tried again as a task request is; the server takes one result per task, so a copy that
@@ -455,7 +458,7 @@ class ClientProcess:
 
         while True:
             sent[0] = 0
-            chunks = header_then_pieces(pb.ResultChunk, header, tensors, self.config.server.chunk_bytes)
+            chunks = header_then_pieces(pb.ResultChunk, header, tensors, chunk_bytes)
             try:
                 self.stub.SubmitResult(counted(chunks), timeout=TRANSFER_SECONDS)
                 break

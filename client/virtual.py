@@ -181,17 +181,19 @@ class Payloads:
         model = build_run_model(self.config)
         self.global_state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
         self.classification = dataset_dims(self.config)[1] > 0
-        self._uploads: dict[tuple[tuple[str, ...], tuple[str, ...]], EncodedUpload] = {}
+        self._uploads: dict[tuple[tuple[str, ...], tuple[str, ...], int], EncodedUpload] = {}
 
-    def upload(self, plan: TrainPlan) -> EncodedUpload:
-        """Exactly the tensors ``plan`` asks for: seeded small deltas for ``upload_deltas``, the
-        initial global value plus such a delta for ``upload_values``."""
-        key = (plan.upload_deltas, plan.upload_values)
+    def upload(self, task: TaskInfo) -> EncodedUpload:
+        """Exactly the tensors the task's plan asks for, in messages of the size it asks for:
+        seeded small deltas for ``upload_deltas``, the initial global value plus such a delta for
+        ``upload_values``."""
+        chunk_bytes = task.result_chunk_bytes or self.config.server.chunk_bytes
+        key = (task.train.upload_deltas, task.train.upload_values, chunk_bytes)
         if key not in self._uploads:
             self._uploads[key] = self._encode(*key)
         return self._uploads[key]
 
-    def _encode(self, deltas: tuple[str, ...], values: tuple[str, ...]) -> EncodedUpload:
+    def _encode(self, deltas: tuple[str, ...], values: tuple[str, ...], chunk_bytes: int) -> EncodedUpload:
         unknown = sorted(set(deltas + values) - set(self.global_state))
         if unknown:
             raise VirtualClientError(f"the plan asks for tensors {unknown[:5]} the run's model does not have")
@@ -204,7 +206,7 @@ class Payloads:
             else:
                 delta = torch.zeros_like(like)
             tensors[name] = delta if name in deltas else like + delta
-        chunks = list(encode_chunks(pb.ResultChunk, None, list(tensors.values()), self.config.server.chunk_bytes))
+        chunks = list(encode_chunks(pb.ResultChunk, None, list(tensors.values()), chunk_bytes))
         return EncodedUpload(specs=named_specs(tensors), chunks=[chunk.SerializeToString() for chunk in chunks],
                              tensor_bytes=sum(len(piece.data) for chunk in chunks for piece in chunk.pieces),
                              parameters=sum(t.numel() for t in tensors.values()))
@@ -424,7 +426,7 @@ class VirtualProcess:
 
     async def _submit_training(self, task: TaskInfo) -> None:
         client = task.client_id
-        upload = self.payloads.upload(task.train)
+        upload = self.payloads.upload(task)
         result = ResultInfo(self.session, task.task_id, client, task.round, num_samples=train_sample_count(client),
                             metrics=train_metrics(task.train, client, upload.parameters))
         if await self._submit(upload.stream(result_header(result))):

@@ -20,11 +20,9 @@ import yaml
 # The registries the checks below read (algorithms, objectives, augmentations: torch) are imported
 # when a config is validated, not with this module: ``fedpart --help`` loads no torch.
 
-DEFAULT_CHUNK_BYTES = 256 << 10
-"""Tensor bytes per gRPC message. gRPC buffers received messages of the uploads that wait for a
-slot in its own memory: at 10,000 clients in 2,000 processes heaptrack found 1.15 GB there at
-the server's peak with 1 MiB messages (peak RSS 1.75 GB after 5 rounds, still rising); with
-256 KiB the peak was 1.14 GB after 8 rounds, level from the fourth, at the same round times."""
+DEFAULT_CHUNK_BYTES = 1 << 20
+"""Largest gRPC message of a task or result stream (tensor bytes and their framing). A task may ask
+for its result in smaller messages (``server.waiting_upload_bytes``)."""
 
 
 class ConfigError(ValueError):
@@ -137,6 +135,9 @@ class ServerConfig:
     evaluation_timeout: float = 3600.0  # the final evaluation (every client fine-tunes) closes after this
     heartbeat_timeout: float = 60.0  # a process silent this long is considered gone
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    waiting_upload_bytes: int = 512 << 20  # what result streams waiting for an upload slot may hold
+                                    # in gRPC's buffers together: results come in messages of at most
+                                    # this / connected processes, within [64 KiB, chunk_bytes] (0 = chunk_bytes)
     call_timeout: float = 900.0     # longest deadline a task or result stream may ask for
     fold_workers: int = 0           # threads that validate and fold results (0 = none: the event loop does)
     upload_slots: int = 0           # results read at once, each into a reused staging buffer; more
@@ -341,6 +342,7 @@ def _validate(config: RunConfig) -> None:
         (config.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only the initial and the last round)"),
         (config.checkpoint.keep >= 0, "checkpoint.keep must be >= 0 (0: keep every round checkpoint)"),
         (config.server.chunk_bytes >= 1024, "server.chunk_bytes must be at least 1024"),
+        (config.server.waiting_upload_bytes >= 0, "server.waiting_upload_bytes must be >= 0 (0 = no bound)"),
         (min(config.server.round_timeout, config.server.join_timeout, config.server.evaluation_timeout,
              config.server.heartbeat_timeout, config.server.call_timeout) > 0, "server timeouts must be positive"),
         (config.server.fold_workers >= 0, "server.fold_workers must be >= 0 (0 = fold on the event loop)"),

@@ -58,7 +58,8 @@ def eval_plan(message: pb.EvalPlan) -> EvalPlan:
 def task_header(task: TaskInfo, tensors: Iterable[pb.TensorSpec]) -> pb.TaskHeader:
     """The header of a task stream: the task and the specs of the global tensors that follow."""
     header = pb.TaskHeader(kind=int(task.kind), task_id=task.task_id, round=task.round, client_id=task.client_id,
-                           tensors=tensors, personal_init=list(task.personal_init), outcome=int(task.outcome))
+                           tensors=tensors, personal_init=list(task.personal_init), outcome=int(task.outcome),
+                           result_chunk_bytes=task.result_chunk_bytes)
     if task.train is not None:
         header.train.CopyFrom(train_plan_message(task.train))
     if task.evaluate is not None:
@@ -79,7 +80,8 @@ def task_info(header: pb.TaskHeader) -> TaskInfo:
     return TaskInfo(kind=kind, task_id=header.task_id, round=header.round, client_id=header.client_id,
                     train=train_plan(header.train) if header.HasField("train") else None,
                     evaluate=eval_plan(header.evaluate) if header.HasField("evaluate") else None,
-                    personal_init=tuple(header.personal_init), outcome=outcome)
+                    personal_init=tuple(header.personal_init), outcome=outcome,
+                    result_chunk_bytes=header.result_chunk_bytes)
 
 
 def result_header(result: ResultInfo, tensors: Iterable[pb.TensorSpec] = ()) -> pb.ResultHeader:

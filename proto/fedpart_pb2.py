@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66\x65\x64part/proto/fedpart.proto\x12\nfedpart.v1\"y\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07version\x18\x04 \x01(\r\x12\x10\n\x08\x65ncoding\x18\x05 \x01(\t\x12\x0c\n\x04kept\x18\x06 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x07 \x01(\r\"*\n\x0bTensorPiece\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"2\n\x0cHostedClient\x12\n\n\x02id\x18\x01 \x01(\r\x12\x16\n\x0epersonal_parts\x18\x02 \x03(\t\"\x88\x01\n\x0bJoinRequest\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x14\n\x0cprocess_name\x18\x02 \x01(\t\x12)\n\x07\x63lients\x18\x03 \x03(\x0b\x32\x18.fedpart.v1.HostedClient\x12\x14\n\x0cstate_run_id\x18\x04 \x01(\t\x12\x10\n\x08instance\x18\x05 \x01(\t\"E\n\tJoinReply\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x17\n\x0frun_config_json\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"\xab\x01\n\x0bTaskRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12@\n\rheld_versions\x18\x02 \x03(\x0b\x32).fedpart.v1.TaskRequest.HeldVersionsEntry\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x1a\x33\n\x11HeldVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"E\n\x05Phase\x12\x0e\n\x06\x65pochs\x18\x01 \x01(\r\x12\x11\n\ttrainable\x18\x02 \x03(\t\x12\x19\n\x11unfreeze_fraction\x18\x03 \x01(\x01\"\xd8\x01\n\tTrainPlan\x12!\n\x06phases\x18\x01 \x03(\x0b\x32\x11.fedpart.v1.Phase\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x11\n\tgrad_clip\x18\x07 \x01(\x01\x12\x15\n\rupload_deltas\x18\x08 \x03(\t\x12\x15\n\rupload_values\x18\t \x03(\t\x12\x0c\n\x04seed\x18\n \x01(\x04J\x04\x08\x06\x10\x07R\x0bproximal_mu\"\x8c\x01\n\x08\x45valPlan\x12\x17\n\x0f\x66inetune_epochs\x18\x01 \x03(\r\x12\x15\n\rfinetune_part\x18\x02 \x01(\t\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x10\n\x08momentum\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x10\n\x08headless\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\x9a\x02\n\nTaskHeader\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.fedpart.v1.TaskKind\x12\x0f\n\x07task_id\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\r\x12\x11\n\tclient_id\x18\x04 \x01(\r\x12\'\n\x07tensors\x18\x05 \x03(\x0b\x32\x16.fedpart.v1.TensorSpec\x12\x15\n\rpersonal_init\x18\x06 \x03(\t\x12$\n\x05train\x18\x07 \x01(\x0b\x32\x15.fedpart.v1.TrainPlan\x12&\n\x08\x65valuate\x18\x08 \x01(\x0b\x32\x14.fedpart.v1.EvalPlan\x12\'\n\x07outcome\x18\t \x01(\x0e\x32\x16.fedpart.v1.RunOutcome\"\\\n\tTaskChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedpart.v1.TaskHeader\x12\'\n\x06pieces\x18\x02 \x03(\x0b\x32\x17.fedpart.v1.TensorPiece\"\xf8\x01\n\x0cResultHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\x04\x12\x11\n\tclient_id\x18\x03 \x01(\r\x12\r\n\x05round\x18\x04 \x01(\r\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x04\x12\x36\n\x07metrics\x18\x06 \x03(\x0b\x32%.fedpart.v1.ResultHeader.MetricsEntry\x12\'\n\x07tensors\x18\x07 \x03(\x0b\x32\x16.fedpart.v1.TensorSpec\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"`\n\x0bResultChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.fedpart.v1.ResultHeader\x12\'\n\x06pieces\x18\x02 \x03(\x0b\x32\x17.fedpart.v1.TensorPiece\"\x1f\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"#\n\x10HeartbeatRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"/\n\x0cLeaveRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0c\n\nLeaveReply*7\n\x08TaskKind\x12\x08\n\x04IDLE\x10\x00\x12\t\n\x05TRAIN\x10\x01\x12\x0c\n\x08\x45VALUATE\x10\x02\x12\x08\n\x04\x44ONE\x10\x03*(\n\nRunOutcome\x12\r\n\tCOMPLETED\x10\x00\x12\x0b\n\x07\x41\x42ORTED\x10\x01\x32\xc8\x02\n\x0b\x43oordinator\x12\x36\n\x04Join\x12\x17.fedpart.v1.JoinRequest\x1a\x15.fedpart.v1.JoinReply\x12;\n\x07GetTask\x12\x17.fedpart.v1.TaskRequest\x1a\x15.fedpart.v1.TaskChunk0\x01\x12\x42\n\x0cSubmitResult\x12\x17.fedpart.v1.ResultChunk\x1a\x17.fedpart.v1.SubmitReply(\x01\x12\x45\n\tHeartbeat\x12\x1c.fedpart.v1.HeartbeatRequest\x1a\x1a.fedpart.v1.HeartbeatReply\x12\x39\n\x05Leave\x12\x18.fedpart.v1.LeaveRequest\x1a\x16.fedpart.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66\x65\x64part/proto/fedpart.proto\x12\nfedpart.v1\"y\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07version\x18\x04 \x01(\r\x12\x10\n\x08\x65ncoding\x18\x05 \x01(\t\x12\x0c\n\x04kept\x18\x06 \x01(\x04\x12\x0e\n\x06\x62ucket\x18\x07 \x01(\r\"*\n\x0bTensorPiece\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"2\n\x0cHostedClient\x12\n\n\x02id\x18\x01 \x01(\r\x12\x16\n\x0epersonal_parts\x18\x02 \x03(\t\"\x88\x01\n\x0bJoinRequest\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x14\n\x0cprocess_name\x18\x02 \x01(\t\x12)\n\x07\x63lients\x18\x03 \x03(\x0b\x32\x18.fedpart.v1.HostedClient\x12\x14\n\x0cstate_run_id\x18\x04 \x01(\t\x12\x10\n\x08instance\x18\x05 \x01(\t\"E\n\tJoinReply\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x17\n\x0frun_config_json\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"\xab\x01\n\x0bTaskRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12@\n\rheld_versions\x18\x02 \x03(\x0b\x32).fedpart.v1.TaskRequest.HeldVersionsEntry\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x1a\x33\n\x11HeldVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"E\n\x05Phase\x12\x0e\n\x06\x65pochs\x18\x01 \x01(\r\x12\x11\n\ttrainable\x18\x02 \x03(\t\x12\x19\n\x11unfreeze_fraction\x18\x03 \x01(\x01\"\xd8\x01\n\tTrainPlan\x12!\n\x06phases\x18\x01 \x03(\x0b\x32\x11.fedpart.v1.Phase\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x11\n\tgrad_clip\x18\x07 \x01(\x01\x12\x15\n\rupload_deltas\x18\x08 \x03(\t\x12\x15\n\rupload_values\x18\t \x03(\t\x12\x0c\n\x04seed\x18\n \x01(\x04J\x04\x08\x06\x10\x07R\x0bproximal_mu\"\x8c\x01\n\x08\x45valPlan\x12\x17\n\x0f\x66inetune_epochs\x18\x01 \x03(\r\x12\x15\n\rfinetune_part\x18\x02 \x01(\t\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x10\n\x08momentum\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x10\n\x08headless\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\xb6\x02\n\nTaskHeader\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.fedpart.v1.TaskKind\x12\x0f\n\x07task_id\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\r\x12\x11\n\tclient_id\x18\x04 \x01(\r\x12\'\n\x07tensors\x18\x05 \x03(\x0b\x32\x16.fedpart.v1.TensorSpec\x12\x15\n\rpersonal_init\x18\x06 \x03(\t\x12$\n\x05train\x18\x07 \x01(\x0b\x32\x15.fedpart.v1.TrainPlan\x12&\n\x08\x65valuate\x18\x08 \x01(\x0b\x32\x14.fedpart.v1.EvalPlan\x12\'\n\x07outcome\x18\t \x01(\x0e\x32\x16.fedpart.v1.RunOutcome\x12\x1a\n\x12result_chunk_bytes\x18\n \x01(\r\"\\\n\tTaskChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedpart.v1.TaskHeader\x12\'\n\x06pieces\x18\x02 \x03(\x0b\x32\x17.fedpart.v1.TensorPiece\"\xf8\x01\n\x0cResultHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\x04\x12\x11\n\tclient_id\x18\x03 \x01(\r\x12\r\n\x05round\x18\x04 \x01(\r\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x04\x12\x36\n\x07metrics\x18\x06 \x03(\x0b\x32%.fedpart.v1.ResultHeader.MetricsEntry\x12\'\n\x07tensors\x18\x07 \x03(\x0b\x32\x16.fedpart.v1.TensorSpec\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"`\n\x0bResultChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.fedpart.v1.ResultHeader\x12\'\n\x06pieces\x18\x02 \x03(\x0b\x32\x17.fedpart.v1.TensorPiece\"\x1f\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"#\n\x10HeartbeatRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"/\n\x0cLeaveRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0c\n\nLeaveReply*7\n\x08TaskKind\x12\x08\n\x04IDLE\x10\x00\x12\t\n\x05TRAIN\x10\x01\x12\x0c\n\x08\x45VALUATE\x10\x02\x12\x08\n\x04\x44ONE\x10\x03*(\n\nRunOutcome\x12\r\n\tCOMPLETED\x10\x00\x12\x0b\n\x07\x41\x42ORTED\x10\x01\x32\xc8\x02\n\x0b\x43oordinator\x12\x36\n\x04Join\x12\x17.fedpart.v1.JoinRequest\x1a\x15.fedpart.v1.JoinReply\x12;\n\x07GetTask\x12\x17.fedpart.v1.TaskRequest\x1a\x15.fedpart.v1.TaskChunk0\x01\x12\x42\n\x0cSubmitResult\x12\x17.fedpart.v1.ResultChunk\x1a\x17.fedpart.v1.SubmitReply(\x01\x12\x45\n\tHeartbeat\x12\x1c.fedpart.v1.HeartbeatRequest\x1a\x1a.fedpart.v1.HeartbeatReply\x12\x39\n\x05Leave\x12\x18.fedpart.v1.LeaveRequest\x1a\x16.fedpart.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASKREQUEST_HELDVERSIONSENTRY']._serialized_options = b'8\001'
   _globals['_RESULTHEADER_METRICSENTRY']._loaded_options = None
   _globals['_RESULTHEADER_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_TASKKIND']._serialized_start=1973
-  _globals['_TASKKIND']._serialized_end=2028
-  _globals['_RUNOUTCOME']._serialized_start=2030
-  _globals['_RUNOUTCOME']._serialized_end=2070
+  _globals['_TASKKIND']._serialized_start=2001
+  _globals['_TASKKIND']._serialized_end=2056
+  _globals['_RUNOUTCOME']._serialized_start=2058
+  _globals['_RUNOUTCOME']._serialized_end=2098
   _globals['_TENSORSPEC']._serialized_start=43
   _globals['_TENSORSPEC']._serialized_end=164
   _globals['_TENSORPIECE']._serialized_start=166
@@ -60,25 +60,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EVALPLAN']._serialized_start=937
   _globals['_EVALPLAN']._serialized_end=1077
   _globals['_TASKHEADER']._serialized_start=1080
-  _globals['_TASKHEADER']._serialized_end=1362
-  _globals['_TASKCHUNK']._serialized_start=1364
-  _globals['_TASKCHUNK']._serialized_end=1456
-  _globals['_RESULTHEADER']._serialized_start=1459
-  _globals['_RESULTHEADER']._serialized_end=1707
-  _globals['_RESULTHEADER_METRICSENTRY']._serialized_start=1661
-  _globals['_RESULTHEADER_METRICSENTRY']._serialized_end=1707
-  _globals['_RESULTCHUNK']._serialized_start=1709
-  _globals['_RESULTCHUNK']._serialized_end=1805
-  _globals['_SUBMITREPLY']._serialized_start=1807
-  _globals['_SUBMITREPLY']._serialized_end=1838
-  _globals['_HEARTBEATREQUEST']._serialized_start=1840
-  _globals['_HEARTBEATREQUEST']._serialized_end=1875
-  _globals['_HEARTBEATREPLY']._serialized_start=1877
-  _globals['_HEARTBEATREPLY']._serialized_end=1908
-  _globals['_LEAVEREQUEST']._serialized_start=1910
-  _globals['_LEAVEREQUEST']._serialized_end=1957
-  _globals['_LEAVEREPLY']._serialized_start=1959
-  _globals['_LEAVEREPLY']._serialized_end=1971
-  _globals['_COORDINATOR']._serialized_start=2073
-  _globals['_COORDINATOR']._serialized_end=2401
+  _globals['_TASKHEADER']._serialized_end=1390
+  _globals['_TASKCHUNK']._serialized_start=1392
+  _globals['_TASKCHUNK']._serialized_end=1484
+  _globals['_RESULTHEADER']._serialized_start=1487
+  _globals['_RESULTHEADER']._serialized_end=1735
+  _globals['_RESULTHEADER_METRICSENTRY']._serialized_start=1689
+  _globals['_RESULTHEADER_METRICSENTRY']._serialized_end=1735
+  _globals['_RESULTCHUNK']._serialized_start=1737
+  _globals['_RESULTCHUNK']._serialized_end=1833
+  _globals['_SUBMITREPLY']._serialized_start=1835
+  _globals['_SUBMITREPLY']._serialized_end=1866
+  _globals['_HEARTBEATREQUEST']._serialized_start=1868
+  _globals['_HEARTBEATREQUEST']._serialized_end=1903
+  _globals['_HEARTBEATREPLY']._serialized_start=1905
+  _globals['_HEARTBEATREPLY']._serialized_end=1936
+  _globals['_LEAVEREQUEST']._serialized_start=1938
+  _globals['_LEAVEREQUEST']._serialized_end=1985
+  _globals['_LEAVEREPLY']._serialized_start=1987
+  _globals['_LEAVEREPLY']._serialized_end=1999
+  _globals['_COORDINATOR']._serialized_start=2101
+  _globals['_COORDINATOR']._serialized_end=2429
 # @@protoc_insertion_point(module_scope)

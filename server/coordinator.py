@@ -51,6 +51,7 @@ from fedpart.server.robust import AggregationStep, ResultRefused, RobustCounts
 from fedpart.server.run_state import EARLIER_ROUNDS, ResumeError, RunState
 from fedpart.server.sampling import sample_clients
 from fedpart.server.task_board import Task, TaskBoard
+from fedpart.server.transfers import result_chunk_bytes
 from fedpart.server.validation import all_finite, check_result
 
 
@@ -251,8 +252,11 @@ class Coordinator:
             self._sampled = len(sampled)
             self._results = RoundResults(self.aggregation.new_aggregator())
             hosts = {c: host for c in sampled if (host := self.registry.host(c)) is not None}
+            server = self.config.server
+            chunk_bytes = result_chunk_bytes(server.chunk_bytes, server.waiting_upload_bytes,
+                                             self.registry.live_processes)
             tasks = [Task(TaskKind.TRAIN, next(self._task_ids), round_number, c, train=self.round_plan(round_number, c),
-                          personal_init=self._personal_init(c), session=host.session)
+                          personal_init=self._personal_init(c), session=host.session, result_chunk_bytes=chunk_bytes)
                      for c, host in hosts.items()]
             dispatched = self.board.dispatch(tasks)
         self._await(dispatched, self.config.server.round_timeout)

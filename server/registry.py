@@ -221,6 +221,12 @@ class ProcessRegistry:
     # ------------------------------------------------------------------ the end of the run
 
     @property
+    def live_processes(self) -> int:
+        """Connected processes (counted: call it once a round, not per call)."""
+        with self._cond:
+            return sum(process.alive for process in self._processes.values())
+
+    @property
     def ready_clients(self) -> int:
         """Clients hosted by a live process that has loaded its data and asked for work."""
         with self._cond:

@@ -212,7 +212,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             try:
                 check_header(result, header.tensors, self.coordinator.expected_uploads(task))
                 async with self.uploads.staging(header.tensors) as staging:
-                    tensors = await self._receive(received, first, chunks, parts, staging)
+                    largest = task.result_chunk_bytes or self.coordinator.config.server.chunk_bytes
+                    tensors = await self._receive(received, first, chunks, parts, staging, largest)
                     received.add(_control(reply.ByteSize()), "down")
                     accept = partial(self.coordinator.accept, task, result, tensors,
                                      commit=lambda: received.commit(self.ledger))
@@ -232,13 +233,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return reply
 
     async def _receive(self, received: Received, first: ReceivedChunk, rest: AsyncIterator[ReceivedChunk],
-                       parts: list[str], staging: dict) -> dict:
-        """Read the pieces of a result whose header was checked against its task."""
+                       parts: list[str], staging: dict, largest: int) -> dict:
+        """Read the pieces of a result whose header was checked against its task, in messages of
+        at most ``largest`` bytes."""
         assembler = TensorAssembler(first.header.tensors, into=staging)
         assembler.add(first.pieces)
         async for chunk in rest:
             received.add(bytes_by_part(chunk.size, parts), "up")
-            check_later_chunk(chunk)
+            check_later_chunk(chunk, largest)
             assembler.add(chunk.pieces)
         tensors = assembler.tensors()
         received.encodings = assembler.encoding_bytes()

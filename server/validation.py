@@ -61,14 +61,17 @@ def check_first_chunk(chunk: ReceivedChunk | None) -> pb.ResultHeader:
     return chunk.header
 
 
-def check_later_chunk(chunk: ReceivedChunk) -> None:
-    """A chunk after the header carries tensor bytes and nothing else."""
+def check_later_chunk(chunk: ReceivedChunk, largest: int) -> None:
+    """A chunk after the header carries tensor bytes and nothing else, in a message of at most
+    ``largest`` bytes (what its task asked for)."""
     if chunk.malformed:
         raise InvalidResult(chunk.malformed)
     if chunk.header is not None:
         raise InvalidResult("a second header inside one result stream")
     if chunk.size.control or not chunk.pieces:
         raise InvalidResult("a result chunk after the header must carry tensor bytes and nothing else")
+    if chunk.size.total > largest:
+        raise InvalidResult(f"a result chunk of {chunk.size.total} bytes, more than the {largest} its task asked for")
 
 
 def check_result(task: TaskInfo, result: ResultInfo, tensors: Mapping[str, torch.Tensor],

@@ -18,10 +18,11 @@ from conftest import FIXTURES, small_config
 from fedpart.common.config import config_from_dict
 from fedpart.common.plans import RunOutcome
 from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
+from fedpart.common.wire import ReceivedChunk, decode_chunks, encode_chunks, make_spec
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 from fedpart.server.coordinator import Coordinator
+from fedpart.server import service as service_module
 from fedpart.server.main import start_grpc
 
 BOUND = 60.0  # seconds: every wait in these tests is bounded
@@ -367,39 +368,77 @@ def test_no_heartbeats_while_a_long_poll_waits(harness_factory, tmp_path, monkey
     assert codes == [0]
 
 
-def test_a_result_stream_opens_with_the_header_alone(harness_factory, tmp_path, monkeypatch) -> None:
-    """Seen with 2,000 client processes: the server's peak RSS reached 2.1 GB because each of up to
-    1,000 result streams waiting for an upload slot held its first chunk, the header with 1 MiB of
-    pieces. The client now sends the header alone first, so a waiting stream holds a few hundred
-    bytes and flow control keeps its pieces at the client (1.2 GB at the same size)."""
+def _record_result_streams(monkeypatch) -> list[list[ReceivedChunk]]:
+    """The chunks of every result stream the server reads from now on, one list per stream."""
     from fedpart.server.service import CoordinatorService
 
     serve = CoordinatorService.SubmitResult
-    streams: list[list[tuple[bool, int]]] = []
+    streams: list[list[ReceivedChunk]] = []
 
     async def record(self, request_iterator, context):
-        seen: list[tuple[bool, int]] = []
+        seen: list[ReceivedChunk] = []
         streams.append(seen)
 
         async def chunks():
             async for chunk in request_iterator:
-                seen.append((chunk.header is not None, len(chunk.pieces)))
+                seen.append(chunk)
                 yield chunk
 
         return await serve(self, chunks(), context)
 
     monkeypatch.setattr(CoordinatorService, "SubmitResult", record)
-    harness = harness_factory(server={"round_timeout": 30, "heartbeat_timeout": 30, "chunk_bytes": 4096})
-    worker, codes = harness.start_client(tmp_path / "state")
+    return streams
+
+
+def _one_round_with_a_client(harness: Harness, state_dir: Path) -> None:
+    worker, codes = harness.start_client(state_dir)
     harness.start_rounds(1)
     harness.wait_rounds()
     assert harness.records[0]["completed"] == [0]
     harness.coordinator.finish()
     worker.join(timeout=BOUND)
     assert codes == [0]
-    (training,) = streams
+
+
+def test_a_result_stream_opens_with_the_header_alone(harness_factory, tmp_path, monkeypatch) -> None:
+    """Seen with 2,000 client processes: the server's peak RSS reached 2.1 GB because each of up to
+    1,000 result streams waiting for an upload slot held its first chunk, the header with 1 MiB of
+    pieces. The client now sends the header alone first, so a waiting stream holds a few hundred
+    bytes and flow control keeps its pieces at the client (1.2 GB at the same size)."""
+    streams = _record_result_streams(monkeypatch)
+    harness = harness_factory(server={"round_timeout": 30, "heartbeat_timeout": 30, "chunk_bytes": 4096})
+    _one_round_with_a_client(harness, tmp_path / "state")
+    training = [(chunk.header is not None, len(chunk.pieces)) for chunk in streams[0]]
+    assert len(streams) == 1
     assert training[0] == (True, 0)
     assert len(training) > 2 and all(not header and pieces > 0 for header, pieces in training[1:])
+
+
+def test_a_task_asks_for_its_result_in_messages_of_its_share_of_the_waiting_upload_bytes(
+        harness_factory, tmp_path, monkeypatch) -> None:
+    """Seen with 2,000 client processes: gRPC holds about one message of every result stream that
+    waits for an upload slot, 1.15 GB with 1 MiB messages. Each task now names the largest message
+    of its result, ``server.waiting_upload_bytes`` over the connected processes; the client sends
+    no larger one (here 70,000 bytes for the one process, where ``server.chunk_bytes`` is 1 MiB)."""
+    streams = _record_result_streams(monkeypatch)
+    headers: list[pb.TaskHeader] = []
+    monkeypatch.setattr(service_module, "task_header", _recording(service_module.task_header, headers))
+    harness = harness_factory(server={"round_timeout": 30, "heartbeat_timeout": 30, "waiting_upload_bytes": 70_000},
+                              model={"name": "mlp", "hidden": 256})
+    assert harness.coordinator.config.server.chunk_bytes == 1 << 20
+    _one_round_with_a_client(harness, tmp_path / "state")
+    assert [h.result_chunk_bytes for h in headers if h.kind == pb.TRAIN] == [70_000]
+    (training,) = streams
+    sizes = [chunk.size.total for chunk in training[1:]]
+    assert len(sizes) >= 3 and max(sizes) <= 70_000 and sizes[0] > 65_536, sizes
+
+
+def _recording(function, calls: list):
+    """``function``, keeping what each call returns in ``calls``."""
+    def recorded(*args, **kwargs):
+        calls.append(function(*args, **kwargs))
+        return calls[-1]
+    return recorded
 
 
 def test_a_result_the_server_did_not_take_is_sent_again(harness_factory, tmp_path, monkeypatch) -> None:

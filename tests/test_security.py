@@ -425,6 +425,17 @@ def test_bytes_that_are_no_result_chunk_are_refused_and_change_nothing(secure, p
         assert stub.SubmitResult(iter(_result(session, header, uploads)), timeout=BOUND).accepted
 
 
+def test_result_messages_larger_than_the_task_asked_for_are_refused(secure) -> None:
+    harness = secure(server={"round_timeout": 30, "heartbeat_timeout": 30, "chunk_bytes": 4096})
+    stub, session, header, uploads = _train_task(harness)
+    assert header.result_chunk_bytes == 4096
+    with pytest.raises(grpc.RpcError) as error:
+        stub.SubmitResult(iter(_result(session, header, uploads, chunk_bytes=8192)), timeout=BOUND)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than the 4096 its task asked for" in error.value.details()
+    assert all(torch.equal(harness.initial[k], v) for k, v in harness.coordinator.global_state.items())
+
+
 def test_an_oversized_message_inside_a_result_always_loses_the_result(secure) -> None:
     for attempt in range(4):
         harness = secure(server={"round_timeout": 5, "heartbeat_timeout": 30})

@@ -52,7 +52,7 @@ def test_a_virtual_result_carries_exactly_the_tensors_its_plan_asks_for(algorith
     plan = coordinator.round_plan(1, 3)
     task = Task(task_id=7, kind=TaskKind.TRAIN, round=1, client_id=3, session="s", train=plan)
     payloads = Payloads(config.to_json())
-    upload = payloads.upload(plan)
+    upload = payloads.upload(task)
     header = pb.ResultHeader(session="s", task_id=7, client_id=3, round=1, num_samples=train_sample_count(3))
     sent, tensors = decode_chunks(pb.ResultChunk.FromString(serialized) for serialized in upload.stream(header))
     check_header(result_info(sent), sent.tensors, coordinator.expected_uploads(task))  # raises when they differ

@@ -15,7 +15,7 @@ from fedpart.common.wire import decode_chunks, make_spec
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.task_board import Task
-from fedpart.server.transfers import TaskPayloads, UploadSlots
+from fedpart.server.transfers import MIN_RESULT_CHUNK_BYTES, TaskPayloads, UploadSlots, result_chunk_bytes
 
 BOUND = 60.0
 
@@ -106,6 +106,17 @@ def _join(coordinator: Coordinator, clients: list[int], instance: str) -> str:
     request = JoinInfo(protocol=PROTOCOL_VERSION, process_name=instance, instance=instance,
                        clients=tuple(HostedClient(c) for c in clients))
     return coordinator.join(request)
+
+
+def test_results_come_in_messages_of_each_process_share_of_the_waiting_upload_bytes() -> None:
+    mib, budget = 1 << 20, 512 << 20
+    assert result_chunk_bytes(mib, budget, processes=100) == mib  # a share of 5 MiB: chunk_bytes caps it
+    assert result_chunk_bytes(mib, budget, processes=512) == mib
+    assert result_chunk_bytes(mib, budget, processes=2000) == budget // 2000  # 262 KiB
+    assert result_chunk_bytes(mib, budget, processes=100_000) == MIN_RESULT_CHUNK_BYTES == 64 << 10
+    assert result_chunk_bytes(mib, 0, processes=100_000) == mib  # no bound
+    assert result_chunk_bytes(mib, budget, processes=0) == mib
+    assert result_chunk_bytes(4096, budget, processes=100_000) == 4096  # never above chunk_bytes
 
 
 def test_a_queued_task_wakes_only_the_poll_of_its_process() -> None:

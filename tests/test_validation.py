@@ -68,21 +68,25 @@ def test_the_stream_starts_with_one_header_and_then_carries_tensor_bytes_only() 
     header = pb.ResultHeader(task_id=5, tensors=[make_spec("fc.weight", WEIGHT)])
     first, second = map(received, encode_chunks(pb.ResultChunk, header, [torch.zeros(64)], chunk_bytes=200))
     assert check_first_chunk(first) == header
-    check_later_chunk(second)
+    check_later_chunk(second, 200)
     for chunk in (None, second):
         with pytest.raises(InvalidResult, match="must start with a header"):
             check_first_chunk(chunk)
     with pytest.raises(InvalidResult, match="a second header"):
-        check_later_chunk(first)
+        check_later_chunk(first, 200)
     serialized = encode_chunks(pb.ResultChunk, None, [torch.zeros(64)], chunk_bytes=200)
     smuggled = received(next(serialized).SerializeToString() + b"\x1a\x03abc")  # an unknown field 3
     for chunk in (received(b""), smuggled):
         with pytest.raises(InvalidResult, match="tensor bytes and nothing else"):
-            check_later_chunk(chunk)
+            check_later_chunk(chunk, 200)
     for garbage in (b"\x12\xff", b"\x0a\x02\xff\xff", b"\x13"):  # cut short, a bad header, a group
-        for check in (check_first_chunk, check_later_chunk):
-            with pytest.raises(InvalidResult, match="not a chunk message"):
-                check(received(garbage))
+        with pytest.raises(InvalidResult, match="not a chunk message"):
+            check_first_chunk(received(garbage))
+        with pytest.raises(InvalidResult, match="not a chunk message"):
+            check_later_chunk(received(garbage), 200)
+    check_later_chunk(second, second.size.total)
+    with pytest.raises(InvalidResult, match=f"a result chunk of {second.size.total} bytes, more than the 60 its task"):
+        check_later_chunk(second, 60)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
