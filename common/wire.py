@@ -4,7 +4,9 @@ A message that carries tensors is a stream of chunks: the first chunk holds the 
 :class:`TensorSpec` per tensor), and every chunk holds :class:`TensorPiece` byte ranges, filled up
 to ``chunk_bytes`` so that no gRPC message comes near the default 4 MiB limit. Encoding takes
 byte views of the tensors (one copy per piece into the protobuf message); decoding copies each
-piece once into a preallocated buffer per tensor. Nothing is pickled.
+piece once into a preallocated buffer per tensor. Where chunks arrive in bulk (the server's result
+streams, the load generator's task streams), :func:`read_chunk` reads the serialized message
+itself, so a piece is never copied into a protobuf message and out again. Nothing is pickled.
 
 A spec with an ``encoding`` (:mod:`fedpart.common.codecs`) carries a codec's payload instead of
 the raw bytes: sizes, limits and byte counts are those of the payload, and the assembler decodes
@@ -19,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from fedpart.common.codecs import CodecError, Encoded, decode, payload_nbytes
 from fedpart.common.config import DEFAULT_CHUNK_BYTES
@@ -226,7 +228,7 @@ class ReceivedChunk:
     """A chunk message read from its serialized bytes by :func:`read_chunk`: its pieces are views
     of those bytes (no copy), and ``size`` is measured from them, not re-encoded."""
 
-    header: object | None  # the parsed header message, when the chunk carries one
+    header: Message | None  # the parsed header message, when the chunk carries one
     pieces: list[tuple[int, memoryview]]
     size: ChunkBytes
     malformed: str = ""  # why the bytes are not a chunk message ("" when they are)
