@@ -119,6 +119,14 @@ def test_results_come_in_messages_of_each_process_share_of_the_waiting_upload_by
     assert result_chunk_bytes(4096, budget, processes=100_000) == 4096  # never above chunk_bytes
 
 
+def test_the_share_is_of_the_processes_still_connected() -> None:
+    coordinator = Coordinator(config_from_dict(small_config(clients=4)), log=lambda message: None)
+    sessions = [_join(coordinator, [0, 1], "a"), _join(coordinator, [2, 3], "b")]
+    assert coordinator.registry.live_processes == 2
+    coordinator.registry.leave(sessions[0], "test")
+    assert coordinator.registry.live_processes == 1
+
+
 def test_a_queued_task_wakes_only_the_poll_of_its_process() -> None:
     coordinator = Coordinator(config_from_dict(small_config(clients=4)), log=lambda message: None)
     sessions = [_join(coordinator, [0, 1], "a"), _join(coordinator, [2, 3], "b")]
