@@ -47,14 +47,26 @@ def _check_weight(weight: float) -> None:
 
 
 FOLD_BLOCK_ELEMENTS = 32_000
-"""Elements per block of a running sum. A block's fold makes nine elementwise passes, each over
-at most three of its rows (two value rows, the error row, the thread's two scratch rows: 250 KiB
-each in float64), which stay in a core's L2 cache (1 MiB here) from pass to pass. An op on fewer
-elements than torch's grain size (32,768) runs on the calling thread whatever
-``torch.get_num_threads()``, never in an OpenMP team, whose members spin waiting for each other
-when the cores are busy (the unblocked fold then took several times longer). Each op releases
-and retakes the GIL, so blocks are as large as that bound allows: 16,384 measured no faster.
-Measured with benchmarks/fold_throughput.py."""
+"""Elements per block of a running sum when torch may run an op on several threads. A block's
+fold makes nine elementwise passes, each over at most three of its rows (two value rows, the
+error row, the thread's two scratch rows: 250 KiB each in float64), which stay in a core's L2
+cache (1 MiB here) from pass to pass. An op on fewer elements than torch's grain size (32,768)
+runs on the calling thread whatever ``torch.get_num_threads()``, never in an OpenMP team, whose
+members spin waiting for each other when the cores are busy (the unblocked fold then took several
+times longer). Each op releases and retakes the GIL, so blocks are as large as that bound allows:
+16,384 measured no faster. Measured with benchmarks/fold_throughput.py."""
+
+SINGLE_THREAD_FOLD_BLOCK_ELEMENTS = 131_072
+"""Elements per block with one torch thread (the server's default, ``fedpart server --threads``),
+where no op runs in a team: fewer, larger blocks cost fewer torch calls (45 instead of 162 a
+cnn2 result), and that outweighs the L2 cache they leave. ``benchmarks/fold_throughput.py
+--torch-threads 1``: 1.80 instead of 2.35 ms a cnn2 result, 2.05 instead of 2.75 with the other
+core busy."""
+
+
+def fold_block_elements(torch_threads: int) -> int:
+    """The block size for folds that run with ``torch_threads`` intra-op threads."""
+    return SINGLE_THREAD_FOLD_BLOCK_ELEMENTS if torch_threads == 1 else FOLD_BLOCK_ELEMENTS
 
 
 class FoldScratch:
@@ -175,8 +187,9 @@ class WeightedMean:
     different blocks of the running sums (of any of the result's tensors).
     """
 
-    def __init__(self, block_elements: int = FOLD_BLOCK_ELEMENTS) -> None:
-        self.block_elements = block_elements
+    def __init__(self, block_elements: int | None = None) -> None:
+        """``block_elements`` defaults to :func:`fold_block_elements` of torch's thread count now."""
+        self.block_elements = fold_block_elements(torch.get_num_threads()) if block_elements is None else block_elements
         self._sums: dict[str, CompensatedSum] = {}
         self._weights: dict[str, list[float]] = {}
         self._lock = threading.Lock()     # guards the two dicts, not the sums' contents

@@ -14,11 +14,13 @@ import torch
 
 from fedpart.server.aggregation import (
     FOLD_BLOCK_ELEMENTS,
+    SINGLE_THREAD_FOLD_BLOCK_ELEMENTS,
     CompensatedSum,
     CoordinateMedian,
     CoordinateTrimmedMean,
     HeadDictionary,
     WeightedMean,
+    fold_block_elements,
 )
 from fedpart.server.optimizers import apply_deltas
 
@@ -170,10 +172,11 @@ def _means_sha256(means: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+@pytest.mark.parametrize("block_elements", [FOLD_BLOCK_ELEMENTS, SINGLE_THREAD_FOLD_BLOCK_ELEMENTS])
 @pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [3, 1, 5, 0, 2, 4]])
-def test_fold_gives_the_pinned_bits(order):
+def test_fold_gives_the_pinned_bits(order, block_elements):
     results = _pinned_round()
-    mean = WeightedMean()
+    mean = WeightedMean(block_elements)
     for index in order:
         mean.add(*results[index])
     means = mean.result()
@@ -211,7 +214,20 @@ def _fold_from_threads(aggregator, results, threads: int, seed: int) -> None:
     assert not any(worker.is_alive() for worker in workers) and not errors
 
 
-@pytest.mark.parametrize("block_elements", [FOLD_BLOCK_ELEMENTS, 1000, 7])
+def test_one_torch_thread_folds_in_larger_blocks():
+    assert fold_block_elements(1) == SINGLE_THREAD_FOLD_BLOCK_ELEMENTS > FOLD_BLOCK_ELEMENTS
+    assert fold_block_elements(2) == fold_block_elements(16) == FOLD_BLOCK_ELEMENTS
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert WeightedMean().block_elements == SINGLE_THREAD_FOLD_BLOCK_ELEMENTS
+        torch.set_num_threads(2)
+        assert WeightedMean().block_elements == FOLD_BLOCK_ELEMENTS
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("block_elements", [SINGLE_THREAD_FOLD_BLOCK_ELEMENTS, FOLD_BLOCK_ELEMENTS, 1000, 7])
 def test_concurrent_folds_give_the_bits_of_a_sequential_fold(block_elements):
     results = _pinned_round()
     results += [({name: tensor.flip(0) for name, tensor in tensors.items()}, weight + 5)
