@@ -253,7 +253,7 @@ class Coordinator:
             self._results = RoundResults(self.aggregation.new_aggregator())
             hosts = {c: host for c in sampled if (host := self.registry.host(c)) is not None}
             server = self.config.server
-            chunk_bytes = result_chunk_bytes(server.chunk_bytes, server.waiting_upload_bytes,
+            chunk_bytes = result_chunk_bytes(server.result_chunk_bytes, server.waiting_upload_bytes,
                                              self.registry.live_processes)
             tasks = [Task(TaskKind.TRAIN, next(self._task_ids), round_number, c, train=self.round_plan(round_number, c),
                           personal_init=self._personal_init(c), session=host.session, result_chunk_bytes=chunk_bytes)

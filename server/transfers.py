@@ -8,11 +8,11 @@ O(slots x model), whatever the number of uploads in flight.
 
 While a result stream waits for a slot, gRPC still takes in about one message of it (it lets a
 message it has begun complete), so the waiting streams together hold up to processes x message
-size: at 2,000 processes with 1 MiB messages heaptrack found 1.15 GB there, against 0.26 GB with
-256 KiB. Each training task therefore names the largest message its result may come in
-(:func:`result_chunk_bytes`): ``server.waiting_upload_bytes`` shared among the connected
-processes, so a few processes send large messages (fewer of them cost the server less CPU: 7.1
-instead of 8.0 s a round for 1,000 cnn2 results at 100 processes) and many send small ones.
+size: at 2,000 processes with 1 MiB messages heaptrack found 1.15 GB there. Each training task
+therefore names the largest message its result may come in (:func:`result_chunk_bytes`):
+``server.waiting_upload_bytes`` shared among the connected processes, so a few processes send
+large messages (fewer of them cost the server less CPU: 7.1 instead of 8.0 CPU s a round for 1,000
+cnn2 results at 100 processes) and many send small ones.
 
 Downloads: a task is sent only while it holds one of a fixed number of *download slots*; every
 sent chunk is awaited until the transport took it, so at most one chunk per slot is buffered.
@@ -42,15 +42,15 @@ Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
 MIN_RESULT_CHUNK_BYTES = 64 << 10
 
 
-def result_chunk_bytes(chunk_bytes: int, waiting_upload_bytes: int, processes: int) -> int:
+def result_chunk_bytes(largest: int, waiting_upload_bytes: int, processes: int) -> int:
     """The largest message a training result may come in when ``processes`` are connected: their
-    share of ``waiting_upload_bytes`` (0: no bound), at most ``chunk_bytes``, and at least
+    share of ``waiting_upload_bytes`` (0: no bound), at most ``largest``, and at least
     :data:`MIN_RESULT_CHUNK_BYTES` (beyond ``waiting_upload_bytes / 64 KiB`` processes the bound
     gives way: smaller messages would cost more CPU per byte than the memory they save)."""
     if not waiting_upload_bytes:
-        return chunk_bytes
+        return largest
     share = waiting_upload_bytes // max(processes, 1)
-    return min(chunk_bytes, max(MIN_RESULT_CHUNK_BYTES, share))
+    return min(largest, max(MIN_RESULT_CHUNK_BYTES, share))
 
 
 def layout_of(specs: Iterable[pb.TensorSpec]) -> Layout:

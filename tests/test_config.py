@@ -155,6 +155,8 @@ def test_int_accepted_for_float():
     ({"train": {"lr_milestones": [0.5, 1.0]}}, "train.lr_milestones"),
     ({"evaluate": {"part": "neck"}}, "evaluate.part"),
     ({"server": {"chunk_bytes": 10}}, "server.chunk_bytes"),
+    ({"server": {"result_chunk_bytes": 10}}, "server.result_chunk_bytes"),
+    ({"server": {"waiting_upload_bytes": -1}}, "server.waiting_upload_bytes"),
 ])
 def test_invalid_values(raw, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):

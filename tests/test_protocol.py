@@ -406,7 +406,7 @@ def test_a_result_stream_opens_with_the_header_alone(harness_factory, tmp_path, 
     pieces. The client now sends the header alone first, so a waiting stream holds a few hundred
     bytes and flow control keeps its pieces at the client (1.2 GB at the same size)."""
     streams = _record_result_streams(monkeypatch)
-    harness = harness_factory(server={"round_timeout": 30, "heartbeat_timeout": 30, "chunk_bytes": 4096})
+    harness = harness_factory(server={"round_timeout": 30, "heartbeat_timeout": 30, "result_chunk_bytes": 4096})
     _one_round_with_a_client(harness, tmp_path / "state")
     training = [(chunk.header is not None, len(chunk.pieces)) for chunk in streams[0]]
     assert len(streams) == 1
@@ -419,13 +419,13 @@ def test_a_task_asks_for_its_result_in_messages_of_its_share_of_the_waiting_uplo
     """Seen with 2,000 client processes: gRPC holds about one message of every result stream that
     waits for an upload slot, 1.15 GB with 1 MiB messages. Each task now names the largest message
     of its result, ``server.waiting_upload_bytes`` over the connected processes; the client sends
-    no larger one (here 70,000 bytes for the one process, where ``server.chunk_bytes`` is 1 MiB)."""
+    no larger one (here 70,000 bytes for the one process, where ``server.result_chunk_bytes`` is 1 MiB)."""
     streams = _record_result_streams(monkeypatch)
     headers: list[pb.TaskHeader] = []
     monkeypatch.setattr(service_module, "task_header", _recording(service_module.task_header, headers))
     harness = harness_factory(server={"round_timeout": 30, "heartbeat_timeout": 30, "waiting_upload_bytes": 70_000},
                               model={"name": "mlp", "hidden": 256})
-    assert harness.coordinator.config.server.chunk_bytes == 1 << 20
+    assert harness.coordinator.config.server.result_chunk_bytes == 1 << 20
     _one_round_with_a_client(harness, tmp_path / "state")
     assert [h.result_chunk_bytes for h in headers if h.kind == pb.TRAIN] == [70_000]
     (training,) = streams

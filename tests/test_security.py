@@ -426,7 +426,7 @@ def test_bytes_that_are_no_result_chunk_are_refused_and_change_nothing(secure, p
 
 
 def test_result_messages_larger_than_the_task_asked_for_are_refused(secure) -> None:
-    harness = secure(server={"round_timeout": 30, "heartbeat_timeout": 30, "chunk_bytes": 4096})
+    harness = secure(server={"round_timeout": 30, "heartbeat_timeout": 30, "result_chunk_bytes": 4096})
     stub, session, header, uploads = _train_task(harness)
     assert header.result_chunk_bytes == 4096
     with pytest.raises(grpc.RpcError) as error:

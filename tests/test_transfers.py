@@ -116,7 +116,7 @@ def test_results_come_in_messages_of_each_process_share_of_the_waiting_upload_by
     assert result_chunk_bytes(mib, budget, processes=100_000) == MIN_RESULT_CHUNK_BYTES == 64 << 10
     assert result_chunk_bytes(mib, 0, processes=100_000) == mib  # no bound
     assert result_chunk_bytes(mib, budget, processes=0) == mib
-    assert result_chunk_bytes(4096, budget, processes=100_000) == 4096  # never above chunk_bytes
+    assert result_chunk_bytes(4096, budget, processes=100_000) == 4096  # never above the largest
 
 
 def test_the_share_is_of_the_processes_still_connected() -> None:
