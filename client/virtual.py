@@ -187,7 +187,7 @@ class Payloads:
         """Exactly the tensors the task's plan asks for, in messages of the size it asks for:
         seeded small deltas for ``upload_deltas``, the initial global value plus such a delta for
         ``upload_values``."""
-        chunk_bytes = task.result_chunk_bytes or self.config.server.chunk_bytes
+        chunk_bytes = task.result_chunk_bytes or self.config.server.result_chunk_bytes
         key = (task.train.upload_deltas, task.train.upload_values, chunk_bytes)
         if key not in self._uploads:
             self._uploads[key] = self._encode(*key)

@@ -85,7 +85,7 @@ class TaskInfo:
     evaluate: EvalPlan | None = None
     personal_init: tuple[str, ...] = ()   # parts the client initialises from the global copy
     outcome: RunOutcome = RunOutcome.COMPLETED  # DONE: how the run ended
-    result_chunk_bytes: int = 0           # largest message its result may come in (0: server.chunk_bytes)
+    result_chunk_bytes: int = 0           # largest message its result may come in (0: server.result_chunk_bytes)
 
     def uploads(self) -> tuple[str, ...]:
         """Names of the tensors its result must carry."""

@@ -45,8 +45,8 @@ MIN_RESULT_CHUNK_BYTES = 64 << 10
 def result_chunk_bytes(largest: int, waiting_upload_bytes: int, processes: int) -> int:
     """The largest message a training result may come in when ``processes`` are connected: their
     share of ``waiting_upload_bytes`` (0: no bound), at most ``largest``, and at least
-    :data:`MIN_RESULT_CHUNK_BYTES` (beyond ``waiting_upload_bytes / 64 KiB`` processes the bound
-    gives way: smaller messages would cost more CPU per byte than the memory they save)."""
+    :data:`MIN_RESULT_CHUNK_BYTES`: beyond ``waiting_upload_bytes / 64 KiB`` processes the bound
+    gives way rather than cut messages further, as every message costs the server CPU of its own."""
     if not waiting_upload_bytes:
         return largest
     share = waiting_upload_bytes // max(processes, 1)
