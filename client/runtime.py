@@ -306,7 +306,7 @@ class ClientProcess:
             self._absorb(header, tensors)
             result, uploads = self._execute(task)
             self._submit(result, uploads, task.train.upload_deltas if task.train is not None else (),
-                         task.result_chunk_bytes or self.config.server.result_chunk_bytes)
+                         self.config.server.largest_result_message(task.result_chunk_bytes))
             self.activity.task("waiting for a task")
 
     def _next_task(self, request: pb.TaskRequest) -> tuple[pb.TaskHeader | None, dict[str, torch.Tensor]]:

@@ -7,18 +7,19 @@ own gRPC channel and TCP connection and behaves on the wire like ``fedpart clien
 long-polls ``GetTask`` with the versions of the global tensors it has received, reads every task
 stream to its end (checking its size, discarding the bytes) and answers each task without
 computing anything: a training task with exactly the tensors its plan asks for, shaped like the
-global model (small seeded deltas), an evaluation with the metrics a real client reports. Failures are handled as the real client handles
-them: an unreachable server is retried with capped backoff (a result the server could not take
-now is sent again), a lost session joins again, a refused join or task request ends the virtual
-process, a refused result or heartbeat is counted and the process goes on.
+global model (small seeded deltas), an evaluation with the metrics a real client reports.
+Failures are handled as the real client handles them: an unreachable server is retried with
+capped backoff (a result the server could not take now is sent again), a lost session joins
+again, a refused join or task request ends the virtual process, a refused result or heartbeat is
+counted and the process goes on.
 
 Every virtual process of an OS process shares one asyncio event loop, one model built from the
 run config of the join reply, and one pre-encoded set of result chunks per upload list, serialized
 once: from one result to the next only the header differs. Task streams are read with
 :func:`~fedpart.common.wire.read_chunk`, which measures pieces without copying them, so a load
-generator sharing the server's cores takes little of them. :class:`LoadStats` counts what happened (joins,
-heartbeats, results, evaluations, errors by RPC and status code, join times) for tests and
-``benchmarks/server_scale.py``.
+generator sharing the server's cores takes little of them. :class:`LoadStats` counts what
+happened (joins, heartbeats, results, evaluations, errors by RPC and status code, join times) for
+tests and ``benchmarks/server_scale.py``.
 
     python -m fedpart.client.virtual --server 127.0.0.1:50051 --clients 0-999 --processes 200
 """
@@ -187,7 +188,7 @@ class Payloads:
         """Exactly the tensors the task's plan asks for, in messages of the size it asks for:
         seeded small deltas for ``upload_deltas``, the initial global value plus such a delta for
         ``upload_values``."""
-        chunk_bytes = task.result_chunk_bytes or self.config.server.result_chunk_bytes
+        chunk_bytes = self.config.server.largest_result_message(task.result_chunk_bytes)
         key = (task.train.upload_deltas, task.train.upload_values, chunk_bytes)
         if key not in self._uploads:
             self._uploads[key] = self._encode(*key)

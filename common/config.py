@@ -153,6 +153,10 @@ class ServerConfig:
     receive_window: int = 256 << 10  # bytes a connection may send before the server reads them
                                      # (0 = gRPC's adaptive window, which grows per connection)
 
+    def largest_result_message(self, named: int) -> int:
+        """The largest message of a result whose task named ``named`` bytes (0: it named none)."""
+        return named or self.result_chunk_bytes
+
 
 @dataclass
 class RobustConfig:

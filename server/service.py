@@ -212,7 +212,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             try:
                 check_header(result, header.tensors, self.coordinator.expected_uploads(task))
                 async with self.uploads.staging(header.tensors) as staging:
-                    largest = task.result_chunk_bytes or self.coordinator.config.server.result_chunk_bytes
+                    largest = self.coordinator.config.server.largest_result_message(task.result_chunk_bytes)
                     tensors = await self._receive(received, first, chunks, parts, staging, largest)
                     received.add(_control(reply.ByteSize()), "down")
                     accept = partial(self.coordinator.accept, task, result, tensors,
