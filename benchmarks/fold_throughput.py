@@ -8,11 +8,12 @@ measurement.
 
 Variants:
 
-- **unblocked (before)**: the fold the server used before blocking, copied here for the
-  comparison only: per tensor, ten whole-tensor passes (TwoSum and a copy back), run by torch's
-  intra-op threads (an OpenMP team on tensors of more than 32,768 elements), one result at a time.
-- **blocked, 1 thread**: :class:`fedpart.server.aggregation.WeightedMean` fed from one thread.
-- **blocked, N threads**: the same mean fed by a pool of ``--threads`` Python threads, one
+- **torch ops (before)**: the fold the server used before it was compiled, copied here for the
+  comparison only: the same blocks, each folded by nine torch ops (TwoSum over float64 rows),
+  one result at a time.
+- **compiled, 1 thread**: :class:`fedpart.server.aggregation.WeightedMean` fed from one thread
+  (one compiled pass a block).
+- **compiled, N threads**: the same mean fed by a pool of ``--threads`` Python threads, one
   result per task, as the server's fold threads feed it with ``server.fold_workers``.
 
 Conditions, each measured for every variant:
@@ -20,10 +21,10 @@ Conditions, each measured for every variant:
 - **idle**: nothing else runs in this process (other processes on the machine are counted: the
   "other CPU" column is the cores they used meanwhile).
 - **core busy**: a spinning process keeps one core busy, as a server's other work does (its core
-  counts as other CPU); an OpenMP team then waits for a member that is not running.
+  counts as other CPU).
 - **GIL busy**: a thread of this process runs Python code the whole time, as a server's event
-  loop does when it is saturated; every torch op releases the GIL, and a fold thread whose op
-  ends waits for it (up to ``sys.getswitchinterval()``).
+  loop does when it is saturated; every torch op or compiled block fold releases the GIL, and a
+  fold thread whose call ends waits for it (up to ``sys.getswitchinterval()``).
 
 Before timing, every variant folds the same results and their means are checked to be
 bit-identical. Each variant is measured ``--repeat`` times per condition, interleaved with the
@@ -54,38 +55,44 @@ from fedpart.server.aggregation import FOLD_BLOCK_ELEMENTS, WeightedMean
 Result = tuple[dict[str, torch.Tensor], int]
 
 
-class UnblockedMean:
-    """Reference copy of the fold before blocking (commit 152867a): per tensor, ten passes over
-    the whole float64 tensors; three shared scratch rows; one fold at a time."""
+class TorchOpsMean:
+    """Reference copy of the fold before it was compiled (commit 7f8ed8a): the same blocks, each
+    folded as nine torch ops over float64 rows and two scratch rows; one fold at a time."""
 
-    def __init__(self) -> None:
-        self._values: dict[str, torch.Tensor] = {}
-        self._errors: dict[str, torch.Tensor] = {}
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self._sums: dict[str, tuple[list[tuple[torch.Tensor, ...]], list[int]]] = {}
         self._weights: dict[str, float] = {}
-        self._scratch = torch.empty((3, 0), dtype=torch.float64)
+        self._scratch = torch.empty((2, block), dtype=torch.float64)
 
     def add(self, tensors: Mapping[str, torch.Tensor], weight: float) -> None:
         for name, tensor in tensors.items():
-            if name not in self._values:
-                self._values[name] = torch.zeros(tensor.shape, dtype=torch.float64)
-                self._errors[name] = torch.zeros(tensor.shape, dtype=torch.float64)
+            if name not in self._sums:
+                rows = torch.zeros((3, tensor.numel()), dtype=torch.float64)
+                blocks = list(zip(*(row.split(self.block) for row in rows)))
+                self._sums[name] = (blocks, [0] * len(blocks))
                 self._weights[name] = 0.0
-            if self._scratch.shape[1] < tensor.numel():
-                self._scratch = torch.empty((3, tensor.numel()), dtype=torch.float64)
-            term, total, lost = (row[:tensor.numel()].view(tensor.shape) for row in self._scratch)
-            value, error = self._values[name], self._errors[name]
-            term.copy_(tensor).mul_(weight)
-            torch.add(value, term, out=total)
-            torch.sub(total, value, out=lost)
-            term.sub_(lost)
-            torch.sub(total, lost, out=lost)
-            torch.sub(value, lost, out=lost)
-            error.add_(lost.add_(term))
-            value.copy_(total)
+            blocks, currents = self._sums[name]
+            for index, ((first, second, error), part) in enumerate(zip(blocks, tensor.reshape(-1).split(self.block))):
+                term, lost = (row[:part.numel()] for row in self._scratch)
+                value, total = (first, second) if currents[index] == 0 else (second, first)
+                term.copy_(part).mul_(weight)
+                torch.add(value, term, out=total)
+                torch.sub(total, value, out=lost)
+                term.sub_(lost)
+                torch.sub(total, lost, out=lost)
+                torch.sub(value, lost, out=lost)
+                error.add_(lost.add_(term))
+                currents[index] = 1 - currents[index]
             self._weights[name] += weight
 
     def result(self) -> dict[str, torch.Tensor]:
-        return {name: (value + self._errors[name]) / self._weights[name] for name, value in self._values.items()}
+        means = {}
+        for name, (blocks, currents) in self._sums.items():
+            rows = [(first if current == 0 else second) + error
+                    for (first, second, error), current in zip(blocks, currents)]
+            means[name] = torch.cat(rows) / self._weights[name]
+        return means
 
 
 def cnn2_results(count: int, seed: int = 0) -> list[Result]:
@@ -205,9 +212,9 @@ def main() -> None:
     pool = cnn2_results(args.pool)
     fold_threads = ThreadPoolExecutor(max_workers=args.threads, thread_name_prefix="fold")
     variants = [
-        Variant("unblocked (before)", UnblockedMean, fold_sequentially),
-        Variant("blocked, 1 thread", lambda: WeightedMean(args.block), fold_sequentially),
-        Variant(f"blocked, {args.threads} threads at once", lambda: WeightedMean(args.block),
+        Variant("torch ops (before)", lambda: TorchOpsMean(args.block), fold_sequentially),
+        Variant("compiled, 1 thread", lambda: WeightedMean(args.block), fold_sequentially),
+        Variant(f"compiled, {args.threads} threads at once", lambda: WeightedMean(args.block),
                 lambda mean, results: fold_on_pool(fold_threads, mean, results)),
     ]
     digests = set()

@@ -5,7 +5,7 @@ memory is O(model), not O(clients x model). Each running sum is a double-double 
 plus float64 error term, Knuth's TwoSum): the products ``weight * delta`` of float32 deltas and
 integer weights are exact in float64 and the compensated sum keeps about 106 bits, so the float32
 result does not depend on the order in which results arrived: same seed, same numbers. The sums
-are kept in cache-sized blocks with a lock each, so several threads fold results at once, each
+are kept in blocks with a lock each, so several threads fold results at once, each
 into the blocks the others are not folding.
 
 The robust aggregators :class:`CoordinateMedian` and :class:`CoordinateTrimmedMean` (Yin et al.,
@@ -20,8 +20,10 @@ import math
 import threading
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from typing import Protocol
+from typing import Callable, Protocol
 
+import numba
+import numpy as np
 import torch
 
 
@@ -46,41 +48,56 @@ def _check_weight(weight: float) -> None:
         raise ValueError(f"aggregation weight must be positive and finite, got {weight}")
 
 
-FOLD_BLOCK_ELEMENTS = 32_000
-"""Elements per block of a running sum when torch may run an op on several threads. A block's
-fold makes nine elementwise passes, each over at most three of its rows (two value rows, the
-error row, the thread's two scratch rows: 250 KiB each in float64), which stay in a core's L2
-cache (1 MiB here) from pass to pass. An op on fewer elements than torch's grain size (32,768)
-runs on the calling thread whatever ``torch.get_num_threads()``, never in an OpenMP team, whose
-members spin waiting for each other when the cores are busy (the unblocked fold then took several
-times longer). Each op releases and retakes the GIL, so blocks are as large as that bound allows:
-16,384 measured no faster. Measured with benchmarks/fold_throughput.py."""
-
-SINGLE_THREAD_FOLD_BLOCK_ELEMENTS = 131_072
-"""Elements per block with one torch thread (the server's default, ``fedpart server --threads``),
-where no op runs in a team: fewer, larger blocks cost fewer torch calls (45 instead of 162 a
-cnn2 result), and that outweighs the L2 cache they leave. ``benchmarks/fold_throughput.py
---torch-threads 1``: 1.80 instead of 2.35 ms a cnn2 result, 2.05 instead of 2.75 with the other
-core busy."""
-
-
-def fold_block_elements(torch_threads: int) -> int:
-    """The block size for folds that run with ``torch_threads`` intra-op threads."""
-    return SINGLE_THREAD_FOLD_BLOCK_ELEMENTS if torch_threads == 1 else FOLD_BLOCK_ELEMENTS
+def _two_sum_fold(value: np.ndarray, total: np.ndarray, error: np.ndarray, source: np.ndarray,
+                  weight: float) -> None:
+    """Add ``weight * source`` to the double-double (``value``, ``error``), writing the new value
+    into ``total`` (Knuth's TwoSum, one pass): term = float64(source) * weight (exact for float32
+    sources and integer weights below 2**29); new = value + term; back = new - value;
+    term - back and value - (new - back) are what the rounding of new lost of each, and their sum
+    goes to the error term. Compiled without fast-math, so nothing is reassociated: each element
+    gets exactly the IEEE operations written here."""
+    for index in range(source.shape[0]):
+        old = value[index]
+        term = np.float64(source[index]) * weight
+        new = old + term
+        back = new - old
+        error[index] += (old - (new - back)) + (term - back)
+        total[index] = new
 
 
-class FoldScratch:
-    """One thread's two float64 scratch rows for folding blocks; never shared between threads."""
+_FOLD_SIGNATURES = ["void(float64[::1], float64[::1], float64[::1], float32[::1], float64)",
+                    "void(float64[::1], float64[::1], float64[::1], float64[::1], float64)"]
+_FOLD_OPTIONS = {"nogil": True, "error_model": "numpy", "boundscheck": False}
 
-    def __init__(self, block_elements: int) -> None:
-        self.block_elements = block_elements
-        self._rows = torch.empty((2, block_elements), dtype=torch.float64).unbind()
 
-    def rows(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two rows cut to ``count`` elements (uncut for a full block: slicing costs time)."""
-        if count == self.block_elements:
-            return self._rows[0], self._rows[1]
-        return self._rows[0][:count], self._rows[1][:count]
+def _compile_fold() -> Callable[..., None]:
+    """:func:`_two_sum_fold` compiled by Numba for float32 and float64 sources. Torch has no fused
+    TwoSum: as nine torch ops a block (nine passes over float64 rows) a cnn2 result took 1.71 ms,
+    compiled (one pass) 0.33 ms, with the same bits (``benchmarks/fold_throughput.py
+    --torch-threads 1``). Compiled code is cached beside this file, or in the user's cache
+    directory; where neither can be written it is compiled in each process (about 0.5 s)."""
+    try:
+        return numba.njit(_FOLD_SIGNATURES, cache=True, **_FOLD_OPTIONS)(_two_sum_fold)
+    except RuntimeError:  # Numba found no writable cache directory
+        return numba.njit(_FOLD_SIGNATURES, **_FOLD_OPTIONS)(_two_sum_fold)
+
+
+_fold_elements = _compile_fold()
+
+FOLD_BLOCK_ELEMENTS = 131_072
+"""Elements per block of a running sum: the unit that one thread folds under a block's lock, so
+that several threads fold one result's blocks at once. A block's fold is one compiled call that
+holds no GIL; smaller blocks cost more calls and lock turns, larger ones let fewer threads fold
+a tensor at once. Measured with benchmarks/fold_throughput.py."""
+
+
+def fold_source(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor``'s elements as the contiguous 1-D float32 or float64 array a fold reads; other
+    real dtypes become float64 (exact for integers below 2**53 and for float16 and bfloat16)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.to(torch.float64)
+    return flat.contiguous().numpy()
 
 
 class _Block:
@@ -92,31 +109,20 @@ class _Block:
         self.values = values
         self.error = error
         self.current = 0
+        self._arrays = (values[0].numpy(), values[1].numpy(), error.numpy())
 
-    def fold(self, source: torch.Tensor, weight: float, scratch: FoldScratch) -> None:
-        """Add ``weight * source`` (Knuth's TwoSum into a double-double); the caller holds the lock.
-
-        Elementwise: term = float64(source) * weight (exact for float32 sources and integer
-        weights below 2**29); total = value + term; back = total - value; term - back and
-        value - (total - back) are what the rounding of total lost of each; their sum goes to the
-        error term and total becomes the value."""
-        term, lost = scratch.rows(source.numel())
-        value = self.values[self.current]
-        total = self.values[1 - self.current]
-        term.copy_(source).mul_(weight)
-        torch.add(value, term, out=total)
-        torch.sub(total, value, out=lost)
-        term.sub_(lost)
-        torch.sub(total, lost, out=lost)
-        torch.sub(value, lost, out=lost)
-        self.error.add_(lost.add_(term))
+    def fold(self, source: np.ndarray, weight: float) -> None:
+        """Add ``weight * source`` (see :func:`_two_sum_fold`); the caller holds the lock."""
+        first, second, error = self._arrays
+        value, total = (first, second) if self.current == 0 else (second, first)
+        _fold_elements(value, total, error, source, weight)
         self.current = 1 - self.current
 
     def result(self, out: torch.Tensor) -> None:
         torch.add(self.values[self.current], self.error, out=out)
 
 
-def _fold(parts: list[tuple[_Block, torch.Tensor]], weight: float, scratch: FoldScratch) -> None:
+def _fold(parts: list[tuple[_Block, np.ndarray]], weight: float) -> None:
     """Fold ``weight * part`` into each block. Safe to call from several threads at once: a block
     that another thread is folding is skipped and taken on a later pass, and a thread waits for a
     block only when every block it still needs is busy."""
@@ -126,7 +132,7 @@ def _fold(parts: list[tuple[_Block, torch.Tensor]], weight: float, scratch: Fold
         for block, part in pending:
             if block.lock.acquire(blocking=False):
                 try:
-                    block.fold(part, weight, scratch)
+                    block.fold(part, weight)
                 finally:
                     block.lock.release()
             else:
@@ -134,7 +140,7 @@ def _fold(parts: list[tuple[_Block, torch.Tensor]], weight: float, scratch: Fold
         if busy and len(busy) == len(pending):
             block, part = busy.pop(0)
             with block.lock:
-                block.fold(part, weight, scratch)
+                block.fold(part, weight)
         pending = busy
 
 
@@ -157,19 +163,18 @@ class CompensatedSum:
         self._blocks = [_Block((first, second), error) for first, second, error
                         in zip(*(row.split(block_elements) for row in rows))]
 
-    def parts(self, tensor: torch.Tensor) -> list[tuple[_Block, torch.Tensor]]:
-        """Each block paired with its part of ``tensor`` (any real dtype, the sum's shape)."""
+    def parts(self, tensor: torch.Tensor) -> list[tuple[_Block, np.ndarray]]:
+        """Each block paired with its part of ``tensor`` (any real dtype, the sum's shape), as
+        :func:`fold_source` gives it."""
         if tensor.shape != self.shape:
             raise ValueError(f"cannot add a tensor of shape {list(tensor.shape)} to a sum of shape {list(self.shape)}")
-        return list(zip(self._blocks, tensor.reshape(-1).split(self.block_elements)))
+        source = fold_source(tensor)
+        size = self.block_elements
+        return [(block, source[start:start + size]) for block, start in zip(self._blocks, range(0, len(source), size))]
 
-    def add(self, tensor: torch.Tensor, weight: float = 1.0, scratch: FoldScratch | None = None) -> None:
-        """Fold in ``weight * tensor``; safe to call from several threads at once (see :func:`_fold`).
-        ``scratch`` must belong to the calling thread (made when not given)."""
-        scratch = scratch or FoldScratch(self.block_elements)
-        if scratch.block_elements < self.block_elements:
-            raise ValueError(f"scratch rows of {scratch.block_elements} elements, blocks of {self.block_elements}")
-        _fold(self.parts(tensor), weight, scratch)
+    def add(self, tensor: torch.Tensor, weight: float = 1.0) -> None:
+        """Fold in ``weight * tensor``; safe to call from several threads at once (see :func:`_fold`)."""
+        _fold(self.parts(tensor), float(weight))
 
     def result(self) -> torch.Tensor:
         """value + error, in float64, shaped like the terms."""
@@ -187,19 +192,11 @@ class WeightedMean:
     different blocks of the running sums (of any of the result's tensors).
     """
 
-    def __init__(self, block_elements: int | None = None) -> None:
-        """``block_elements`` defaults to :func:`fold_block_elements` of torch's thread count now."""
-        self.block_elements = fold_block_elements(torch.get_num_threads()) if block_elements is None else block_elements
+    def __init__(self, block_elements: int = FOLD_BLOCK_ELEMENTS) -> None:
+        self.block_elements = block_elements
         self._sums: dict[str, CompensatedSum] = {}
         self._weights: dict[str, list[float]] = {}
         self._lock = threading.Lock()     # guards the two dicts, not the sums' contents
-        self._scratch = threading.local()  # one FoldScratch per thread
-
-    def _thread_scratch(self) -> FoldScratch:
-        scratch = getattr(self._scratch, "rows", None)
-        if scratch is None:
-            scratch = self._scratch.rows = FoldScratch(self.block_elements)
-        return scratch
 
     def add(self, tensors: Mapping[str, torch.Tensor], weight: float) -> None:
         """Fold one client's tensors in with aggregation weight ``weight`` (> 0). A bad weight, or
@@ -220,7 +217,7 @@ class WeightedMean:
                     self._weights[name] = []
                 self._weights[name].append(weight)
             parts = [part for name, tensor in tensors.items() for part in self._sums[name].parts(tensor)]
-        _fold(parts, weight, self._thread_scratch())
+        _fold(parts, float(weight))
 
     def __len__(self) -> int:
         return len(self._sums)
