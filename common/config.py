@@ -26,6 +26,10 @@ DEFAULT_CHUNK_BYTES = 256 << 10
 and saved no CPU (8.00 against 8.01 CPU s a round at 100 processes). Results come in messages of
 ``server.result_chunk_bytes`` or less."""
 
+GRPC_LARGEST_MESSAGE = 4 << 20
+"""gRPC's default limit on the size of a received message, which fedpart's server and clients
+keep: no task or result message may be larger."""
+
 
 class ConfigError(ValueError):
     """A configuration that cannot be run, with the offending key in the message."""
@@ -351,8 +355,10 @@ def _validate(config: RunConfig) -> None:
         (config.evaluate.global_every >= 0, "evaluate.global_every must be >= 0"),
         (config.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0: only the initial and the last round)"),
         (config.checkpoint.keep >= 0, "checkpoint.keep must be >= 0 (0: keep every round checkpoint)"),
-        (config.server.chunk_bytes >= 1024, "server.chunk_bytes must be at least 1024"),
-        (config.server.result_chunk_bytes >= 1024, "server.result_chunk_bytes must be at least 1024"),
+        (1024 <= config.server.chunk_bytes <= GRPC_LARGEST_MESSAGE,
+         f"server.chunk_bytes must be in [1024, {GRPC_LARGEST_MESSAGE}] (gRPC's largest message)"),
+        (1024 <= config.server.result_chunk_bytes <= GRPC_LARGEST_MESSAGE,
+         f"server.result_chunk_bytes must be in [1024, {GRPC_LARGEST_MESSAGE}] (gRPC's largest message)"),
         (config.server.waiting_upload_bytes >= 0, "server.waiting_upload_bytes must be >= 0 (0 = no bound)"),
         (min(config.server.round_timeout, config.server.join_timeout, config.server.evaluation_timeout,
              config.server.heartbeat_timeout, config.server.call_timeout) > 0, "server timeouts must be positive"),

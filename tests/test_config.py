@@ -156,6 +156,8 @@ def test_int_accepted_for_float():
     ({"evaluate": {"part": "neck"}}, "evaluate.part"),
     ({"server": {"chunk_bytes": 10}}, "server.chunk_bytes"),
     ({"server": {"result_chunk_bytes": 10}}, "server.result_chunk_bytes"),
+    ({"server": {"chunk_bytes": (4 << 20) + 1}}, "server.chunk_bytes"),
+    ({"server": {"result_chunk_bytes": 8 << 20}}, "server.result_chunk_bytes"),
     ({"server": {"waiting_upload_bytes": -1}}, "server.waiting_upload_bytes"),
 ])
 def test_invalid_values(raw, fragment):
