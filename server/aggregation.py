@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numba
 import numpy as np
@@ -87,7 +87,7 @@ _fold_elements = _compile_fold()
 FOLD_BLOCK_ELEMENTS = 131_072
 """Elements per block of a running sum: the unit that one thread folds under a block's lock, so
 that several threads fold one result's blocks at once. A block's fold is one compiled call that
-holds no GIL; smaller blocks cost more calls and lock turns, larger ones let fewer threads fold
+releases the GIL; smaller blocks cost more calls and lock turns, larger ones let fewer threads fold
 a tensor at once. Measured with benchmarks/fold_throughput.py."""
 
 
