@@ -441,11 +441,10 @@ class ClientProcess:
     def _submit(self, result: ResultInfo, uploads: dict[str, torch.Tensor], deltas: Collection[str],
                 chunk_bytes: int) -> None:
         """Send the result in messages of at most ``chunk_bytes``, its tensors encoded by
-        ``compression.up``; the error-feedback
-        residuals it leaves are kept once the server took it. A send the server could not take
-        now (unreachable, busy, or its transport reset the stream before the server read it) is
-        tried again as a task request is; the server takes one result per task, so a copy that
-        did arrive is refused, not counted twice."""
+        ``compression.up``; the error-feedback residuals it leaves are kept once the server took
+        it. A send the server could not take now (unreachable, busy, or its transport reset the
+        stream before the server read it) is tried again as a task request is; the server takes
+        one result per task, so a copy that did arrive is refused, not counted twice."""
         specs, tensors, residuals = self._wire_forms(result, uploads, deltas)
         self.activity.task(f"client {result.client_id} round {result.round}: sending the result")
         header = result_header(result, specs)

@@ -2,7 +2,7 @@
 
 A message that carries tensors is a stream of chunks: the first chunk holds the header (with one
 :class:`TensorSpec` per tensor), and every chunk holds :class:`TensorPiece` byte ranges, filled up
-to ``chunk_bytes`` so that no gRPC message comes near the default 4 MiB limit. Encoding takes
+to ``chunk_bytes``, which the config keeps within gRPC's default 4 MiB limit. Encoding takes
 byte views of the tensors (one copy per piece into the protobuf message); decoding copies each
 piece once into a preallocated buffer per tensor. Where chunks arrive in bulk (the server's result
 streams, the load generator's task streams), :func:`read_chunk` reads the serialized message
