@@ -7,6 +7,7 @@ Exit codes: README "Exit codes" (``fedpart.common.exit_codes``)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from importlib import resources
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from fedpart.common.config import RunConfig
 
 DEFAULT_CONFIG = "quickstart"
+VERBOSE_ENV = "FEDPART_VERBOSE"  # "1": as --verbose; set by --verbose, so the processes a command starts inherit it
 
 
 def resolve_config_path(name: str | None) -> Path:
@@ -276,11 +278,30 @@ def build_parser() -> argparse.ArgumentParser:
                                        "default runs/compare-<name>-<time>")
     _add_link_options(compare)
     compare.set_defaults(handler=_compare)
+    verbose_help = (f"show gRPC's own log lines (handshake failures, ...) on stderr, for this command and the "
+                    f"processes it starts (or set {VERBOSE_ENV}=1); by default gRPC stays quiet")
+    parser.add_argument("--verbose", action="store_true", help=verbose_help)
+    for command in commands.choices.values():  # also after the command: fedpart client ... --verbose
+        command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
     return parser
+
+
+def quiet_grpc_logging(verbose: bool) -> None:
+    """gRPC's C core logs on stderr by itself (a failed TLS handshake, a closed socket): lines
+    that say less than fedpart's own errors and alarm more. Unless ``verbose`` (or
+    ``FEDPART_VERBOSE=1``) they are off: ``GRPC_VERBOSITY=NONE`` (grpcio >= 1.85 knows it) and no
+    ``GRPC_TRACE``. gRPC reads these when it is first imported, so call this before; the processes
+    a command starts inherit the choice through the environment."""
+    if verbose or os.environ.get(VERBOSE_ENV) == "1":
+        os.environ[VERBOSE_ENV] = "1"
+        return
+    os.environ["GRPC_VERBOSITY"] = "NONE"
+    os.environ.pop("GRPC_TRACE", None)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_grpc_logging(args.verbose)
     from fedpart.common.exit_codes import ExitCode, Stopped, stop_on_signals
 
     try:
