@@ -1,6 +1,24 @@
-"""Process limits raised by programs that hold many connections."""
+"""Process limits: the open files a program that holds many connections raises, and the cores a
+client process may use for its torch threads.
+
+The cores available to a process are the fewer of the CPUs it may be scheduled on (its affinity:
+``taskset``, a cpuset) and its cgroup's CPU quota (cgroup v2 ``cpu.max``, cgroup v1
+``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``: what ``docker run --cpus`` and a Kubernetes CPU limit
+set), the quota rounded up as the Go and Java runtimes do. Client processes that share a host
+share them: :func:`client_threads` gives each an even share, at least one thread.
+"""
 
 from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+# A standalone `fedpart client` learns from it (or from --processes-per-host) how many client
+# processes share its host; `fedpart run` passes --processes-per-host itself.
+PROCESSES_PER_HOST_ENV = "FEDPART_PROCESSES_PER_HOST"
 
 
 def raise_open_file_limit() -> int:
@@ -17,3 +35,139 @@ def raise_open_file_limit() -> int:
     except (ValueError, OSError):  # an unlimited hard limit that the kernel caps lower
         return soft
     return hard
+
+
+@dataclass(frozen=True)
+class CpuBudget:
+    """The CPUs this process may use."""
+
+    affinity: int         # CPUs it may be scheduled on
+    quota: float | None   # its cgroup's CPU quota in cores (None: no quota)
+
+    @property
+    def cores(self) -> int:
+        """The fewer of the two, the quota rounded up; at least 1."""
+        if self.quota is None:
+            return max(1, self.affinity)
+        return max(1, min(self.affinity, math.ceil(self.quota)))
+
+    def describe(self) -> str:
+        quota = "no cgroup CPU quota" if self.quota is None else f"cgroup CPU quota {self.quota:g}"
+        return f"{self.cores} cores available (affinity {self.affinity}, {quota})"
+
+
+def cpu_budget(proc: Path = Path("/proc/self")) -> CpuBudget:
+    """The CPUs of this process (``proc``: where its ``cgroup`` and ``mountinfo`` files are)."""
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        affinity = os.cpu_count() or 1
+    return CpuBudget(affinity, cgroup_cpu_quota(proc))
+
+
+def client_threads(processes_per_host: int, budget: CpuBudget | None = None) -> int:
+    """Torch threads of one of ``processes_per_host`` client processes on this host: an even
+    share of the cores available (:func:`cpu_budget`), at least 1."""
+    if processes_per_host < 1:
+        raise ValueError(f"processes per host must be at least 1, not {processes_per_host}")
+    return max(1, (budget or cpu_budget()).cores // processes_per_host)
+
+
+def processes_per_host(option: int | None, environ: Mapping[str, str] = os.environ) -> int:
+    """How many client processes share this host: ``option`` (``--processes-per-host``), else
+    :data:`PROCESSES_PER_HOST_ENV`, else 1. Raises ValueError for a value that is not a positive
+    whole number."""
+    if option is not None:
+        value, source = str(option), "--processes-per-host"
+    else:
+        value, source = environ.get(PROCESSES_PER_HOST_ENV, "1"), PROCESSES_PER_HOST_ENV
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"{source} {value!r}: expected a whole number of client processes, at least 1")
+    return count
+
+
+# ----------------------------------------------------------------------------------------- cgroups
+
+
+def cgroup_cpu_quota(proc: Path = Path("/proc/self")) -> float | None:
+    """The CPU quota, in cores, of the cgroups ``proc`` (a process's /proc directory) belongs to:
+    the smallest ``quota / period`` of its cgroup and every parent cgroup visible in its mounts,
+    cgroup v2 and v1 alike; None where none sets a quota (or none can be read)."""
+    try:
+        memberships = (proc / "cgroup").read_text().splitlines()
+        mounts = (proc / "mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    v2_path = v1_path = None
+    for line in memberships:  # "hierarchy-ID:controllers:path"
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            v2_path = path
+        elif "cpu" in controllers.split(","):
+            v1_path = path
+    quotas = []
+    for root, mount_point, fstype, options in _cgroup_mounts(mounts):
+        if fstype == "cgroup2" and v2_path is not None:
+            quotas += [_v2_quota(d) for d in _cgroup_dirs(mount_point, root, v2_path)]
+        elif fstype == "cgroup" and v1_path is not None and "cpu" in options:
+            quotas += [_v1_quota(d) for d in _cgroup_dirs(mount_point, root, v1_path)]
+    known = [q for q in quotas if q is not None]
+    return min(known) if known else None
+
+
+def _cgroup_mounts(lines: list[str]) -> list[tuple[str, Path, str, set[str]]]:
+    """(root, mount point, file system type, super options) of the cgroup mounts in mountinfo lines."""
+    mounts = []
+    for line in lines:
+        fields, separator, tail = line.partition(" - ")
+        fields, tail = fields.split(), tail.split()
+        if not separator or len(fields) < 5 or len(tail) < 3 or tail[0] not in ("cgroup", "cgroup2"):
+            continue
+        mounts.append((_unescape(fields[3]), Path(_unescape(fields[4])), tail[0], set(tail[2].split(","))))
+    return mounts
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes a space, tab, newline and backslash in a path as octal escapes."""
+    for escape, character in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(escape, character)
+    return field
+
+
+def _cgroup_dirs(mount_point: Path, root: str, path: str) -> list[Path]:
+    """The directories of cgroup ``path`` and of its parents down to ``mount_point``, which shows
+    the cgroup ``root`` of the hierarchy (a container sees only its own part of it). A path
+    outside that root (a process moved out of the container's part) leaves the mount point."""
+    relative = os.path.relpath(path, root)
+    if relative.startswith(".."):
+        relative = "."
+    directory = mount_point / relative
+    directories = [directory]
+    while directory != mount_point and mount_point in directory.parents:
+        directory = directory.parent
+        directories.append(directory)
+    return directories
+
+
+def _v2_quota(directory: Path) -> float | None:
+    """``cpu.max`` (``"max 100000"`` or ``"QUOTA PERIOD"``) in cores."""
+    try:
+        quota, period = (directory / "cpu.max").read_text().split()
+        return int(quota) / int(period) if quota != "max" and int(period) > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(directory: Path) -> float | None:
+    """``cpu.cfs_quota_us`` (-1: none) over ``cpu.cfs_period_us``, in cores."""
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None

@@ -67,7 +67,7 @@ def _server(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     try:
         return serve(config, args.address, out, security, resume=bool(args.resume), overwrite=args.overwrite,
-                     progress=args.progress)
+                     progress=args.progress, health_port=args.health_port, metrics_port=args.metrics_port)
     except AddressInUse as error:
         return _fail(args, error)
 
@@ -107,13 +107,15 @@ def _client(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{option.replace('_', '-')} must be a positive number of seconds")
     security = ClientSecurity.from_options(args.server, args.ca, args.server_name, args.token_file,
                                            args.cert, args.key, args.insecure)
+    threads, why = _client_threads(args)
     from fedpart.client.runtime import ClientError, ClientProcess
 
     try:
         process = ClientProcess(args.server, parse_id_ranges(args.clients), device=args.device,
-                                data_root=args.data_root, state_dir=args.state_dir, threads=args.threads,
+                                data_root=args.data_root, state_dir=args.state_dir, threads=threads,
                                 security=security, reconnect_timeout=args.reconnect_timeout,
                                 connect_timeout=args.connect_timeout)
+        process.log(f"{threads} torch thread{'s' if threads > 1 else ''} ({why})")
         return process.run()
     except ConfigError as error:  # the run's config does not fit this machine (its data)
         return _fail(args, error)
@@ -123,13 +125,66 @@ def _client(args: argparse.Namespace) -> int:
         return _fail(args, error, 1)
 
 
+def _client_threads(args: argparse.Namespace) -> tuple[int, str]:
+    """The client's torch threads and why: ``--threads``, or an even share of the cores available
+    to this process among the client processes on this host (``--processes-per-host``, else
+    ``FEDPART_PROCESSES_PER_HOST``)."""
+    from fedpart.common.limits import client_threads, cpu_budget, processes_per_host
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads}: expected at least 1")
+        return args.threads, "--threads"
+    budget, sharing = cpu_budget(), processes_per_host(args.processes_per_host)
+    plural = "es" if sharing > 1 else ""
+    return client_threads(sharing, budget), f"{budget.describe()} / {sharing} client process{plural} on this host"
+
+
 def _run(args: argparse.Namespace) -> int:
     from fedpart.common.config import load_config
     from fedpart.deploy.launcher import run_local
 
     path = resolve_config_path(args.config)
     config = load_config(path, args.set)
-    return run_local(path, args.set, config, args.out or default_out_dir(config.name), args.overwrite, args.devices)
+    return run_local(path, args.set, config, args.out or default_out_dir(config.name), args.overwrite, args.devices,
+                     args.metrics_port)
+
+
+def _health(args: argparse.Namespace) -> int:
+    """One health check; prints the status. 0: SERVING; 1: another status, or a service the
+    server does not know; 4: no answer within --timeout."""
+    from fedpart.common.exit_codes import ExitCode
+    from fedpart.common.security import ClientSecurity
+
+    if args.timeout <= 0:
+        raise ValueError("--timeout must be a positive number of seconds")
+    security = ClientSecurity.from_options(args.server, args.ca, args.server_name, args.token_file,
+                                           args.cert, args.key, args.insecure)
+    import grpc
+
+    from fedpart.server.health import check_health
+
+    try:
+        status = check_health(args.server, security, args.service, args.timeout)
+    except grpc.RpcError as error:
+        unknown = error.code() == grpc.StatusCode.NOT_FOUND
+        reason = (f"{args.server} knows no service {args.service!r}" if unknown else
+                  f"no answer from {args.server} within {args.timeout:g} s ({error.code().name}: {error.details()})")
+        print(f"fedpart health: error: {reason}", file=sys.stderr, flush=True)
+        return ExitCode.ERROR if unknown else ExitCode.UNREACHABLE
+    print(status, flush=True)
+    return ExitCode.COMPLETED if status == "SERVING" else ExitCode.ERROR
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)")
+    return port
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -215,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
                         help="auto: a live display on a terminal, plain lines otherwise; plain; json: progress as "
                              "machine-readable lines (what fedpart run reads)")
+    server.add_argument("--health-port", type=port_number, metavar="PORT",
+                        help="also answer gRPC health checks (grpc.health.v1 Check, nothing else) in plaintext on "
+                             "this port of the --address host, for probes that cannot use TLS (Kubernetes' gRPC "
+                             "probes); the --address port answers them too, without a token")
+    server.add_argument("--metrics-port", type=port_number, metavar="PORT",
+                        help="serve Prometheus metrics (plain HTTP, /metrics) on this port of the --address host "
+                             "(needs: pip install 'fedpart[metrics]'; default: off)")
     server.set_defaults(handler=_server)
 
     client = commands.add_parser("client", help="run a client process hosting one or more clients")
@@ -224,7 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cpu, cuda:N, or auto: the first visible GPU, else the CPU (default cpu)")
     client.add_argument("--data-root", help="local data root (default: the config's data.root)")
     client.add_argument("--state-dir", default="fedpart-state", help="where personal parts and models stay")
-    client.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    client.add_argument("--threads", type=int,
+                        help="torch threads (default: the cores available to this process, its CPU affinity or "
+                             "cgroup CPU quota, whichever is fewer, divided by --processes-per-host)")
+    client.add_argument("--processes-per-host", type=int, metavar="N",
+                        help="client processes sharing this host's cores, for the default --threads (default: "
+                             "$FEDPART_PROCESSES_PER_HOST, else 1; fedpart run passes it)")
     client.add_argument("--ca", help="CA certificate that signed the server's (PEM; default: system roots)")
     client.add_argument("--server-name", help="name to expect in the server certificate (default: the host)")
     client.add_argument("--token-file", help="file holding this process's token (or set FEDPART_TOKEN)")
@@ -250,7 +317,25 @@ def build_parser() -> argparse.ArgumentParser:
                           "cuda:0,cuda:1 (repeat a device to share it: cuda:0,cuda:0) or auto (every visible GPU; "
                           "the CPU where there is none); replaces the config's processes (default: processes "
                           "client processes on the CPU)")
+    run.add_argument("--metrics-port", type=port_number, metavar="PORT",
+                     help="the server's Prometheus metrics on 127.0.0.1:PORT/metrics (as fedpart server; default: off)")
     run.set_defaults(handler=_run)
+
+    health = commands.add_parser("health", help="ask a server whether it is serving (gRPC health check); "
+                                                "exit 0 when SERVING")
+    health.add_argument("--server", required=True, help="HOST:PORT: the server's address or its --health-port")
+    health.add_argument("--service", default="", help="'' (default): the server itself; fedpart.v1.Coordinator: "
+                                                      "its run (NOT_SERVING once the run ended)")
+    health.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="wait for the answer (default 5)")
+    health.add_argument("--ca", help="CA certificate that signed the server's (PEM), for its TLS port")
+    health.add_argument("--server-name", help="name to expect in the server certificate (default: the host)")
+    health.add_argument("--token-file", help="a client process's token (not needed for a health check)")
+    health.add_argument("--cert", help="client certificate, where the server requires mutual TLS (PEM)")
+    health.add_argument("--key", help="client private key (PEM)")
+    health.add_argument("--insecure", action="store_true",
+                        help="plaintext off loopback (a --health-port); on loopback plaintext is the default "
+                             "without --ca")
+    health.set_defaults(handler=_health)
 
     certs = commands.add_parser("certs", help="make a CA, server certificate, client certificates and tokens")
     certs.add_argument("--out", required=True, help="directory to write (must not hold earlier credentials)")

@@ -137,28 +137,33 @@ def _error(message: str) -> None:
 
 
 def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_dir: str,
-              overwrite: bool = False, devices: str | None = None) -> int:
+              overwrite: bool = False, devices: str | None = None, metrics_port: int | None = None) -> int:
     """Run the experiment locally, the client processes on ``devices`` (see
-    :func:`client_processes`); returns the exit code (0 when the server and every client
-    succeeded). Raises ConfigError (or DeviceError), before anything starts, for a config, device
-    or run directory that cannot be run."""
+    :func:`client_processes`), the server's Prometheus metrics on ``127.0.0.1:metrics_port``
+    (None: off); returns the exit code (0 when the server and every client succeeded). Raises
+    ConfigError (or DeviceError, or ImportError without prometheus-client), before anything
+    starts, for a config, device, run directory or option that cannot be run."""
     from fedpart.common.experiment import LocalData, check_experiment
+    from fedpart.server.metrics import check_metrics_available
     from fedpart.server.report import check_new_run_dir
 
+    if metrics_port is not None:
+        check_metrics_available()
     check_experiment(config, clients_data=LocalData(config.data.root), server_data=True)
     placed, notes = client_processes(config, devices)
     check_new_run_dir(out_dir, overwrite)
     for note in notes:
         print(stamp(f"fedpart run: note: {note}"), flush=True)
     with tempfile.TemporaryDirectory(prefix="fedpart-credentials-") as secrets:
-        return Launch(config_path, overrides, config, Path(out_dir), Path(secrets), overwrite, placed).run()
+        return Launch(config_path, overrides, config, Path(out_dir), Path(secrets), overwrite, placed,
+                      metrics_port).run()
 
 
 class Launch:
     """One local run: the server, its clients, and what the launcher prints."""
 
     def __init__(self, config_path: Path, overrides: list[str], config: RunConfig, out: Path, secrets: Path,
-                 overwrite: bool, placed: list[tuple[str, str]]) -> None:
+                 overwrite: bool, placed: list[tuple[str, str]], metrics_port: int | None) -> None:
         self.config_path = config_path
         self.overrides = overrides
         self.config = config
@@ -166,6 +171,7 @@ class Launch:
         self.secrets = secrets
         self.overwrite = overwrite
         self.placed = placed
+        self.metrics_port = metrics_port
         self.progress: RunProgress | None = None
         self.display = Display(lambda: render_run(self.progress))
         self.lines: queue.Queue = queue.Queue()
@@ -182,6 +188,7 @@ class Launch:
             _cli("server", str(self.config_path), "--address", "127.0.0.1:0", "--out", str(self.out),
                  *[a for o in self.overrides for a in ("--set", o)], *(["--overwrite"] if self.overwrite else []),
                  "--progress", "json" if self.display.live else "plain",
+                 *(["--metrics-port", str(self.metrics_port)] if self.metrics_port is not None else []),
                  "--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),
                  "--credentials", str(secrets / "credentials.yaml")),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -203,17 +210,18 @@ class Launch:
 
     def _start_clients(self, address: str, env: dict[str, str]) -> None:
         """One client process per (id range, device), each writing into its log (the server has
-        written the run directory by now)."""
+        written the run directory by now). Each takes an even share of the cores available for its
+        torch threads (``--processes-per-host``: ``fedpart.common.limits.client_threads``)."""
         logs = self.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        threads = max(1, (os.cpu_count() or 1) // len(self.placed))
         for index, (ids, device) in enumerate(self.placed):
             log_path = logs / f"client_{index}.log"
             self.client_logs.append(log_path)
             with log_path.open("w") as log:
                 self.clients.append(subprocess.Popen(
                     _cli("client", "--server", address, "--clients", ids, "--device", device,
-                         "--threads", str(threads), "--state-dir", str(self.out / "state" / f"process_{index}"),
+                         "--processes-per-host", str(len(self.placed)),
+                         "--state-dir", str(self.out / "state" / f"process_{index}"),
                          "--ca", str(self.secrets / "ca.pem"),
                          "--token-file", str(self.secrets / f"process_{index}.token")),
                     stdout=log, stderr=subprocess.STDOUT, env=env))

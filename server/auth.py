@@ -4,7 +4,8 @@
 scheduled, so a call without a known bearer token is refused (UNAUTHENTICATED) before it holds a
 buffer or a task. With mutual TLS the handshake already refuses
 clients without a certificate from the client CA, and the certificate's common name is matched
-in :meth:`CallGuard.admit`.
+in :meth:`CallGuard.admit`. A health check (:data:`~fedpart.server.health.CHECK_METHOD`) needs
+no token: it answers at once and tells only whether the server and its run are serving.
 
 :class:`CallGuard` admits each call inside the service: it resolves the caller's
 :class:`~fedpart.common.security.Principal`, requires a deadline no longer than the RPC's limit
@@ -22,6 +23,7 @@ from contextlib import asynccontextmanager
 import grpc
 
 from fedpart.common.security import Principal, hash_token
+from fedpart.server.health import CHECK_METHOD
 
 # A client process runs its tasks one after another: one long poll, one upload, a heartbeat and
 # the odd join or leave. Eight open calls leave room for a poll superseded by the next.
@@ -76,8 +78,8 @@ class TokenGate(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
+        if handler is None or handler_call_details.method == CHECK_METHOD:
+            return handler
         token = _bearer_token(handler_call_details.invocation_metadata)
         if token is None and self.mutual_tls and self.principals.by_certificate:
             return handler  # the certificate's name is checked by CallGuard.admit

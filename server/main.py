@@ -1,12 +1,13 @@
 """``fedpart server``: bind the gRPC service, run the rounds, evaluate, write the run directory;
 or continue a run that was stopped (``--resume``).
 
-The order protects earlier work: everything is checked (config, run directory, the data the
-server itself needs, the address) before the port is bound, and the run directory is written
-(an earlier run removed, with ``--overwrite``) only once the server listens. A run that ends
-early (SIGINT / SIGTERM, or the server gives up waiting for its clients) tells the clients so,
-writes ``summary.json`` with what it knows marked ``interrupted`` or ``failed``, and keeps its
-``server_state/`` for ``--resume``. Exit codes: :mod:`fedpart.common.exit_codes`.
+The order protects earlier work: everything is checked (config, whether the credentials can host
+every client id, run directory, the data the server itself needs, the address) before the port
+is bound, and the run directory is written (an earlier run removed, with ``--overwrite``) only
+once the server listens. A run that ends early (SIGINT / SIGTERM, or the server gives up waiting
+for its clients) tells the clients so, writes ``summary.json`` with what it knows marked
+``interrupted`` or ``failed``, and keeps its ``server_state/`` for ``--resume``. Exit codes:
+:mod:`fedpart.common.exit_codes`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import socket
 import threading
 import time
 import traceback
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent import futures
 from contextlib import ExitStack
@@ -30,10 +32,12 @@ from fedpart.common.console import Display, ProgressLines, render_run
 from fedpart.common.exit_codes import ExitCode, Stopped
 from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.plans import RunOutcome
-from fedpart.common.security import ServerSecurity
+from fedpart.common.security import Principal, SecurityError, ServerSecurity, format_id_ranges
 from fedpart.server.auth import CallGuard, Principals, TokenGate
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.global_eval import GlobalEvaluator
+from fedpart.server.health import RunHealth
+from fedpart.server.metrics import MetricsServer, RunCollector, check_metrics_available
 from fedpart.server.report import (
     FAILED,
     INTERRUPTED,
@@ -52,6 +56,8 @@ SHUTDOWN_GRACE_SECONDS = 10.0
 MAX_CALLS_PER_CLIENT = 3
 # gRPC's own hard limit on calls waiting to be taken by the server (grpc.server.max_pending_requests_hard_limit)
 GRPC_PENDING_CALLS_HARD_LIMIT = 3000
+# Calls the plaintext health port takes at once (a check answers at once; more are refused)
+PROBE_CALLS = 16
 
 
 class AddressInUse(OSError):
@@ -66,7 +72,8 @@ class GrpcServer:
     and with credentials each client process may hold only a few calls at a time.
     """
 
-    def __init__(self, coordinator: Coordinator, address: str, security: ServerSecurity) -> None:
+    def __init__(self, coordinator: Coordinator, address: str, security: ServerSecurity,
+                 health_port: int | None = None) -> None:
         server_config = coordinator.config.server
         workers = server_config.fold_workers
         self._fold_pool = (futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fold")
@@ -75,7 +82,10 @@ class GrpcServer:
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-server", daemon=True)
         self._thread.start()
         upload_slots = server_config.upload_slots or 4 * (workers or os.cpu_count() or 1)
-        start = self._start(coordinator, address, security, upload_slots, server_config.download_slots)
+        self.health = RunHealth()
+        self._probes: grpc.aio.Server | None = None  # the plaintext health port, if any
+        self.health_address: str | None = None
+        start = self._start(coordinator, address, security, upload_slots, server_config.download_slots, health_port)
         try:
             self._server, self.address = asyncio.run_coroutine_threadsafe(start, self._loop).result()
         except BaseException:
@@ -83,7 +93,7 @@ class GrpcServer:
             raise
 
     async def _start(self, coordinator: Coordinator, address: str, security: ServerSecurity,
-                     upload_slots: int, download_slots: int) -> tuple[grpc.aio.Server, str]:
+                     upload_slots: int, download_slots: int, health_port: int | None) -> tuple[grpc.aio.Server, str]:
         principals = Principals(security.principals) if security.principals is not None else None
         mutual_tls = security.client_ca is not None
         most_calls = MAX_CALLS_PER_CLIENT * coordinator.config.clients + 64
@@ -107,25 +117,34 @@ class GrpcServer:
         service = CoordinatorService(coordinator, coordinator.ledger, CallGuard(principals, mutual_tls),
                                      self._fold_pool, upload_slots, download_slots)
         add_to_server(service, server)
+        server.add_generic_rpc_handlers((self.health.handler(),))
         host, _, _ = address.rpartition(":")
-        try:
-            if security.tls:
-                bound = server.add_secure_port(address, security.grpc_credentials())
-            else:
-                bound = server.add_insecure_port(address)
-        except RuntimeError as error:
-            raise AddressInUse(f"cannot listen on {address}: {error}") from error
-        if bound == 0:
-            raise AddressInUse(f"cannot listen on {address}")
+        bound = _add_port(server, address, security)
+        if health_port is not None:
+            # health checks only, in plaintext: what Kubernetes' gRPC probes can reach
+            self._probes = grpc.aio.server(maximum_concurrent_rpcs=PROBE_CALLS, options=[("grpc.so_reuseport", 0)])
+            self._probes.add_generic_rpc_handlers((self.health.handler(),))
+            self.health_address = f"{host}:{_add_port(self._probes, f'{host}:{health_port}', ServerSecurity())}"
+            await self._probes.start()
         await server.start()
+        await self.health.run_serving(True)
         return server, f"{host}:{bound}"
+
+    def run_ended(self) -> None:
+        """Report the run NOT_SERVING (the server still answers while its clients hear it)."""
+        asyncio.run_coroutine_threadsafe(self.health.run_serving(False), self._loop).result()
 
     def stop(self, grace: float | None = None) -> None:
         """Stop serving (calls still open get ``grace`` seconds), then the loop and fold threads."""
         if self._loop.is_closed():
             return
-        asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result()
+        asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result()
         self._close_loop()
+
+    async def _stop(self, grace: float | None) -> None:
+        await self.health.stopping()
+        servers = [self._server, *([self._probes] if self._probes is not None else [])]
+        await asyncio.gather(*(server.stop(grace) for server in servers))
 
     def _close_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -133,6 +152,20 @@ class GrpcServer:
         self._loop.close()
         if self._fold_pool is not None:
             self._fold_pool.shutdown(wait=True)
+
+
+def _add_port(server: grpc.aio.Server, address: str, security: ServerSecurity) -> int:
+    """Add ``address`` to ``server`` (TLS where ``security`` has it); returns the bound port."""
+    try:
+        if security.tls:
+            bound = server.add_secure_port(address, security.grpc_credentials())
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError as error:
+        raise AddressInUse(f"cannot listen on {address}: {error}") from error
+    if bound == 0:
+        raise AddressInUse(f"cannot listen on {address}")
+    return bound
 
 
 def receive_window_options(window_bytes: int) -> list[tuple[str, int]]:
@@ -144,9 +177,12 @@ def receive_window_options(window_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes)]
 
 
-def start_grpc(coordinator: Coordinator, address: str, security: ServerSecurity | None = None) -> GrpcServer:
-    """Start the gRPC server; its ``address`` is where it listens (port 0 = a free port)."""
-    return GrpcServer(coordinator, address, security or ServerSecurity())
+def start_grpc(coordinator: Coordinator, address: str, security: ServerSecurity | None = None,
+               health_port: int | None = None) -> GrpcServer:
+    """Start the gRPC server; its ``address`` is where it listens (port 0 = a free port). With
+    ``health_port`` it also answers health checks in plaintext on that port of the same host
+    (``health_address``)."""
+    return GrpcServer(coordinator, address, security or ServerSecurity(), health_port)
 
 
 def check_address(address: str) -> None:
@@ -170,16 +206,58 @@ def check_address(address: str) -> None:
             raise AddressInUse(f"cannot listen on {address}: {error.strerror or error}") from error
 
 
+def check_credentials_host_run(principals: list[Principal] | None, clients: int) -> None:
+    """Raise :class:`SecurityError` unless the credentials let every client id of the run be
+    hosted by exactly one process: an id no credential names could never join (the server would
+    wait ``server.join_timeout`` and give up), an id two name could be hosted by only one of them,
+    and an id beyond the run's belongs to credentials made for another run. None: anyone may join."""
+    if principals is None:
+        return
+    named: dict[int, list[str]] = defaultdict(list)
+    for principal in principals:
+        for client in principal.clients:
+            named[client].append(principal.name)
+    problems = []
+    missing = [c for c in range(clients) if c not in named]
+    if missing:
+        problems.append(f"client ids {format_id_ranges(missing)} are named by no process")
+    for client_ids, names in _group_by_names({c: n for c, n in named.items() if len(n) > 1}):
+        problems.append(f"client ids {format_id_ranges(client_ids)} are named by {len(names)} processes "
+                        f"({', '.join(names)})")
+    beyond = [c for c in named if c >= clients]
+    if beyond:
+        problems.append(f"client ids {format_id_ranges(beyond)} are not in the run")
+    if problems:
+        raise SecurityError(f"--credentials cannot host this run of {clients} clients (ids 0-{clients - 1}): "
+                            f"{'; '.join(problems)}; write credentials for it with fedpart certs --clients "
+                            f"{clients}, or give each id to exactly one process")
+
+
+def _group_by_names(named: dict[int, list[str]]) -> list[tuple[list[int], list[str]]]:
+    """Client ids grouped by the processes that name them, in order of their first id."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for client in sorted(named):
+        groups.setdefault(tuple(named[client]), []).append(client)
+    return [(ids, list(names)) for names, ids in groups.items()]
+
+
 def serve(config: RunConfig, address: str, out_dir: str | Path, security: ServerSecurity | None = None,
-          resume: bool = False, overwrite: bool = False, progress: str = "auto") -> int:
+          resume: bool = False, overwrite: bool = False, progress: str = "auto",
+          health_port: int | None = None, metrics_port: int | None = None) -> int:
     """Run a whole federated experiment as the coordinator; returns the exit code
     (:class:`~fedpart.common.exit_codes.ExitCode`). With ``resume``, continue the run in
     ``out_dir`` after its last completed round; with ``overwrite``, replace the run in
     ``out_dir`` once the server listens. ``progress``: ``auto`` (a live view on a terminal, plain
-    lines otherwise), ``plain`` or ``json`` (progress lines for ``fedpart run``)."""
+    lines otherwise), ``plain`` or ``json`` (progress lines for ``fedpart run``). ``health_port``:
+    also answer health checks in plaintext there (:mod:`fedpart.server.health`);
+    ``metrics_port``: serve Prometheus metrics there (:mod:`fedpart.server.metrics`); both on the
+    host of ``address``."""
     security = security or ServerSecurity()
     started = time.monotonic()
     # checked before anything is bound or written
+    check_credentials_host_run(security.principals, config.clients)
+    if metrics_port is not None:
+        check_metrics_available()
     saved = read_run_state(out_dir, config.to_dict()) if resume else None
     if not resume:
         check_new_run_dir(out_dir, overwrite)
@@ -193,38 +271,56 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
     if saved is not None:
         coordinator.restore(saved)
     raise_open_file_limit()
-    check_address(address)
-    server = start_grpc(coordinator, address, security)
+    host = address.rpartition(":")[0]
+    for listening in (address, *(f"{host}:{port}" for port in (health_port, metrics_port) if port is not None)):
+        check_address(listening)
+    records: list[dict] = []  # the round records (metrics.jsonl), read by the metrics endpoint
     with ExitStack() as stack:
+        if metrics_port is not None:
+            metrics = _start_metrics(host, metrics_port, RunCollector(coordinator, records))
+            stack.callback(metrics.stop)
+        server = start_grpc(coordinator, address, security, health_port)
         stack.callback(server.stop, 2.0)
         if saved is None:
             run_dir = RunDirectory(out_dir, config.checkpoint, overwrite=overwrite)
             run_dir.write_config(config)
             run_dir.checkpoint(0, coordinator.global_state)
             write_run_state(run_dir.path, coordinator.snapshot(0, 0.0))
-            records: list[dict] = []
             earlier_seconds = 0.0
         else:
             run_dir = RunDirectory(out_dir, config.checkpoint, resume=True)
-            records = run_dir.rounds_up_to(saved.round)
+            records.extend(run_dir.rounds_up_to(saved.round))
             earlier_seconds = saved.seconds
         stack.enter_context(display)
         if progress == "json":
             stack.enter_context(ProgressLines(coordinator.progress, display))
         display.log(f"fedpart server listening on {server.address} (run {coordinator.run_id}, out {run_dir.path})")
         display.log(f"{'warning: ' if not security.tls else ''}transport: {security.describe()}")
+        if server.health_address is not None:
+            display.log(f"health checks (grpc.health.v1 Check, plaintext) on {server.health_address}")
+        if metrics_port is not None:
+            display.log(f"Prometheus metrics on http://{metrics.address}/metrics")
         if saved is not None:
             display.log(f"resuming run {saved.run_id} after round {saved.round}/{config.rounds}")
         run = ServerRun(config, coordinator, evaluator, run_dir, records, display,
-                        lambda: earlier_seconds + time.monotonic() - started)
+                        lambda: earlier_seconds + time.monotonic() - started, server.run_ended)
         return run.to_end()
+
+
+def _start_metrics(host: str, port: int, collector: RunCollector) -> MetricsServer:
+    """The Prometheus endpoint on ``host:port`` (:class:`AddressInUse` when it cannot bind)."""
+    try:
+        return MetricsServer(host.strip("[]") or "0.0.0.0", port, collector)
+    except OSError as error:
+        raise AddressInUse(f"cannot listen on {host}:{port} (--metrics-port): {error.strerror or error}") from error
 
 
 class ServerRun:
     """The rounds, the final evaluation and the summary of one server, however the run ends."""
 
     def __init__(self, config: RunConfig, coordinator: Coordinator, evaluator: GlobalEvaluator | None,
-                 run_dir: RunDirectory, records: list[dict], display: Display, seconds: Callable[[], float]) -> None:
+                 run_dir: RunDirectory, records: list[dict], display: Display, seconds: Callable[[], float],
+                 run_ended: Callable[[], None]) -> None:
         self.config = config
         self.coordinator = coordinator
         self.evaluator = evaluator
@@ -232,6 +328,7 @@ class ServerRun:
         self.records = records
         self.display = display
         self.seconds = seconds
+        self.run_ended = run_ended  # tells the health service
 
     def to_end(self) -> int:
         """Run; then tell the clients how the run ended, write what is known of a run that ended
@@ -251,6 +348,7 @@ class ServerRun:
             code, ended_early = ExitCode.ERROR, (FAILED, f"{type(error).__name__}: {error}")
         # waiting polls answer DONE at once; the summary is written meanwhile
         self.coordinator.finish(RunOutcome.ABORTED if ended_early else RunOutcome.COMPLETED)
+        self.run_ended()
         if ended_early:
             self._write_what_is_known(*ended_early)
         self.coordinator.registry.wait_until_released(SHUTDOWN_GRACE_SECONDS)

@@ -18,8 +18,10 @@ import pytest
 import yaml
 
 from fedpart.common.config import load_config
+from fedpart.common.limits import CpuBudget, client_threads
 from fedpart.deploy.cli import build_parser, resolve_config_path
 from fedpart.deploy.launcher import split_clients
+from fedpart.server.health import RUN_SERVICE
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -138,7 +140,8 @@ def test_dockerfile_pins_torch_before_fedpart_and_never_installs_torchvision(pat
                if keyword == "COPY" and arguments.split()[0] == "."]
     assert len(sources) == 1, "the repository is copied into the image once"
     torch_index = next(i for i, run in enumerate(runs) if "pip install" in run and TORCH_PIN in run.split())
-    fedpart_index = next(i for i, run in enumerate(runs) if f"pip install {sources[0]}" in run)
+    installs_fedpart = re.compile(rf'pip install "?{re.escape(sources[0])}(\[[\w,]+\])?"?( |$)')
+    fedpart_index = next(i for i, run in enumerate(runs) if installs_fedpart.search(run))
     assert torch_index < fedpart_index
 
 
@@ -408,3 +411,85 @@ def test_k8s_server_resumes_an_interrupted_run_and_never_reruns_a_completed_one(
     assert f"fedpart server --resume {run_dir}" in branch()
     mark_finished(run_dir)
     assert "is finished" in branch() and "sleep infinity" in branch()
+
+
+# ------------------------------------------------------------------------- probes, metrics and CPUs
+
+
+def container_of(objects: dict[tuple[str, str], dict[str, Any]], kind: str) -> dict[str, Any]:
+    (container,) = pod_spec(objects, kind)["containers"]
+    return container
+
+
+def cpus(quantity: str | int | float) -> float:
+    """A Kubernetes CPU quantity (``2``, ``"1.5"``, ``"500m"``) in cores."""
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def test_k8s_server_probes_use_the_health_service_and_prometheus_scrapes_its_metrics(k8s_command_lines,
+                                                                                     tmp_path: Path):
+    """Readiness: the kubelet's own gRPC probe (plaintext) on --health-port, asking for the run's
+    service. Liveness and startup: ``fedpart health`` on that port, passing without a server once
+    the run is finished (the pod then stays up for kubectl cp). The metrics port is declared and
+    annotated for Prometheus."""
+    objects = k8s_objects(K8S_BASE)
+    container = container_of(objects, "Deployment")
+    server_lines = [argv for component, argv, _ in k8s_command_lines if component == "server"]
+    (health_port,) = {int(options(argv)["--health-port"]) for argv in server_lines}
+    (metrics_port,) = {int(options(argv)["--metrics-port"]) for argv in server_lines}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["health"] == health_port and ports["metrics"] == metrics_port
+    annotations = objects[("Deployment", "fedpart-server")]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port),
+                           "prometheus.io/path": "/metrics"}
+    assert container["readinessProbe"]["grpc"] == {"port": health_port, "service": RUN_SERVICE}
+
+    for probe in ("startupProbe", "livenessProbe"):
+        shell, flag, script = container[probe]["exec"]["command"]
+        assert (shell, flag) == ("/bin/sh", "-c")
+        argv = shlex.split(script.rsplit("exec fedpart ", 1)[1])
+        parse_fedpart(argv)
+        assert argv[0] == "health" and options(argv)["--server"] == f"127.0.0.1:{health_port}"
+        run_dir = tmp_path / probe
+        runnable = script.replace(RUN_DIR, str(run_dir)).replace("exec fedpart health", "exit 7 #")
+        state = run_dir / "server_state" / "state.json"
+        outcomes = []
+        for text in (None, '{"finished": false}', '{"round": 20, "finished": true}'):
+            if text is not None:
+                state.parent.mkdir(parents=True, exist_ok=True)
+                state.write_text(text)
+            outcomes.append(subprocess.run(["sh", "-c", runnable], timeout=60).returncode)
+        assert outcomes == [7, 7, 0], probe  # asks the server, unless the run is finished
+    assert container["livenessProbe"]["timeoutSeconds"] >= 5 and container["livenessProbe"]["failureThreshold"] >= 3
+
+
+def test_k8s_clients_have_cpu_limits_and_take_their_threads_from_them(k8s_command_lines):
+    """Each client pod requests and is limited to whole CPUs; its command line names no --threads,
+    so the process runs as many torch threads as its cgroup quota (the limit) has cores."""
+    resources = container_of(k8s_objects(K8S_BASE), "Job")["resources"]
+    limit = cpus(resources["limits"]["cpu"])
+    assert cpus(resources["requests"]["cpu"]) == limit and limit == int(limit) >= 1
+    assert {"memory"} <= set(resources["requests"]) and {"memory"} <= set(resources["limits"])
+    for component, argv, _ in k8s_command_lines:
+        if component == "client":
+            flags = options(argv)
+            assert "--threads" not in flags and "--processes-per-host" not in flags
+    assert client_threads(1, CpuBudget(affinity=64, quota=limit)) == int(limit)
+
+
+def test_compose_clients_are_cpu_limited_and_the_server_has_a_healthcheck():
+    """The client containers share one Docker host: each is limited by ``cpus`` (its cgroup quota)
+    so that together they fit a 2-core host, and names no --threads. The server's healthcheck is
+    ``fedpart health`` on its --health-port."""
+    for variant in ([COMPOSE], [COMPOSE, COMPOSE_GPU]):
+        services = compose_services(*variant)
+        clients = [s for s in services.values() if s["command"][0] == "client"]
+        assert sum(float(s["cpus"]) for s in clients) <= 2 and all(s["mem_limit"] for s in clients)
+        assert all("--threads" not in s["command"] for s in clients)
+        for name in ("server", "server-resume"):
+            service = services[name]
+            test = service["healthcheck"]["test"]
+            assert test[:2] == ["CMD", "fedpart"]
+            parse_fedpart(test[2:])
+            assert options(test[2:])["--server"] == f"127.0.0.1:{options(service['command'])['--health-port']}"

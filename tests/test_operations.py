@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import (
     WAIT,
@@ -39,6 +40,10 @@ from fedpart.common.config import CheckpointConfig, ConfigError, config_from_dic
 from fedpart.common.console import RunProgress, stamp
 from fedpart.common.exit_codes import ExitCode, Stopped, stop_on_signals
 from fedpart.common.experiment import LocalData, check_experiment
+from fedpart.common.limits import client_threads
+from fedpart.common.security import Principal, SecurityError, parse_id_ranges
+from fedpart.deploy.certs import write_run_credentials
+from fedpart.server.main import check_credentials_host_run
 from fedpart.server.report import RunDirectory, check_new_run_dir
 
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "  # the start of every log line
@@ -206,6 +211,57 @@ def test_a_bad_config_exits_2_before_any_process_starts(tmp_path: Path, command,
     assert not out.exists() and result.stdout == ""
 
 
+def _credentials(directory: Path, clients: int, processes: int, extra_ids: str | None = None) -> Path:
+    """``fedpart certs`` credentials for ``clients`` client ids in ``processes`` processes, and
+    with ``extra_ids`` a third process that also names those ids; returns credentials.yaml."""
+    write_run_credentials(directory, ["127.0.0.1"], clients, processes)
+    path = directory / "credentials.yaml"
+    if extra_ids is not None:
+        credentials = yaml.safe_load(path.read_text())
+        credentials["processes"].append({"name": "site-b", "clients": extra_ids, "token_sha256": "ab" * 32})
+        path.write_text(yaml.safe_dump(credentials))
+    return path
+
+
+@pytest.mark.parametrize("clients, processes, extra_ids, problem", [
+    (4, 2, None, "client ids 4-19 are named by no process"),
+    (20, 2, "3,5-6,12", "client ids 3,5-6 are named by 2 processes (process_0, site-b); client ids 12 are named "
+                        "by 2 processes (process_1, site-b)"),
+])
+def test_credentials_that_cannot_host_the_run_exit_2_before_the_server_listens(
+        tmp_path: Path, clients: int, processes: int, extra_ids: str | None, problem: str) -> None:
+    """Credentials for 4 clients and a 20-client config (or two processes naming the same ids):
+    one line naming the ids and exit 2 as soon as the config is read, instead of listening and
+    giving up after server.join_timeout (600 s here)."""
+    credentials = _credentials(tmp_path / "secrets", clients, processes, extra_ids)
+    config = small_config(clients=20, server={"join_timeout": 600, "round_timeout": 600, "heartbeat_timeout": 30})
+    out = tmp_path / "out"
+    started = time.monotonic()
+    result = _fedpart("server", str(write_config(tmp_path / "config.yaml", config)), "--address", "127.0.0.1:0",
+                      "--out", str(out), "--tls-cert", str(tmp_path / "secrets" / "server.pem"),
+                      "--tls-key", str(tmp_path / "secrets" / "server.key"), "--credentials", str(credentials))
+    seconds = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"fedpart server: error: --credentials cannot host this run of 20 clients (ids 0-19): {problem}; write "
+        "credentials for it with fedpart certs --clients 20, or give each id to exactly one process"]
+    assert result.stdout == "" and not out.exists()
+    assert seconds < 20 * WAIT / 300, seconds  # mostly torch's import
+
+
+def test_credentials_must_name_each_client_id_of_the_run_once() -> None:
+    def principal(name: str, ids: str) -> Principal:
+        return Principal(name, frozenset(parse_id_ranges(ids)), token_sha256=name[-1] * 64)
+
+    check_credentials_host_run(None, 20)  # an open server admits anyone
+    check_credentials_host_run([principal("p0", "0-9"), principal("p1", "10-19")], 20)
+    with pytest.raises(SecurityError, match=r"client ids 10-15,18 are named by no process; client ids 20-23 are "
+                                            r"not in the run; write credentials"):
+        check_credentials_host_run([principal("p0", "0-9"), principal("p1", "16-17,19-23")], 20)
+    with pytest.raises(SecurityError, match=r": client ids 5 are named by 3 processes \(p0, p1, p2\); write"):
+        check_credentials_host_run([principal("p0", "0-5"), principal("p1", "5-9"), principal("p2", "5")], 10)
+
+
 # --------------------------------------------------------------------------------- the run directory
 
 
@@ -294,8 +350,9 @@ def test_a_wrong_server_address_is_retried_with_backoff_up_to_connect_timeout(tm
     assert result.returncode == 4, result.stderr
     assert time.monotonic() - started >= 4
     lines = result.stdout.splitlines()
+    assert re.match(STAMP + r"\[client \S+\] \d+ torch threads? \(\d+ cores available ", lines[0]), lines
     assert re.match(STAMP + rf"\[client \S+\] connecting to {address} \(plaintext\); trying for up to 4 s "
-                    r"\(--connect-timeout\)", lines[0]), lines
+                    r"\(--connect-timeout\)", lines[1]), lines
     attempts = [line for line in lines if re.search(rf"attempt \d+: {address} did not take the join "
                                                     r"\(UNAVAILABLE: .+\); next attempt in \d\.\d s", line)]
     assert len(attempts) >= 2, lines
@@ -417,7 +474,9 @@ def test_without_a_terminal_the_output_is_plain_timestamped_lines(tmp_path: Path
     log = (out / "logs" / "client_0.log").read_text()
     assert ESCAPE not in log
     assert all(re.match(STAMP + r"\[client \S+\] ", line) for line in log.splitlines()), log
-    for doing in (r"connecting to 127\.0\.0\.1:\d+ \(TLS with a token\)", r"joined run \w+ hosting clients 0-1",
+    threads = client_threads(2)  # two client processes share this host's cores
+    for doing in (rf"{threads} torch threads? \(\d+ cores available .* / 2 client processes on this host\)",
+                  r"connecting to 127\.0\.0\.1:\d+ \(TLS with a token\)", r"joined run \w+ hosting clients 0-1",
                   r"loading digits for clients 0-1", r"task \d+: train client \d round 1",
                   r"client \d round 1: trained \d+ steps in \d+\.\d\d s, loss \d", r"result sent \([\d,]+ bytes\)",
                   r"evaluating and personalising client \d", r"run finished"):

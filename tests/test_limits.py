@@ -1,0 +1,178 @@
+"""The cores a client process may use (common/limits.py): CPU affinity, the cgroup v2 and v1 CPU
+quotas read from fake /proc and cgroup trees, the even share among the client processes of a host,
+and how ``fedpart client`` and ``fedpart run`` use it."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import WAIT, child_env, fedpart_command
+from fedpart.common.limits import (
+    PROCESSES_PER_HOST_ENV,
+    CpuBudget,
+    cgroup_cpu_quota,
+    client_threads,
+    cpu_budget,
+    processes_per_host,
+)
+
+
+def fake_proc(tmp_path: Path, memberships: list[str], mounts: list[tuple[str, Path, str, str]]) -> Path:
+    """A /proc/self directory: its ``cgroup`` lines and a ``mountinfo`` line per (root, mount
+    point, file system type, super options)."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text("".join(f"{line}\n" for line in memberships))
+    lines = [f"{30 + i} 23 0:{28 + i} {root} {str(point).replace(' ', chr(92) + '040')} rw,nosuid shared:{i} - "
+             f"{fstype} {fstype} {options}\n" for i, (root, point, fstype, options) in enumerate(mounts)]
+    lines.insert(0, "22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n")  # not a cgroup
+    (proc / "mountinfo").write_text("".join(lines))
+    return proc
+
+
+def write_files(directory: Path, **files: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name.replace("__", ".")).write_text(text + "\n")
+
+
+def test_cgroup_v2_in_its_own_namespace(tmp_path: Path) -> None:
+    """A container with a cgroup namespace (Kubernetes, Docker on cgroup v2): its cgroup is the root
+    of the mount; `docker run --cpus 1.5` wrote cpu.max."""
+    mount = tmp_path / "sys" / "fs" / "cgroup"
+    write_files(mount, cpu__max="150000 100000")
+    proc = fake_proc(tmp_path, ["0::/"], [("/", mount, "cgroup2", "rw,nsdelegate")])
+    assert cgroup_cpu_quota(proc) == 1.5
+
+
+def test_cgroup_v2_a_parent_limit_applies_to_its_children(tmp_path: Path) -> None:
+    """The pod's cgroup limits 2 cores, its container's cgroup sets none: 2 cores. A sibling's
+    tighter limit does not count."""
+    mount = tmp_path / "cgroup"
+    write_files(mount / "kubepods" / "pod1", cpu__max="200000 100000")
+    write_files(mount / "kubepods" / "pod1" / "ctr", cpu__max="max 100000")
+    write_files(mount / "kubepods" / "pod2", cpu__max="10000 100000")
+    proc = fake_proc(tmp_path, ["0::/kubepods/pod1/ctr"], [("/", mount, "cgroup2", "rw")])
+    assert cgroup_cpu_quota(proc) == 2.0
+
+
+def test_cgroup_v2_mount_of_a_part_of_the_hierarchy(tmp_path: Path) -> None:
+    """Without a cgroup namespace the container's mount shows only its own cgroup (mountinfo root
+    /docker/abc) while /proc/self/cgroup names the full path. A mount point with a space is
+    escaped in mountinfo."""
+    mount = tmp_path / "my cgroup"
+    write_files(mount, cpu__max="50000 100000")
+    proc = fake_proc(tmp_path, ["0::/docker/abc"], [("/docker/abc", mount, "cgroup2", "rw")])
+    assert cgroup_cpu_quota(proc) == 0.5
+
+
+def test_cgroup_v1_cfs_quota(tmp_path: Path) -> None:
+    """cgroup v1 (hybrid: a cgroup2 mount without the cpu controller beside it): the cpu
+    controller's cfs quota over its period; -1 means no quota."""
+    cpu = tmp_path / "cgroup" / "cpu,cpuacct"
+    write_files(cpu / "docker" / "abc", cpu__cfs_quota_us="300000", cpu__cfs_period_us="100000")
+    write_files(cpu / "docker", cpu__cfs_quota_us="-1", cpu__cfs_period_us="100000")
+    memory = tmp_path / "cgroup" / "memory"
+    write_files(memory / "docker" / "abc", cpu__cfs_quota_us="100000", cpu__cfs_period_us="100000")  # not cpu's
+    unified = tmp_path / "cgroup" / "unified"
+    write_files(unified)
+    proc = fake_proc(tmp_path, ["5:memory:/docker/abc", "4:cpu,cpuacct:/docker/abc", "0::/docker/abc"],
+                     [("/", cpu, "cgroup", "rw,cpu,cpuacct"), ("/", memory, "cgroup", "rw,memory"),
+                      ("/", unified, "cgroup2", "rw")])
+    assert cgroup_cpu_quota(proc) == 3.0
+    write_files(cpu / "docker" / "abc", cpu__cfs_quota_us="-1")
+    assert cgroup_cpu_quota(proc) is None
+
+
+def test_no_quota_and_unreadable_files(tmp_path: Path) -> None:
+    mount = tmp_path / "cgroup"
+    write_files(mount, cpu__max="max 100000")
+    assert cgroup_cpu_quota(fake_proc(tmp_path, ["0::/"], [("/", mount, "cgroup2", "rw")])) is None
+    write_files(mount, cpu__max="not numbers")
+    assert cgroup_cpu_quota(tmp_path / "proc") is None
+    assert cgroup_cpu_quota(tmp_path / "no-such-proc") is None
+
+
+def test_cpu_budget_of_this_process_takes_the_fewer_of_affinity_and_quota(tmp_path: Path) -> None:
+    mount = tmp_path / "cgroup"
+    write_files(mount, cpu__max="250000 100000")
+    budget = cpu_budget(fake_proc(tmp_path, ["0::/"], [("/", mount, "cgroup2", "rw")]))
+    assert budget.affinity == len(os.sched_getaffinity(0)) and budget.quota == 2.5
+    assert budget.cores == min(budget.affinity, 3)
+
+
+@pytest.mark.parametrize("budget, processes, threads", [
+    (CpuBudget(8, None), 1, 8),
+    (CpuBudget(8, None), 3, 2),        # 8 cores shared by 3 processes: 2 each, not 3
+    (CpuBudget(8, 2.5), 1, 3),         # a quota of 2.5 cores rounds up
+    (CpuBudget(8, 2.5), 2, 1),
+    (CpuBudget(2, 16.0), 1, 2),        # affinity below the quota
+    (CpuBudget(1, 0.2), 4, 1),         # never fewer than one thread
+])
+def test_client_threads_are_an_even_share_of_the_cores(budget: CpuBudget, processes: int, threads: int) -> None:
+    assert client_threads(processes, budget) == threads
+
+
+def test_processes_per_host_from_the_option_the_environment_or_one() -> None:
+    assert processes_per_host(3, {PROCESSES_PER_HOST_ENV: "5"}) == 3
+    assert processes_per_host(None, {PROCESSES_PER_HOST_ENV: "5"}) == 5
+    assert processes_per_host(None, {}) == 1
+    for option, environ, source in ((0, {}, "--processes-per-host"), (None, {PROCESSES_PER_HOST_ENV: "two"},
+                                                                      PROCESSES_PER_HOST_ENV)):
+        with pytest.raises(ValueError, match=f"{source} '.*': expected a whole number"):
+            processes_per_host(option, environ)
+    with pytest.raises(ValueError, match="at least 1"):
+        client_threads(0, CpuBudget(4, None))
+
+
+def _closed_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+def _client_threads_line(tmp_path: Path, *options: str, env: dict[str, str] | None = None,
+                         cpus: set[int] | None = None) -> str:
+    """The torch-threads line of a ``fedpart client`` that finds no server (it gives up after 1 s)."""
+    result = subprocess.run(
+        fedpart_command("client", "--server", _closed_address(), "--clients", "0", "--connect-timeout", "1",
+                        "--state-dir", str(tmp_path / "state"), *options),
+        capture_output=True, text=True, timeout=WAIT, env=env or child_env(),
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    assert result.returncode == 4, result.stderr
+    (line,) = [line for line in result.stdout.splitlines() if "torch thread" in line]
+    return line
+
+
+def test_a_standalone_client_divides_its_cores_by_the_processes_on_its_host(tmp_path: Path) -> None:
+    """``--processes-per-host``, or FEDPART_PROCESSES_PER_HOST, divides the cores the process may
+    use (here its affinity, pinned to one CPU, and this machine's own quota); ``--threads`` wins."""
+    budget = cpu_budget()
+    threads = client_threads(2, budget)
+    line = _client_threads_line(tmp_path, "--processes-per-host", "2")
+    assert line.endswith(f"] {threads} torch thread{'s' if threads > 1 else ''} "
+                         f"({budget.describe()} / 2 client processes on this host)"), line
+    line = _client_threads_line(tmp_path, env=child_env() | {PROCESSES_PER_HOST_ENV: "3"})
+    assert "/ 3 client processes on this host" in line, line
+    pinned = CpuBudget(1, budget.quota)
+    line = _client_threads_line(tmp_path, cpus={min(os.sched_getaffinity(0))})
+    assert line.endswith(f"1 torch thread ({pinned.describe()} / 1 client process on this host)"), line
+    assert _client_threads_line(tmp_path, "--threads", "3", "--processes-per-host", "2").endswith(
+        "3 torch threads (--threads)")
+
+
+def test_a_bad_processes_per_host_exits_2(tmp_path: Path) -> None:
+    result = subprocess.run(fedpart_command("client", "--server", _closed_address(), "--clients", "0",
+                                            "--state-dir", str(tmp_path / "state")),
+                            capture_output=True, text=True, timeout=WAIT,
+                            env=child_env() | {PROCESSES_PER_HOST_ENV: "0"})
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"fedpart client: error: {PROCESSES_PER_HOST_ENV} '0': expected a whole "
+                                     "number of client processes, at least 1"), result.stderr
+    assert re.search("torch thread", result.stdout) is None
