@@ -1,14 +1,15 @@
 """``fedpart client``: one process hosting one or more clients on one device.
 
-The process connects out to the coordinator, joins, loads its clients' data, then long-polls for
-tasks until the run is over. It keeps one cache of global tensors (with their versions) for all
-of its clients, on its device, so that an unchanged tensor crosses the wire, and the bus to a
-GPU, once per process (:mod:`fedpart.client.placement`), and each client's personal parts in its
-:class:`ClientStore`. It keeps trying to reach a server that does not answer yet
-(``--connect-timeout``) or went away (``--reconnect-timeout``), with capped exponential backoff and
-a log line per attempt, and joins a resumed server of the same run again with its cache and
-personal parts. Stopped by SIGINT or SIGTERM it tells the server (``Leave``) before it exits.
-Exit codes: :mod:`fedpart.common.exit_codes`.
+The process connects out to the coordinator, joins, loads its clients' data, then asks for tasks
+until the run is over, trains or evaluates each on its main thread and sends the result. The
+protocol, delivery and reconnection are :class:`~fedpart.client.session.Session`'s, on an event
+loop of its own thread; this module is the worker: it keeps one cache of global tensors (with
+their versions) for all of its clients, on its device, so that an unchanged tensor crosses the
+wire, and the bus to a GPU, once per process (:mod:`fedpart.client.placement`), and each client's
+personal parts in its :class:`ClientStore`. A task sent again (its first delivery was lost, or the
+process restarted) trains again from the same start and gives the same result. Stopped by SIGINT
+or SIGTERM it tells the server (``Leave``) before it exits. Exit codes:
+:mod:`fedpart.common.exit_codes`.
 """
 
 from __future__ import annotations
@@ -16,113 +17,69 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
-import time
-from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
-import grpc
 import torch
 
 from fedpart.client.evaluation import evaluate_and_personalize
 from fedpart.client.local_data import ClientData, load_client_data
 from fedpart.client.placement import DeviceError, PeakMemory, Transfers, describe, resolve_device
+from fedpart.client.session import (
+    CONNECT_SECONDS,
+    RECONNECT_SECONDS,
+    Answer,
+    ReceivedTask,
+    Sent,
+    Session,
+    SessionError,
+    SessionEvents,
+    SessionThread,
+)
 from fedpart.client.speed import SpeedError, TrainingSpeed
 from fedpart.client.store import ClientStore
 from fedpart.client.training import train_local
 from fedpart.common.codecs import build_codec, encode, encode_with_feedback, seeded_generator
-from fedpart.common.config import RunConfig, config_from_dict
+from fedpart.common.config import config_from_dict
 from fedpart.common.console import ClientActivity, Display, render_client
 from fedpart.common.data.augment import build_augment
 from fedpart.common.exit_codes import ExitCode, Stopped
 from fedpart.common.experiment import LocalData, build_run_model, check_experiment, dataset_dims, run_algorithm
 from fedpart.common.losses import build_loss
 from fedpart.common.models.zoo import unit_forward_flops
-from fedpart.common.plans import ResultInfo, RunOutcome, TaskInfo, TaskKind
-from fedpart.common.protocol import PROTOCOL_VERSION, RETRY_LATER_CODES, UNKNOWN_SESSION
+from fedpart.common.plans import RunOutcome, TaskInfo, TaskKind
+from fedpart.common.protocol import PROTOCOL_VERSION
 from fedpart.common.security import ClientSecurity, format_id_ranges
-from fedpart.common.serde import result_header, task_info
 from fedpart.common.split_model import tensor_part
-from fedpart.common.wire import decode_chunks, header_then_pieces, wire_form
+from fedpart.common.wire import TensorAssembler, encode_chunks, wire_form
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 
-POLL_SECONDS = 20.0
-TRANSFER_SECONDS = 600.0   # deadline for moving one task or result, on top of the poll
-CONNECT_SECONDS = 120.0    # default --connect-timeout: how long to keep trying a server that is not up yet
-RECONNECT_SECONDS = 300.0  # default --reconnect-timeout: how long to keep trying a server that went away
-JOIN_SECONDS = 60.0        # deadline of one join call
-LEAVE_SECONDS = 5.0        # deadline of the goodbye of a process that stops
-FIRST_RETRY_SECONDS = 0.5  # while the server is unreachable, attempts are this far apart at first,
-MAX_RETRY_SECONDS = 5.0    # doubling up to this (the channel's own reconnect backoff is the same)
-HEARTBEAT_SECONDS = 5.0    # at most; shorter when server.heartbeat_timeout is short
-CHANNEL_OPTIONS: list[tuple[str, object]] = [
-    ("grpc.keepalive_time_ms", 30_000),  # keeps NAT mappings alive while a client trains for minutes
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.initial_reconnect_backoff_ms", int(FIRST_RETRY_SECONDS * 1000)),
-    ("grpc.max_reconnect_backoff_ms", int(MAX_RETRY_SECONDS * 1000)),
-]
+T = TypeVar("T")
 
 
-class ClientError(RuntimeError):
+class ClientError(SessionError):
     """The client process cannot go on (message says why)."""
 
-    code = ExitCode.ERROR
 
+class _ClientEvents(SessionEvents):
+    """What the session reports, in the process's log."""
 
-class ServerNotReached(ClientError):
-    """No server answered within ``--connect-timeout``, or it stayed away for ``--reconnect-timeout``."""
+    def __init__(self, process: ClientProcess) -> None:
+        self.process = process
 
-    code = ExitCode.UNREACHABLE
+    def log(self, message: str) -> None:
+        self.process.log(message)
 
-
-class ServerUnreachable(Exception):
-    """The server did not answer (it is down, restarting or cut off) or was too busy to."""
-
-    def __init__(self, error: grpc.RpcError) -> None:
-        super().__init__(error.details())
-        self.error = error
-
-
-@dataclass
-class Backoff:
-    """Capped exponential backoff between attempts to reach a lost server, bounded in total."""
-
-    deadline: float
-    delay: float = FIRST_RETRY_SECONDS
-    attempts: int = 0
-
-    def next_delay(self) -> float | None:
-        """Seconds to wait before the next attempt; None once the deadline has passed."""
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            return None
-        delay = min(self.delay, remaining)
-        self.delay = min(2 * self.delay, MAX_RETRY_SECONDS)
-        self.attempts += 1
-        return delay
-
-
-def _unreachable(error: grpc.RpcError) -> bool:
-    return error.code() in RETRY_LATER_CODES
-
-
-def _why(error: grpc.RpcError) -> str:
-    """A gRPC error in one short line for the log."""
-    details = (error.details() or "").splitlines()
-    return f"{error.code().name}: {details[0][:200] if details else 'no details'}"
-
-
-def heartbeat_interval(config: RunConfig) -> float:
-    """Seconds between heartbeats: a few per ``server.heartbeat_timeout``, at most
-    :data:`HEARTBEAT_SECONDS`."""
-    return max(0.2, min(HEARTBEAT_SECONDS, config.server.heartbeat_timeout / 4))
+    def answered(self, task: TaskInfo, sent: Sent, nbytes: int) -> None:
+        if sent is not Sent.REFUSED:
+            note = " (a copy: the server had it already)" if sent is Sent.DUPLICATE else ""
+            self.process.log(f"client {task.client_id} round {task.round}: result sent ({nbytes:,} bytes){note}")
 
 
 class ClientProcess:
-    """The loop of one client process."""
+    """The worker of one client process, on a :class:`~fedpart.client.session.Session`."""
 
     def __init__(self, server: str, client_ids: list[int], device: str = "cpu", data_root: str | None = None,
                  state_dir: str | Path = "fedpart-state", threads: int | None = None,
@@ -146,65 +103,21 @@ class ClientProcess:
             torch.set_num_threads(threads)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.cache: dict[str, torch.Tensor] = {}  # global tensors, on the device
-        self.versions: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._outage: Backoff | None = None  # set while the server is unreachable
-        self._poll_waiting = False  # a long poll is open and unanswered: the server counts it alive
         self.activity = ClientActivity()
         self.display = Display(lambda: render_client(self.activity))
 
     def log(self, message: str) -> None:
         self.display.log(f"[client {self.name}] {message}")
 
-    # ------------------------------------------------------------------ connection
-
-    def _join(self, timeout: float = JOIN_SECONDS) -> pb.JoinReply:
-        """Join, announcing the personal state an earlier process of the same run left on disk."""
+    def _join_request(self) -> pb.JoinRequest:
+        """The join, announcing the personal state an earlier process of the same run left on disk."""
         previous = ClientStore.latest_run(self.state_dir)
         earlier = ClientStore(self.state_dir, previous) if previous else None
         hosted = [pb.HostedClient(id=c, personal_parts=earlier.personal_parts(c) if earlier else [])
                   for c in self.client_ids]
         instance = f"{socket.gethostname()}:{self.state_dir.resolve()}:{','.join(map(str, self.client_ids))}"
-        request = pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name=self.name, clients=hosted,
-                                 state_run_id=previous, instance=instance)
-        try:
-            return self.stub.Join(request, timeout=timeout)
-        except grpc.RpcError as error:
-            raise ClientError(f"join refused ({error.code().name}): {error.details()}") from error
-
-    def _first_join(self) -> pb.JoinReply:
-        """Connect and join, trying again with backoff while no server answers (not up yet, a
-        wrong address, a TLS mismatch) or it cannot take the join now, for ``connect_timeout``
-        seconds; raises :class:`ServerNotReached` after that."""
-        self.log(f"connecting to {self.server} ({self.security.describe()}); trying for up to "
-                 f"{self.connect_timeout:.0f} s (--connect-timeout)")
-        deadline = time.monotonic() + self.connect_timeout
-        backoff = Backoff(deadline)
-        while True:
-            try:
-                return self._join(timeout=max(1.0, min(JOIN_SECONDS, deadline - time.monotonic())))
-            except ClientError as error:
-                cause = error.__cause__
-                if not (isinstance(cause, grpc.RpcError) and _unreachable(cause)):
-                    raise
-                delay = backoff.next_delay()
-                if delay is None:
-                    raise ServerNotReached(f"no server answered at {self.server} within {self.connect_timeout:.0f} s "
-                                           f"(--connect-timeout); last error: {_why(cause)}") from cause
-                self.log(f"attempt {backoff.attempts}: {self.server} did not take the join ({_why(cause)}); "
-                         f"next attempt in {delay:.1f} s")
-                self._stop.wait(delay)
-
-    def _heartbeats(self, interval: float) -> None:
-        """A sign of life every ``interval`` while no long poll waits: the server counts a waiting
-        poll as one, so thousands of idle processes do not send thousands of heartbeats."""
-        while not self._stop.wait(interval):
-            if self._poll_waiting:
-                continue
-            try:
-                self.stub.Heartbeat(pb.HeartbeatRequest(session=self.session), timeout=max(interval, 1.0))
-            except grpc.RpcError:
-                continue
+        return pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name=self.name, clients=hosted,
+                              state_run_id=previous, instance=instance)
 
     # ------------------------------------------------------------------ setup
 
@@ -241,21 +154,30 @@ class ClientProcess:
         """Serve tasks until the server says the run is over; returns the exit code (0: the run
         completed, 5: the server ended it early). A :class:`~fedpart.common.exit_codes.Stopped`
         (SIGINT, SIGTERM) or an error is told to the server (``Leave``) and raised again."""
-        self.channel = self.security.channel(self.server, options=CHANNEL_OPTIONS)
-        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        from fedpart.client.diagnose import permanent_problem
+
+        self._loop = SessionThread()
+        self.session = Session(self.server, self.security, self._join_request, _ClientEvents(self),
+                               self.connect_timeout, self.reconnect_timeout,
+                               diagnose=partial(permanent_problem, self.server, self.security))
         try:
             with self.display:
-                return self._joined(self._first_join())
+                self._call(self.session.__aenter__())
+                try:
+                    return self._joined(self._call(self.session.join()))
+                finally:
+                    self._call(self.session.__aexit__(None, None, None))
         finally:
-            self.channel.close()
+            self._loop.close()
+
+    def _call(self, coroutine: Awaitable[T]) -> T:
+        return self._loop.call(coroutine)
 
     def _joined(self, reply: pb.JoinReply) -> int:
-        self.session = reply.session
         self.config = config_from_dict(json.loads(reply.run_config_json))
         self.log(f"joined run {reply.run_id} hosting clients {format_id_ranges(self.client_ids)}")
-        # from before the (possibly long) data loading on
-        beat = threading.Thread(target=self._heartbeats, args=(heartbeat_interval(self.config),), daemon=True)
-        beat.start()
+        server = self.config.server
+        self._call(self.session.joined_run(server.call_timeout, server.heartbeat_timeout))  # beats while data loads
         try:
             self.store = ClientStore(self.state_dir, reply.run_id)
             self.store.mark_latest()
@@ -266,118 +188,39 @@ class ClientProcess:
             return self._serve()
         except Stopped as stop:
             self.log(f"{stop.reason}: leaving the run")
-            self._leave(stop.reason)
+            self._call(self.session.leave(stop.reason))
             raise
         except Exception as error:
-            self._leave(f"{type(error).__name__}: {error}")
+            self._call(self.session.leave(f"{type(error).__name__}: {error}"))
             raise
-        finally:
-            self._stop.set()
-            beat.join(timeout=HEARTBEAT_SECONDS + 1)
-
-    def _leave(self, reason: str) -> None:
-        """Tell the server why this process stops (best effort: the server may be gone)."""
-        try:
-            self.stub.Leave(pb.LeaveRequest(session=self.session, reason=reason), timeout=LEAVE_SECONDS)
-        except grpc.RpcError:
-            pass
 
     def _serve(self) -> int:
         while True:
-            request = pb.TaskRequest(session=self.session, held_versions=self.versions, wait_seconds=POLL_SECONDS)
-            try:
-                header, tensors = self._next_task(request)
-            except ServerUnreachable as lost:
-                self._wait_for_server(lost.error)
-                continue
-            if header is None:
-                continue
-            task = task_info(header)
-            if task.kind == TaskKind.IDLE:
-                continue
-            if task.kind == TaskKind.DONE:
-                if task.outcome == RunOutcome.ABORTED:
+            task = self._call(self.session.next_task(self._reader))
+            info = task.info
+            if info.kind == TaskKind.DONE:
+                if info.outcome == RunOutcome.ABORTED:
                     self.log("the server ended the run early (it was interrupted or gave up; see its log)")
                     return ExitCode.ENDED_EARLY
                 self.log("run finished")
                 return ExitCode.COMPLETED
-            self.log(f"task {task.task_id}: {task.kind.name.lower()} client {task.client_id} round {task.round} "
-                     f"({len(header.tensors)} tensors received)")
-            self._absorb(header, tensors)
-            result, uploads = self._execute(task)
-            self._submit(result, uploads, task.train.upload_deltas if task.train is not None else (),
-                         self.config.server.largest_result_message(task.result_chunk_bytes))
+            self.log(f"task {info.task_id}: {info.kind.name.lower()} client {info.client_id} round {info.round} "
+                     f"({len(task.header.tensors)} tensors received)")
+            self._absorb(task)
+            answer = self._execute(info)
+            self.activity.task(f"client {info.client_id} round {info.round}: sending the result")
+            self._call(self.session.answer(task, answer))
             self.activity.task("waiting for a task")
 
-    def _next_task(self, request: pb.TaskRequest) -> tuple[pb.TaskHeader | None, dict[str, torch.Tensor]]:
-        """One long poll; (None, {}) after joining again. Raises ServerUnreachable."""
-        self._poll_waiting = True
-        try:
-            stream = self.stub.GetTask(request, timeout=POLL_SECONDS + TRANSFER_SECONDS)
-            reply = decode_chunks(self._answered(stream), into=self.transfers.staging)
-        except grpc.RpcError as error:
-            if _unreachable(error):
-                raise ServerUnreachable(error) from error
-            if error.code() == UNKNOWN_SESSION:
-                self._rejoin()
-                return None, {}
-            raise ClientError(f"server refused the task request: {error.details()}") from error
-        finally:
-            self._poll_waiting = False
-        self._server_back()
-        return reply
+    def _reader(self, header: pb.TaskHeader) -> TensorAssembler:
+        """Where a task's tensors are assembled: pinned staging buffers on a GPU."""
+        return _Assembler(header.tensors, into=self.transfers.staging(header.tensors))
 
-    def _answered(self, chunks: Iterator[pb.TaskChunk]) -> Iterator[pb.TaskChunk]:
-        """The task stream; the poll stops waiting at its first chunk (heartbeats resume while
-        the rest arrives)."""
-        for chunk in chunks:
-            self._poll_waiting = False
-            yield chunk
-
-    def _wait_for_server(self, error: grpc.RpcError) -> None:
-        """The server did not answer: wait before the next attempt (capped exponential backoff),
-        and give up once it has been unreachable for ``reconnect_timeout``."""
-        if self._outage is None:
-            self._outage = Backoff(time.monotonic() + self.reconnect_timeout)
-            self.log(f"lost the server at {self.server} ({error.code().name}); trying to reconnect for up to "
-                     f"{self.reconnect_timeout:.0f} s")
-        delay = self._outage.next_delay()
-        if delay is None:
-            raise ServerNotReached(f"the server at {self.server} was unreachable for {self.reconnect_timeout:.0f} s "
-                                   f"(--reconnect-timeout); last error: {_why(error)}")
-        self.log(f"server unreachable; attempt {self._outage.attempts} in {delay:.1f} s")
-        self._stop.wait(delay)
-
-    def _server_back(self) -> None:
-        if self._outage is not None:
-            self.log(f"the server answers again after {self._outage.attempts} attempts")
-            self._outage = None
-
-    def _rejoin(self) -> None:
-        """The server does not know this session (it dropped the process after missed heartbeats,
-        or it is a resumed server): join the same run again, keeping the cached tensors and the
-        personal parts. Raises ServerUnreachable, or ClientError for another run."""
-        try:
-            reply = self._join()
-        except ClientError as error:
-            if isinstance(error.__cause__, grpc.RpcError) and _unreachable(error.__cause__):
-                raise ServerUnreachable(error.__cause__) from error
-            raise
-        self._server_back()
-        if reply.run_id != self.store.root.name:
-            raise ClientError(f"the server at {self.server} now runs another run ({reply.run_id}, this process "
-                              f"served {self.store.root.name}); stopping")
-        self.session = reply.session
-        self.log(f"joined run {reply.run_id} again (the server had dropped this process or was restarted)")
-
-    def _absorb(self, header: pb.TaskHeader, tensors: dict[str, torch.Tensor]) -> None:
+    def _absorb(self, task: ReceivedTask) -> None:
         """Store the received global tensors (decoded on arrival when the server encodes its
         downloads) in the process cache, on the device (copied there once per version): deltas
         are taken against what the client received."""
-        received = self.transfers.to_device({spec.name: tensors[spec.name] for spec in header.tensors})
-        for spec in header.tensors:
-            self.cache[spec.name] = received[spec.name]
-            self.versions[spec.name] = spec.version
+        self.cache.update(self.transfers.to_device(task.payload))
 
     # ------------------------------------------------------------------ one task
 
@@ -398,7 +241,8 @@ class ClientProcess:
         self.model.load_state_dict(state)
         return personal
 
-    def _execute(self, task: TaskInfo) -> tuple[ResultInfo, dict[str, torch.Tensor]]:
+    def _execute(self, task: TaskInfo) -> Answer:
+        """Evaluate or train one client as ``task`` asks; returns its answer."""
         client = task.client_id
         if client not in self.data:
             raise ClientError(f"the server sent a task for client {client}, which this process does not host")
@@ -415,7 +259,7 @@ class ClientProcess:
             metrics = evaluate_and_personalize(self.model, data, task.evaluate, self.loss_fn, self.classification,
                                                build_augment(self.config.train.augment, task.evaluate.seed))
             self.store.save_personalized(client, self.model.state_dict())
-            return ResultInfo(self.session, task.task_id, client, task.round, metrics=metrics), {}
+            return Answer(metrics=metrics)
         plan = task.train
         reference = {n: self.cache[n] for n in plan.upload_deltas}
         self.activity.task(f"client {client} round {task.round}: training")
@@ -435,53 +279,35 @@ class ClientProcess:
         metrics = {"loss": outcome.loss, "steps": outcome.steps, "compute_seconds": outcome.compute_seconds,
                    "trainable_parameters": outcome.trainable_parameters, "train_flops": outcome.flops,
                    **peak.metrics()}
-        return ResultInfo(self.session, task.task_id, client, task.round, num_samples=outcome.samples,
-                          metrics=metrics), uploads
+        return self._training_answer(task, outcome.samples, metrics, uploads)
 
-    def _submit(self, result: ResultInfo, uploads: dict[str, torch.Tensor], deltas: Collection[str],
-                chunk_bytes: int) -> None:
-        """Send the result in messages of at most ``chunk_bytes``, its tensors encoded by
-        ``compression.up``; the error-feedback residuals it leaves are kept once the server took
-        it. A send the server could not take now (unreachable, busy, or its transport reset the
-        stream before the server read it) is tried again as a task request is; the server takes
-        one result per task, so a copy that did arrive is refused, not counted twice."""
-        specs, tensors, residuals = self._wire_forms(result, uploads, deltas)
-        self.activity.task(f"client {result.client_id} round {result.round}: sending the result")
-        header = result_header(result, specs)
-        sent = [0]  # bytes of the last attempt
+    def _training_answer(self, task: TaskInfo, num_samples: int, metrics: dict[str, float],
+                         uploads: dict[str, torch.Tensor]) -> Answer:
+        """A training result in messages of the size its task names, its tensors encoded by
+        ``compression.up``; the error-feedback residuals it leaves are kept once the server took it."""
+        specs, tensors, residuals = self._wire_forms(task, uploads)
+        chunk_bytes = self.config.server.largest_result_message(task.result_chunk_bytes)
 
-        def counted(chunks: Iterator[pb.ResultChunk]) -> Iterator[pb.ResultChunk]:
-            for chunk in chunks:
-                sent[0] += chunk.ByteSize()
-                yield chunk
+        def pieces():
+            return (chunk.SerializeToString() for chunk in encode_chunks(pb.ResultChunk, None, tensors, chunk_bytes))
 
-        while True:
-            sent[0] = 0
-            chunks = header_then_pieces(pb.ResultChunk, header, tensors, chunk_bytes)
-            try:
-                self.stub.SubmitResult(counted(chunks), timeout=TRANSFER_SECONDS)
-                break
-            except grpc.RpcError as error:
-                if not _unreachable(error):
-                    self.log(f"warning: result for client {result.client_id} round {result.round} not taken: "
-                             f"{error.details()}")
-                    return
-                self._wait_for_server(error)
-        self._server_back()
-        self.log(f"client {result.client_id} round {result.round}: result sent ({sent[0]:,} bytes)")
-        if residuals is not None:
-            self.store.save_residuals(result.client_id, result.round, residuals)
+        def keep_residuals() -> None:
+            if residuals is not None:
+                self.store.save_residuals(task.client_id, task.round, residuals)
 
-    def _wire_forms(self, result: ResultInfo, uploads: dict[str, torch.Tensor], deltas: Collection[str]
+        return Answer(num_samples, metrics, specs, pieces, keep_residuals)
+
+    def _wire_forms(self, task: TaskInfo, uploads: dict[str, torch.Tensor]
                     ) -> tuple[list[pb.TensorSpec], list[torch.Tensor], dict[str, torch.Tensor] | None]:
         """The uploads' specs, the tensors to send and the new residuals (None without error
         feedback). Deltas go through the codec (adding the residual first with error feedback),
         values only through a codec that keeps every element."""
         section = self.config.compression.up
         codec = build_codec(section.codec, section.options)
-        generator = seeded_generator(self.config.seed, result.client_id, result.round)
+        generator = seeded_generator(self.config.seed, task.client_id, task.round)
         feedback = codec is not None and codec.error_feedback
-        previous = self.store.residuals(result.client_id, result.round) if feedback else {}
+        previous = self.store.residuals(task.client_id, task.round) if feedback else {}
+        deltas = task.train.upload_deltas
         residuals: dict[str, torch.Tensor] = {}
         specs = []
         tensors = []
@@ -495,3 +321,10 @@ class ClientProcess:
             specs.append(spec)
             tensors.append(sent)
         return specs, tensors, residuals if feedback else None
+
+
+class _Assembler(TensorAssembler):
+    """A :class:`~fedpart.common.wire.TensorAssembler` as the session's task reader."""
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        return self.tensors()

@@ -2,16 +2,12 @@
 
 One OS process stands in for thousands of client processes. Each :class:`VirtualProcess` hosts a
 slice of the client ids (split as ``fedpart.deploy.launcher.split_clients`` splits them) over its
-own gRPC channel and TCP connection and behaves on the wire like ``fedpart client``
-(``client/runtime.py``): it joins, heartbeats at the same interval while no poll of its waits,
-long-polls ``GetTask`` with the versions of the global tensors it has received, reads every task
-stream to its end (checking its size, discarding the bytes) and answers each task without
-computing anything: a training task with exactly the tensors its plan asks for, shaped like the
-global model (small seeded deltas), an evaluation with the metrics a real client reports.
-Failures are handled as the real client handles them: an unreachable server is retried with
-capped backoff (a result the server could not take now is sent again), a lost session joins
-again, a refused join or task request ends the virtual process, a refused result or heartbeat is
-counted and the process goes on.
+own gRPC channel and TCP connection, on the same :class:`~fedpart.client.session.Session` as
+``fedpart client``: the same join, heartbeats, long polls, delivery and backoff. It is another
+worker: it reads every task stream to its end (checking its size, discarding the bytes) and answers
+each task without computing anything: a training task with exactly the tensors its plan asks for,
+shaped like the global model (small seeded deltas), an evaluation with the metrics a real client
+reports.
 
 Every virtual process of an OS process shares one asyncio event loop, one model built from the
 run config of the join reply, and one pre-encoded set of result chunks per upload list, serialized
@@ -37,38 +33,34 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import grpc
 import torch
 import yaml
 
-from fedpart.client.runtime import CHANNEL_OPTIONS as CLIENT_CHANNEL_OPTIONS
-from fedpart.client.runtime import (
-    CONNECT_SECONDS,
-    POLL_SECONDS,
+from fedpart.client.session import CHANNEL_OPTIONS as CLIENT_CHANNEL_OPTIONS
+from fedpart.client.session import (
     RECONNECT_SECONDS,
-    TRANSFER_SECONDS,
-    Backoff,
+    Answer,
+    ReceivedTask,
+    Sent,
+    Session,
+    SessionError,
+    SessionEvents,
     heartbeat_interval,
 )
 from fedpart.common.config import config_from_dict
 from fedpart.common.experiment import build_run_model, dataset_dims
 from fedpart.common.limits import raise_open_file_limit
-from fedpart.common.plans import EvalPlan, ResultInfo, TaskInfo, TaskKind, TrainPlan
-from fedpart.common.protocol import PROTOCOL_VERSION, RETRY_LATER_CODES, UNKNOWN_SESSION, method_path
+from fedpart.common.plans import EvalPlan, TaskInfo, TaskKind, TrainPlan
+from fedpart.common.protocol import PROTOCOL_VERSION
 from fedpart.common.security import ClientSecurity, SecurityError, parse_id_ranges
-from fedpart.common.serde import result_header, task_info
-from fedpart.common.wire import ReceivedChunk, WireError, encode_chunks, named_specs, read_chunk, spec_nbytes
+from fedpart.common.wire import IncompleteMessage, WireError, encode_chunks, named_specs, spec_nbytes
 from fedpart.deploy.launcher import split_clients
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 
-JOIN_SECONDS = 60.0   # deadline of a join, as fedpart client's
-LEAVE_SECONDS = 10.0  # deadline of a leave, as fedpart client's
 DELTA_SCALE = 1e-3    # standard deviation of the seeded deltas a virtual client uploads
 CHANNEL_OPTIONS: list[tuple[str, object]] = [
     *CLIENT_CHANNEL_OPTIONS,
@@ -77,7 +69,7 @@ CHANNEL_OPTIONS: list[tuple[str, object]] = [
 ]
 
 
-class VirtualClientError(RuntimeError):
+class VirtualClientError(SessionError):
     """A virtual process cannot go on (the message says why)."""
 
 
@@ -127,9 +119,10 @@ class LoadStats:
     idle_polls: int = 0
     train_results: int = 0      # training results the server accepted
     evaluations: int = 0        # evaluation results the server accepted
+    duplicates: int = 0         # of those, copies the server had taken already (its answer was lost)
     done: int = 0               # virtual processes told the run is over
     bytes_down: int = 0         # tensor bytes of the task streams
-    bytes_up: int = 0           # tensor bytes of the accepted results
+    bytes_up: int = 0           # serialized bytes of the accepted results (their last attempt)
     errors: Counter = field(default_factory=Counter)  # "Rpc STATUS" -> count
     started_at: float = 0.0     # time.monotonic() when the virtual processes started connecting
     join_times: list[float] = field(default_factory=list)  # time.monotonic() of every first join
@@ -149,10 +142,11 @@ class LoadStats:
         errors = ", ".join(f"{key} x{count}" for key, count in sorted(self.errors.items())) or "none"
         return (f"virtual processes {self.processes}: joined {self.joins} (all in {joined}), rejoined "
                 f"{self.rejoins}, told DONE {self.done}\n"
-                f"tasks answered: {self.train_results} training results, {self.evaluations} evaluations; "
+                f"tasks answered: {self.train_results} training results, {self.evaluations} evaluations "
+                f"({self.duplicates} duplicates); "
                 f"polls {self.polls} ({self.idle_polls} idle); heartbeats {self.heartbeats} "
                 f"({self.heartbeats_unknown} unknown session)\n"
-                f"tensor bytes down {self.bytes_down:,}, up {self.bytes_up:,}\n"
+                f"tensor bytes down {self.bytes_down:,}, result bytes up {self.bytes_up:,}\n"
                 f"errors by status code: {errors}")
 
 
@@ -164,13 +158,6 @@ class EncodedUpload:
     chunks: list[bytes]  # serialized ResultChunk messages of pieces
     tensor_bytes: int
     parameters: int
-
-    def stream(self, header: pb.ResultHeader) -> list[bytes]:
-        """The serialized chunk stream of one result: ``header`` with the specs alone (as
-        :func:`~fedpart.common.wire.header_then_pieces` sends it), then the shared chunks."""
-        first = pb.ResultChunk(header=header)
-        first.header.tensors.extend(self.specs)
-        return [first.SerializeToString(), *self.chunks]
 
 
 class Payloads:
@@ -229,232 +216,117 @@ class VirtualHost:
         return self._payloads[run_config_json]
 
 
+class Counting(SessionEvents):
+    """The sessions' events, counted in :class:`LoadStats`."""
+
+    def __init__(self, stats: LoadStats) -> None:
+        self.stats = stats
+
+    def call_failed(self, rpc: str, error: grpc.RpcError) -> None:
+        self.stats.error(rpc, error.code())
+
+    def joined(self, again: bool) -> None:
+        if again:
+            self.stats.rejoins += 1
+        else:
+            self.stats.joins += 1
+            self.stats.join_times.append(time.monotonic())
+
+    def heartbeat(self, known: bool) -> None:
+        self.stats.heartbeats += 1
+        self.stats.heartbeats_unknown += not known
+
+    def polled(self, kind: TaskKind, tensor_bytes: int) -> None:
+        self.stats.polls += 1
+        self.stats.idle_polls += kind == TaskKind.IDLE
+        self.stats.bytes_down += tensor_bytes
+
+    def answered(self, task: TaskInfo, sent: Sent, nbytes: int) -> None:
+        if sent is Sent.REFUSED:
+            return
+        if task.kind == TaskKind.TRAIN:
+            self.stats.train_results += 1
+        else:
+            self.stats.evaluations += 1
+        self.stats.duplicates += sent is Sent.DUPLICATE
+        self.stats.bytes_up += nbytes
+
+
+class DiscardingReader:
+    """A task's tensor pieces, measured and discarded: the stream must carry exactly the bytes
+    its header declares."""
+
+    def __init__(self, header: pb.TaskHeader) -> None:
+        self.task_id = header.task_id
+        self.expected = sum(spec_nbytes(spec) for spec in header.tensors)
+        self.received = 0
+
+    def add(self, pieces: list[tuple[int, memoryview]]) -> None:
+        self.received += sum(len(data) for _, data in pieces)
+        if self.received > self.expected:
+            raise WireError(f"task {self.task_id}: more tensor bytes than its header declares ({self.expected})")
+
+    def finish(self) -> None:
+        if self.received != self.expected:
+            raise IncompleteMessage(f"task {self.task_id}: {self.received} tensor bytes, its header declares "
+                                    f"{self.expected}")
+
+
 class VirtualProcess:
-    """One client process on the wire: its own channel, session, held tensor versions and
-    heartbeats; it answers tasks for ``client_ids`` until the server says the run is over."""
+    """One client process on the wire: a session of its own (channel, TCP connection, held
+    tensor versions, heartbeats); it answers tasks for ``client_ids`` until the server says the
+    run is over."""
 
     def __init__(self, host: VirtualHost, index: int, client_ids: list[int], security: ClientSecurity) -> None:
         self.host = host
         self.index = index
         self.client_ids = client_ids
-        self.security = security
         self.name = f"{socket.gethostname()}:{os.getpid()}/virtual-{index}"
         self.instance = f"virtual:{self.name}:{client_ids[0]}-{client_ids[-1]}"
-        self.versions: dict[str, int] = {}
-        self.session = ""
-        self.run_id = ""
-        self._outage: Backoff | None = None
-        self._poll_waiting = False  # as in fedpart client: no heartbeat while a long poll waits
-        self.channel: grpc.aio.Channel
-        self.stub: pb_grpc.CoordinatorStub
-        self._get_task: grpc.aio.UnaryStreamMultiCallable  # chunks read by wire.read_chunk: no copies
-        self._submit_result: grpc.aio.StreamUnaryMultiCallable  # chunks sent as serialized once
+        self.session = Session(host.server, security, self._join_request, Counting(host.stats),
+                               reconnect_timeout=host.reconnect_timeout, channel_options=CHANNEL_OPTIONS)
         self.payloads: Payloads  # the run's, from the join reply
 
+    def _join_request(self) -> pb.JoinRequest:
+        return pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name=self.name, instance=self.instance,
+                              clients=[pb.HostedClient(id=c) for c in self.client_ids])
+
     async def run(self) -> None:
-        """Serve until told DONE; raises :class:`VirtualClientError` when the process cannot go on."""
-        self.channel = self.security.aio_channel(self.host.server, CHANNEL_OPTIONS)
-        try:
-            self.stub = pb_grpc.CoordinatorStub(self.channel)
-            self._get_task = self.channel.unary_stream(
-                method_path("GetTask"), request_serializer=pb.TaskRequest.SerializeToString,
-                response_deserializer=partial(read_chunk, pb.TaskHeader))
-            self._submit_result = self.channel.stream_unary(
-                method_path("SubmitResult"), request_serializer=None, response_deserializer=pb.SubmitReply.FromString)
-            try:
-                await asyncio.wait_for(self.channel.channel_ready(), CONNECT_SECONDS)
-            except asyncio.TimeoutError as error:
-                raise VirtualClientError(f"no server answered at {self.host.server} within "
-                                         f"{CONNECT_SECONDS:.0f} s") from error
-            while True:  # as fedpart client: a join the server cannot take now is tried again
-                try:
-                    await self._join()
-                    break
-                except grpc.aio.AioRpcError as error:
-                    if error.code() not in RETRY_LATER_CODES:
-                        raise VirtualClientError(f"join refused ({error.code().name}): {error.details()}") from error
-                    await self._back_off(error)
-            self._outage = None
-            self.host.stats.joins += 1
-            self.host.stats.join_times.append(time.monotonic())
-            beats = asyncio.create_task(self._heartbeats(heartbeat_interval(self.payloads.config)))
+        """Serve until told DONE; raises :class:`~fedpart.client.session.SessionError` when the
+        process cannot go on."""
+        async with self.session:
+            reply = await self.session.join()
+            self.payloads = self.host.payloads(reply.run_config_json)
+            server = self.payloads.config.server
+            # virtual processes join in a burst; a seeded phase spreads their beats as real start-ups do
+            phase = random.Random(self.index).uniform(0.0, heartbeat_interval(server.heartbeat_timeout))
+            await self.session.joined_run(server.call_timeout, server.heartbeat_timeout, phase)
             try:
                 await self._serve()
-            except VirtualClientError as error:
-                await self._leave(str(error))
+            except SessionError as error:
+                await self.session.leave(str(error))
                 raise
-            finally:
-                beats.cancel()
-                await asyncio.gather(beats, return_exceptions=True)
-        finally:
-            await self.channel.close()
-
-    def _stream_seconds(self, wanted: float) -> float:
-        """A stream's deadline: what fedpart client asks for, within the server's call limit."""
-        return min(wanted, self.payloads.config.server.call_timeout)
-
-    async def _join(self) -> None:
-        """Join (again): a new session, the same held versions. A refusal is counted and raised."""
-        request = pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name=self.name, instance=self.instance,
-                                 clients=[pb.HostedClient(id=c) for c in self.client_ids])
-        try:
-            reply = await self.stub.Join(request, timeout=JOIN_SECONDS)
-        except grpc.aio.AioRpcError as error:
-            self.host.stats.error("Join", error.code())
-            raise
-        if self.run_id and reply.run_id != self.run_id:
-            raise VirtualClientError(f"the server now runs another run ({reply.run_id}, this process "
-                                     f"served {self.run_id})")
-        self.session, self.run_id = reply.session, reply.run_id
-        self.payloads = self.host.payloads(reply.run_config_json)
-
-    async def _heartbeats(self, interval: float) -> None:
-        # virtual processes join in a burst; a seeded phase spreads their beats as real start-ups do
-        await asyncio.sleep(random.Random(self.index).uniform(0.0, interval))
-        while True:
-            if self._poll_waiting:
-                await asyncio.sleep(interval)
-                continue
-            try:
-                reply = await self.stub.Heartbeat(pb.HeartbeatRequest(session=self.session),
-                                                  timeout=max(interval, 1.0))
-            except grpc.aio.AioRpcError as error:
-                self.host.stats.error("Heartbeat", error.code())
-            else:
-                self.host.stats.heartbeats += 1
-                if not reply.known:
-                    self.host.stats.heartbeats_unknown += 1
-            await asyncio.sleep(interval)
-
-    async def _leave(self, reason: str) -> None:
-        """Tell the server why this process stops (best effort)."""
-        try:
-            await self.stub.Leave(pb.LeaveRequest(session=self.session, reason=reason), timeout=LEAVE_SECONDS)
-        except grpc.aio.AioRpcError as error:
-            self.host.stats.error("Leave", error.code())
 
     async def _serve(self) -> None:
-        stats = self.host.stats
         while True:
-            request = pb.TaskRequest(session=self.session, held_versions=self.versions, wait_seconds=POLL_SECONDS)
-            try:
-                task = await self._next_task(request)
-            except grpc.aio.AioRpcError as error:
-                stats.error("GetTask", error.code())
-                await self._recover(error)
-                continue
-            self._outage = None
-            stats.polls += 1
-            if task.kind == TaskKind.IDLE:
-                stats.idle_polls += 1
-            elif task.kind == TaskKind.DONE:
-                stats.done += 1
+            task = await self.session.next_task(DiscardingReader)
+            info = task.info
+            if info.kind == TaskKind.DONE:
+                self.host.stats.done += 1
                 return
-            elif task.client_id not in self.client_ids:
-                raise VirtualClientError(f"the server sent a task for client {task.client_id}, which this "
+            if info.client_id not in self.client_ids:
+                raise VirtualClientError(f"the server sent a task for client {info.client_id}, which this "
                                          "process does not host")
-            elif task.kind == TaskKind.TRAIN:
-                await self._submit_training(task)
-            else:
-                await self._submit_evaluation(task)
+            await self.session.answer(task, self._answer(task))
 
-    async def _next_task(self, request: pb.TaskRequest) -> TaskInfo:
-        """One long poll, read to the end; the received versions are held from then on."""
-        call = self._get_task(request, timeout=self._stream_seconds(POLL_SECONDS + TRANSFER_SECONDS))
-        header: pb.TaskHeader | None = None
-        received = 0
-        self._poll_waiting = True
-        try:
-            async for chunk in self._answered(call):
-                if chunk.malformed:
-                    raise VirtualClientError(f"task stream: {chunk.malformed}")
-                if chunk.header is not None:
-                    if header is not None:
-                        raise VirtualClientError("a second header inside one task stream")
-                    header = chunk.header
-                elif header is None:
-                    raise VirtualClientError("the first chunk of a task stream carries no header")
-                received += sum(len(data) for _, data in chunk.pieces)
-        finally:
-            self._poll_waiting = False
-        if header is None:
-            raise VirtualClientError("an empty task stream")
-        expected = sum(spec_nbytes(spec) for spec in header.tensors)
-        if received != expected:
-            raise VirtualClientError(f"task {header.task_id}: {received} tensor bytes, its header declares {expected}")
-        try:
-            task = task_info(header)
-        except WireError as error:
-            raise VirtualClientError(str(error)) from error
-        self.versions.update({spec.name: spec.version for spec in header.tensors})
-        self.host.stats.bytes_down += received
-        return task
-
-    async def _answered(self, call) -> AsyncIterator[ReceivedChunk]:
-        """The task stream; the poll stops waiting at its first chunk."""
-        async for chunk in call:
-            self._poll_waiting = False
-            yield chunk
-
-    async def _recover(self, error: grpc.aio.AioRpcError) -> None:
-        """After a failed task request: wait for an unreachable server, join again when the
-        server lost the session; any other refusal ends the process, as it ends fedpart client."""
-        if error.code() in RETRY_LATER_CODES:
-            await self._back_off(error)
-        elif error.code() == UNKNOWN_SESSION:
-            try:
-                await self._join()
-            except grpc.aio.AioRpcError as refused:
-                if refused.code() not in RETRY_LATER_CODES:
-                    raise VirtualClientError(f"join refused ({refused.code().name}): {refused.details()}") from refused
-                await self._back_off(refused)
-            else:
-                self.host.stats.rejoins += 1
-        else:
-            raise VirtualClientError(f"server refused the task request ({error.code().name}): {error.details()}")
-
-    async def _back_off(self, error: grpc.aio.AioRpcError) -> None:
-        """Wait before the next attempt to reach the server (capped exponential backoff); give up
-        once it has been unreachable for the reconnect timeout."""
-        if self._outage is None:
-            self._outage = Backoff(time.monotonic() + self.host.reconnect_timeout)
-        delay = self._outage.next_delay()
-        if delay is None:
-            raise VirtualClientError(f"the server at {self.host.server} was unreachable for "
-                                     f"{self.host.reconnect_timeout:.0f} s; last error: {error.code().name} "
-                                     f"{error.details()}")
-        await asyncio.sleep(delay)
-
-    async def _submit_training(self, task: TaskInfo) -> None:
-        client = task.client_id
-        upload = self.payloads.upload(task)
-        result = ResultInfo(self.session, task.task_id, client, task.round, num_samples=train_sample_count(client),
-                            metrics=train_metrics(task.train, client, upload.parameters))
-        if await self._submit(upload.stream(result_header(result))):
-            self.host.stats.train_results += 1
-            self.host.stats.bytes_up += upload.tensor_bytes
-
-    async def _submit_evaluation(self, task: TaskInfo) -> None:
-        metrics = evaluation_metrics(task.evaluate, task.client_id, self.payloads.classification)
-        result = ResultInfo(self.session, task.task_id, task.client_id, task.round, metrics=metrics)
-        if await self._submit([pb.ResultChunk(header=result_header(result)).SerializeToString()]):
-            self.host.stats.evaluations += 1
-
-    async def _submit(self, chunks: list[bytes]) -> bool:
-        """Send one result; False when the server did not take it (counted; the process goes on,
-        as fedpart client does). A send the server could not take now is counted and tried
-        again with backoff, as fedpart client tries it."""
-        while True:
-            try:
-                reply = await self._submit_result(iter(chunks), timeout=self._stream_seconds(TRANSFER_SECONDS))
-            except grpc.aio.AioRpcError as error:
-                self.host.stats.error("SubmitResult", error.code())
-                if error.code() not in RETRY_LATER_CODES:
-                    return False
-                await self._back_off(error)
-                continue
-            self._outage = None
-            return reply.accepted
+    def _answer(self, task: ReceivedTask) -> Answer:
+        info = task.info
+        client = info.client_id
+        if info.kind == TaskKind.EVALUATE:
+            return Answer(metrics=evaluation_metrics(info.evaluate, client, self.payloads.classification))
+        upload = self.payloads.upload(info)
+        return Answer(train_sample_count(client), train_metrics(info.train, client, upload.parameters), upload.specs,
+                      lambda: upload.chunks)
 
 
 def slice_clients(client_ids: list[int], processes: int) -> list[list[int]]:

@@ -77,6 +77,10 @@ class SamplingConfig:
 
     fraction: float = 1.0
     probability: float | None = None
+    # Straggler remedy (cross-device practice, Bonawitz et al. 2019): sample this fraction more
+    # clients than ``fraction`` asks for and close the round once that many have answered; which
+    # clients make it depends on timing, so a run is then not reproducible bit for bit
+    over_selection: float = 0.0
 
 
 @dataclass
@@ -156,6 +160,12 @@ class ServerConfig:
     download_slots: int = 64        # tasks sent at once; more wait under flow control
     receive_window: int = 256 << 10  # bytes a connection may send before the server reads them
                                      # (0 = gRPC's adaptive window, which grows per connection)
+    round_deadline_factor: float = 0.0  # straggler remedy: a round closes once it has run this many
+                                    # times as long as its first half of clients took to answer
+                                    # (within round_timeout; 0 = off; timing-dependent, not reproducible)
+    delivery_attempts: int = 8      # a task is sent at most this often, and at most this many result
+                                    # streams are taken for it; past that it is dropped (bounds the work
+                                    # a client that never completes a stream can cause)
 
     def largest_result_message(self, named: int) -> int:
         """The largest message of a result whose task named ``named`` bytes (0: it named none)."""
@@ -365,6 +375,12 @@ def _validate(config: RunConfig) -> None:
         (config.server.fold_workers >= 0, "server.fold_workers must be >= 0 (0 = fold on the event loop)"),
         (config.server.upload_slots >= 0, "server.upload_slots must be >= 0 (0 = 4 per fold worker or CPU core)"),
         (config.server.download_slots >= 1, "server.download_slots must be at least 1"),
+        (1 <= config.server.delivery_attempts <= 1000, "server.delivery_attempts must be in [1, 1000]"),
+        (config.server.round_deadline_factor == 0 or config.server.round_deadline_factor >= 1,
+         "server.round_deadline_factor must be 0 (off) or at least 1"),
+        (0 <= config.sampling.over_selection <= 10, "sampling.over_selection must be in [0, 10]"),
+        (config.sampling.over_selection == 0 or config.sampling.probability is None,
+         "sampling.over_selection needs a fixed-size sample (sampling.fraction), not sampling.probability"),
         (config.server.receive_window == 0 or config.server.receive_window >= 65536,
          "server.receive_window must be 0 (adaptive) or at least 65536 bytes"),
     ]

@@ -11,6 +11,7 @@ A client acts on the code of a refused call, never on its message:
   tried again later, with backoff.
 - :data:`RESULT_REJECTED` (INVALID_ARGUMENT): a result stream that matched an open task broke a
   rule (``server/validation.py``) or could not be folded; the task is dropped, the round goes on.
+  A result stream that ended before its last byte is answered UNAVAILABLE: it is sent again.
 - anything else (FAILED_PRECONDITION: e.g. a late result, clients hosted twice, the run is over;
   PERMISSION_DENIED: clients the credential does not name) ends the call with its message.
 
@@ -40,6 +41,12 @@ RESULT_REJECTED = grpc.StatusCode.INVALID_ARGUMENT
 # the call before the server took it (CANCELLED: seen for joins, heartbeats and result streams
 # when 2,000 processes called at once, from gRPC's default backlog of calls waiting to be taken,
 # which the server now raises to its cap on calls).
+# Keepalive pings (both sides): a connection that stops answering them (its peer vanished, a NAT
+# dropped the mapping, a route black-holes it) is closed within KEEPALIVE_SECONDS +
+# KEEPALIVE_TIMEOUT_SECONDS, and the calls on it fail and are tried again on a new connection.
+KEEPALIVE_SECONDS = 10.0
+KEEPALIVE_TIMEOUT_SECONDS = 5.0
+
 RETRY_LATER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                      grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
 

@@ -52,6 +52,11 @@ class WireError(ValueError):
     """A message whose tensors do not match their declared names, dtypes or shapes."""
 
 
+class IncompleteMessage(WireError):
+    """A stream that ended before the last byte its header declared: what a connection cut
+    off leaves (and all a hostile sender can claim to be), so the message is sent again."""
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Wire name of a torch dtype."""
     try:
@@ -399,7 +404,7 @@ class TensorAssembler:
         any is short of bytes."""
         for spec, filled, expected in zip(self.specs, self._filled, self._expected):
             if filled != expected:
-                raise WireError(f"tensor {spec.name!r}: got {filled} of {expected} bytes")
+                raise IncompleteMessage(f"tensor {spec.name!r}: got {filled} of {expected} bytes")
         out: dict[str, torch.Tensor] = {}
         for spec, target, buffer, expected in zip(self.specs, self._targets, self._buffers, self._expected):
             dtype = DTYPES[spec.dtype]

@@ -108,7 +108,8 @@ def _client(args: argparse.Namespace) -> int:
     security = ClientSecurity.from_options(args.server, args.ca, args.server_name, args.token_file,
                                            args.cert, args.key, args.insecure)
     threads, why = _client_threads(args)
-    from fedpart.client.runtime import ClientError, ClientProcess
+    from fedpart.client.runtime import ClientProcess
+    from fedpart.client.session import SessionError
 
     try:
         process = ClientProcess(args.server, parse_id_ranges(args.clients), device=args.device,
@@ -119,7 +120,7 @@ def _client(args: argparse.Namespace) -> int:
         return process.run()
     except ConfigError as error:  # the run's config does not fit this machine (its data)
         return _fail(args, error)
-    except ClientError as error:
+    except SessionError as error:
         return _fail(args, error, error.code)
     except (OSError, ValueError, ImportError, TypeError) as error:
         return _fail(args, error, 1)

@@ -49,7 +49,7 @@ from fedpart.server.aggregation import Aggregator, HeadDictionary
 from fedpart.server.registry import REAP_INTERVAL_SECONDS, ProcessRegistry
 from fedpart.server.robust import AggregationStep, ResultRefused, RobustCounts
 from fedpart.server.run_state import EARLIER_ROUNDS, ResumeError, RunState
-from fedpart.server.sampling import sample_clients
+from fedpart.server.sampling import round_target, sample_clients
 from fedpart.server.task_board import Task, TaskBoard
 from fedpart.server.transfers import result_chunk_bytes
 from fedpart.server.validation import all_finite, check_result
@@ -85,7 +85,7 @@ class Coordinator:
 
         self._cond = threading.Condition()  # the lock of the whole state machine; the round loop waits on it
         self.registry = ProcessRegistry(config, self._cond, log)
-        self.board = TaskBoard(self.registry, self._cond, log, self._record_failure)
+        self.board = TaskBoard(self.registry, self._cond, log, self._record_failure, config.server.delivery_attempts)
         self._personal: dict[int, set[str]] = {}  # personal parts each client holds, as the server knows
         self._folding = 0                        # results being folded right now
         self._task_ids = itertools.count(1)
@@ -143,8 +143,10 @@ class Coordinator:
     def accept(self, task: Task, result: ResultInfo, tensors: dict[str, torch.Tensor],
                commit: Callable[[], None] = lambda: None) -> None:
         """Validate a complete result (:func:`~fedpart.server.validation.check_result`) and fold
-        it in; raises Rejected and changes nothing if bad. ``commit`` (the result's byte
-        accounting) runs just before the task is closed.
+        it in; raises Rejected and changes nothing if bad, and
+        :class:`~fedpart.server.task_board.DuplicateResult` for a copy of a result that was folded
+        (or is being folded). ``commit`` (the result's byte accounting) runs just before the task
+        is closed.
 
         Safe to call from several threads at once: folds of different results run in parallel
         and a round closes only after the folds it admitted are done. ``tensors`` are only read
@@ -158,7 +160,7 @@ class Coordinator:
         check_result(task, result, tensors, trained_samples)
         if task.kind == TaskKind.EVALUATE:
             with self._cond:
-                self.board.check_current(task)
+                self.board.claim(task)
                 self._evaluations[task.client_id] = metrics
                 commit()
                 self._finish(task)
@@ -173,7 +175,7 @@ class Coordinator:
                     self._results.robust.rejected += 1
             raise Rejected(str(error)) from error
         with self._cond:
-            self.board.check_current(task)  # from here on the round waits for this fold
+            self.board.claim(task)  # from here on the round waits for this fold
             results = self._results
             self._folding += 1
         try:
@@ -209,11 +211,12 @@ class Coordinator:
         if task.personal_init:
             self._personal.setdefault(task.client_id, set()).update(task.personal_init)
 
-    def _await(self, task_ids: set[int], timeout: float) -> set[int]:
+    def _await(self, task_ids: set[int], timeout: float, enough: int | None = None,
+               deadline_factor: float = 0.0) -> set[int]:
         """Wait for the dispatched tasks (see :meth:`TaskBoard.await_tasks`), then for the folds
         already under way. Returns the ids that did not finish."""
         with self._cond:
-            unfinished = self.board.await_tasks(task_ids, timeout)
+            unfinished = self.board.await_tasks(task_ids, timeout, enough, deadline_factor)
             while self._folding:
                 self._cond.wait(REAP_INTERVAL_SECONDS)
             return unfinished
@@ -245,7 +248,7 @@ class Coordinator:
         started = time.monotonic()
         sampling = self.config.sampling
         sampled = sample_clients(self.config.clients, round_number, self.config.seed,
-                                 sampling.fraction, sampling.probability)
+                                 sampling.fraction, sampling.probability, sampling.over_selection)
         with self._cond:
             self._round = round_number
             self._round_started = started
@@ -259,7 +262,9 @@ class Coordinator:
                           personal_init=self._personal_init(c), session=host.session, result_chunk_bytes=chunk_bytes)
                      for c, host in hosts.items()]
             dispatched = self.board.dispatch(tasks)
-        self._await(dispatched, self.config.server.round_timeout)
+        # over-selection closes the round once the clients it needs have answered
+        enough = round_target(self.config.clients, sampling.fraction) if sampling.over_selection else None
+        self._await(dispatched, self.config.server.round_timeout, enough, self.config.server.round_deadline_factor)
         with self._cond:
             results = self._results
             self._results = None
@@ -323,6 +328,7 @@ class Coordinator:
             "clients": {str(c): {**self.ledger.totals(round_number, c),
                                  "compute_seconds": metrics.get(c, {}).get("compute_seconds")} for c in sampled},
             "robust": results.robust.as_dict(),
+            "delivery": self.board.delivery_counts(round_number).as_dict(),
             "server_step": self.aggregation.step_report(),
         }
         if gpu_peak:

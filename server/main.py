@@ -32,6 +32,7 @@ from fedpart.common.console import Display, ProgressLines, render_run
 from fedpart.common.exit_codes import ExitCode, Stopped
 from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.plans import RunOutcome
+from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from fedpart.common.security import Principal, SecurityError, ServerSecurity, format_id_ranges
 from fedpart.server.auth import CallGuard, Principals, TokenGate
 from fedpart.server.coordinator import Coordinator
@@ -108,10 +109,14 @@ class GrpcServer:
                 # result uploads a run at 2,000 processes)
                 ("grpc.server.max_pending_requests", backlog),
                 ("grpc.server.max_pending_requests_hard_limit", backlog),
-                # clients ping every 30 s to keep NAT mappings alive while they train for minutes
+                # clients ping every KEEPALIVE_SECONDS (NAT mappings stay, dead connections are
+                # found); the server pings too, so that a call on a dead connection ends and frees
+                # its upload slot or poll
                 ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_SECONDS * 1000)),
                 ("grpc.http2.max_ping_strikes", 0),
+                ("grpc.keepalive_time_ms", int(2 * KEEPALIVE_SECONDS * 1000)),
+                ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_SECONDS * 1000)),
                 *receive_window_options(coordinator.config.server.receive_window),
             ])
         service = CoordinatorService(coordinator, coordinator.ledger, CallGuard(principals, mutual_tls),

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
 def sample_clients(num_clients: int, round_number: int, seed: int, fraction: float,
-                   probability: float | None = None) -> list[int]:
+                   probability: float | None = None, over_selection: float = 0.0) -> list[int]:
     """Client ids that take part in ``round_number`` (sorted).
 
     With ``probability`` each client joins independently (FedBug's setting), drawn again while
-    nobody is picked; otherwise ``max(1, int(fraction * num_clients))`` clients without
-    replacement (McMahan et al. 2017). The draw depends only on (seed, round).
+    nobody is picked; otherwise :func:`round_target` clients without replacement (McMahan et al.
+    2017), and ``over_selection`` of them more (at most every client). The draw depends only on
+    (seed, round).
     """
     rng = np.random.default_rng([seed, round_number])
     if probability is not None:
@@ -19,5 +22,11 @@ def sample_clients(num_clients: int, round_number: int, seed: int, fraction: flo
             picked = np.flatnonzero(rng.random(num_clients) < probability)
             if picked.size:
                 return picked.tolist()
-    count = max(1, int(fraction * num_clients + 1e-9))
+    target = round_target(num_clients, fraction)
+    count = min(num_clients, math.ceil(target * (1 + over_selection) - 1e-9))
     return sorted(rng.choice(num_clients, size=count, replace=False).tolist())
+
+
+def round_target(num_clients: int, fraction: float) -> int:
+    """The clients a fixed-size round needs: ``max(1, int(fraction * num_clients))``."""
+    return max(1, int(fraction * num_clients + 1e-9))

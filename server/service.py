@@ -18,6 +18,11 @@ piece is read, every later chunk as it arrives, and pieces are copied into the s
 an upload slot (:mod:`fedpart.server.transfers`), so memory is bounded by the slots, never by a
 declared size or the number of uploads. Bytes of a refused result are counted as refused, not as
 traffic of the round.
+
+A stream that ends early, a task's or a result's, is a transport failure, not a bad result: the
+task stays with its process, which asks for it again or sends its result again; a copy of a
+result the server took already is answered ``duplicate`` and dropped (at-least-once delivery,
+:mod:`fedpart.server.task_board`).
 """
 
 from __future__ import annotations
@@ -34,13 +39,13 @@ from fedpart.common.plans import TaskKind
 from fedpart.common.protocol import RESULT_REJECTED, SERVICE_NAME, InvalidResult, Rejected
 from fedpart.common.serde import join_info, result_info, task_header
 from fedpart.common.split_model import tensor_part
-from fedpart.common.wire import ReceivedChunk, TensorAssembler, WireError, read_chunk
+from fedpart.common.wire import IncompleteMessage, ReceivedChunk, TensorAssembler, WireError, read_chunk
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 from fedpart.server.accounting import PROCESS, ByteLedger
 from fedpart.server.auth import CallGuard
 from fedpart.server.coordinator import Coordinator
-from fedpart.server.task_board import Task
+from fedpart.server.task_board import DuplicateResult, Task
 from fedpart.server.transfers import TaskPayloads, UploadSlots, bytes_by_part
 from fedpart.server.validation import check_first_chunk, check_header, check_later_chunk
 
@@ -48,6 +53,8 @@ from fedpart.server.validation import check_first_chunk, check_header, check_lat
 UNARY_CALL_SECONDS = 120.0
 # Longest a single long poll waits for work before answering IDLE.
 MAX_POLL_SECONDS = 60.0
+# The answer to a copy of a result the server took already (at-least-once delivery).
+DUPLICATE = pb.SubmitReply(accepted=True, duplicate=True)
 
 
 def _control(size: int) -> dict[str, int]:
@@ -127,18 +134,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.ledger.add(task.round, task.client_id, "up", _control(request.ByteSize()))
             sent = False
 
-            def drop_unless_sent(_: grpc.aio.ServicerContext) -> None:
+            def cut_unless_sent(_: grpc.aio.ServicerContext) -> None:
                 # a stream the client cancelled or the transport reset may be abandoned by gRPC
-                # without this generator hearing of it: the call's end is the one sure signal
+                # without this generator hearing of it: the call's end is the one sure signal.
+                # The task stays with its process, whose next poll does not list it: sent again
                 if not sent:
-                    self.board.fail_task(task, "the task stream ended before the task was sent")
+                    self.board.stream_cut(task, "the task stream ended before the task was sent")
 
-            context.add_done_callback(drop_unless_sent)
+            context.add_done_callback(cut_unless_sent)
             try:
                 async with self.downloads:
                     for chunk in self._task_chunks(task, request):
                         yield chunk
             except Exception as error:  # noqa: BLE001 - any failure while sending drops only this task
+                sent = True
                 self.board.fail_task(task, f"sending the task failed: {error}")
                 raise
             sent = True
@@ -158,7 +167,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             while True:
                 waiter.event.clear()
-                task = self.board.poll(request.session, waiter, principal)
+                task = self.board.poll(request.session, waiter, principal, request.held_tasks)
                 remaining = deadline - loop.time()
                 if task is not None or waiter.superseded or remaining <= 0:
                     return task
@@ -191,6 +200,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 header = check_first_chunk(first)
                 result = result_info(header)
                 task = self.board.result_task(result, principal)
+            except DuplicateResult:
+                return DUPLICATE
             except InvalidResult as error:
                 await context.abort(error.code, str(error))
             except Rejected as error:
@@ -201,15 +212,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # measured now, its pieces read again once a slot is free: no copy of them waits for one
             received.add(bytes_by_part(first.size, parts), "up")
             reply = pb.SubmitReply(accepted=True)
-            handed_over = False  # to the fold (inline or on a fold thread): from then on it decides
+            settled = False  # handed to the fold (inline or on a fold thread), refused, or counted as cut
 
-            def drop_unless_handed_over(_: grpc.aio.ServicerContext) -> None:
+            def cut_unless_settled(_: grpc.aio.ServicerContext) -> None:
                 # a call the client cancelled or the transport reset may be abandoned by gRPC
                 # while it waits for an upload slot or a chunk: the call's end is the one sure signal
-                if not handed_over and self.board.fail_task(task, "the result stream ended early"):
-                    self.ledger.refuse(received.total())
+                if not settled:
+                    self.board.stream_cut(task, "the result stream ended early", received.total())
 
-            context.add_done_callback(drop_unless_handed_over)
+            context.add_done_callback(cut_unless_settled)
             try:
                 check_header(result, header.tensors, self.coordinator.expected_uploads(task))
                 async with self.uploads.staging(header.tensors) as staging:
@@ -218,18 +229,27 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     received.add(_control(reply.ByteSize()), "down")
                     accept = partial(self.coordinator.accept, task, result, tensors,
                                      commit=lambda: received.commit(self.ledger))
-                    handed_over = True
+                    settled = True
                     if self.fold_pool is None:
                         accept()
                     else:
                         await _run_to_end(asyncio.get_running_loop().run_in_executor(self.fold_pool, accept))
+            except DuplicateResult:
+                return DUPLICATE
+            except IncompleteMessage as error:
+                settled = True
+                self.board.stream_cut(task, f"the result stream ended early ({error})", received.total())
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"the result stream ended early ({error}); "
+                                                                 "send it again")
             except (Rejected, WireError) as error:
+                settled = True
                 if self.board.fail_task(task, f"result rejected: {error}"):
                     self.ledger.refuse(received.total())
                 await context.abort(RESULT_REJECTED, f"result rejected: {error}")
-            except BaseException:  # cancelled, or the stream broke off: the round goes on without it
-                if self.board.fail_task(task, "the result stream ended early"):
-                    self.ledger.refuse(received.total())
+            except BaseException:  # cancelled, or the stream broke off: its client sends it again
+                if not settled:
+                    settled = True
+                    self.board.stream_cut(task, "the result stream ended early", received.total())
                 raise
             return reply
 

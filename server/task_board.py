@@ -5,21 +5,30 @@ Each live process has a :class:`Mailbox`: its queued tasks, the ids of those it 
 answered, and at most one waiting long poll (a newer poll of the same process supersedes the
 older one). Queueing a task wakes exactly the poll of its process; nothing rescans the processes.
 A task is *open* from dispatch until it is answered, dropped, or closed with its round (a late
-result is then refused); *outstanding* once its process took it; *claimed* while one result
-stream for it is being received (a second stream for the same task is refused, so a result is
-never folded twice, and a stream the server never saw leaves the task outstanding for the
-client's retry); *awaited* while the round loop waits for it, and the round loop is woken when
-the last awaited task closes.
+result is then refused); *outstanding* once its process took it; *claimed* while its result is
+being folded (a copy of the result that arrives meanwhile, or after the task was answered, is a
+*duplicate*: acknowledged and dropped, so a result is never folded twice); *awaited* while the
+round loop waits for it, and the round loop is woken when the last awaited task closes.
+
+Delivery is at least once (DESIGN section 10): a lost message costs time, never a result. A poll
+lists the tasks its process holds; an outstanding task of the process that the list lacks was
+lost on the way and is offered again at once. A result stream that ends early leaves its task
+outstanding for the client's next attempt. A restarted process is offered the tasks its
+predecessor held. Each task is sent at most ``server.delivery_attempts`` times and takes at most
+as many result streams, so a client that never completes a stream cannot make the server work
+forever; what had to be sent again is counted per round (:class:`DeliveryCounts`).
 
 The board shares the round engine's condition variable; every method takes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,6 +46,28 @@ class Task(TaskInfo):
 
     session: str = field(kw_only=True)
     closed: bool = field(default=False, kw_only=True)  # answered, dropped or closed with its round
+    sent: int = field(default=0, kw_only=True)     # times it was given to its process
+    streams: int = field(default=0, kw_only=True)  # result streams taken for it
+
+
+class DuplicateResult(Exception):
+    """A copy of a result whose task was answered, or whose first copy is being folded: it is
+    acknowledged and dropped."""
+
+
+@dataclass
+class DeliveryCounts:
+    """What one round (or the final evaluation) had to send again, and why."""
+
+    tasks_sent_again: int = 0    # tasks offered again: their stream was lost, or their process restarted
+    results_sent_again: int = 0  # result streams after a task's first
+    streams_cut: int = 0         # task and result streams that ended early (a transport failure)
+    cut_bytes: int = 0           # bytes received of result streams that ended early
+    duplicates: int = 0          # copies of results already taken, acknowledged and dropped
+    given_up: int = 0            # tasks dropped after server.delivery_attempts
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
 
 
 class Waiter(Protocol):
@@ -61,27 +92,35 @@ class TaskBoard:
     """Tasks per process, long polls, and the wait for dispatched tasks."""
 
     def __init__(self, registry: ProcessRegistry, cond: threading.Condition, log: Callable[[str], None],
-                 record_failure: Callable[[str], None]) -> None:
+                 record_failure: Callable[[str], None], attempts: int = 8) -> None:
         self.registry = registry
         self.log = log
+        self.attempts = attempts
         self._record_failure = record_failure
         self._cond = cond
         self._mailboxes: dict[str, Mailbox] = {}  # by session, live processes only
         self._open: dict[int, Task] = {}          # queued or taken, on a live process
         self._outstanding: dict[int, Task] = {}   # taken and not yet answered
-        self._claimed: set[int] = set()           # outstanding tasks whose result is being received
+        self._claimed: set[int] = set()           # outstanding tasks whose result is being folded
+        self._answered: dict[int, Task] = {}      # answered tasks of the last two rounds (duplicates)
         self._awaited: set[int] = set()           # open tasks the round loop waits for
+        self._delivery: dict[int, DeliveryCounts] = {}  # by round
+        self._answered_now = 0          # awaited tasks answered since await_tasks began
+        self._wake_on_answer = False    # await_tasks counts answers (a target or a derived deadline)
         registry.events = self
 
     # ------------------------------------------------------------------ long polls
 
-    def poll(self, session: str, waiter: Waiter, principal: Principal | None = None) -> Task | None:
-        """One look for this process's next task, without blocking.
+    def poll(self, session: str, waiter: Waiter, principal: Principal | None = None,
+             held: Collection[int] = ()) -> Task | None:
+        """One look for this process's next task, without blocking; ``held`` lists the tasks the
+        process holds (received and not yet answered).
 
-        Returns the task (it is now outstanding), a DONE task at the end of the run, or None: then
-        ``waiter`` is registered and woken when something changes for this process, and the
-        caller polls again. A newer poll of the same process supersedes an older waiting one (its
-        waiter is woken with ``superseded`` set, and its poll returns None). Raises
+        Returns a task the process took and does not hold (it was lost on the way: sent again),
+        else its next queued task (it is now outstanding), a DONE task at the end of the run, or
+        None: then ``waiter`` is registered and woken when something changes for this process, and
+        the caller polls again. A newer poll of the same process supersedes an older waiting one
+        (its waiter is woken with ``superseded`` set, and its poll returns None). Raises
         :class:`UnknownSession` for an unknown session.
         """
         with self._cond:
@@ -92,11 +131,15 @@ class TaskBoard:
             if waiter.superseded:
                 return None
             mailbox = self._mailbox(process)
+            lost = self._lost_task(mailbox, set(held))
+            if lost is not None:
+                return lost
             while mailbox.pending:
                 task = mailbox.pending.popleft()
                 if not task.closed:
                     mailbox.taken.add(task.task_id)
                     self._outstanding[task.task_id] = task
+                    task.sent += 1
                     return task
             if self.registry.done:
                 self.registry.release(process)
@@ -129,6 +172,10 @@ class TaskBoard:
     def dispatch(self, tasks: Iterable[Task]) -> set[int]:
         """Queue tasks at their hosting processes and await them; returns their ids."""
         with self._cond:
+            tasks = list(tasks)
+            if tasks:  # copies of results are recognised for the round before the newest
+                newest = max(task.round for task in tasks)
+                self._answered = {i: t for i, t in self._answered.items() if t.round >= newest - 1}
             ids = set()
             for task in tasks:
                 mailbox = self._mailbox(self.registry.process(task.session))
@@ -146,17 +193,30 @@ class TaskBoard:
         with self._cond:
             return bool(self._awaited)
 
-    def await_tasks(self, task_ids: set[int], timeout: float) -> set[int]:
-        """Wait until every awaited task is answered, dropped or its process gone, or the
-        deadline; then close those of ``task_ids`` still open. Returns their ids."""
-        deadline = time.monotonic() + timeout
+    def await_tasks(self, task_ids: set[int], timeout: float, enough: int | None = None,
+                    deadline_factor: float = 0.0) -> set[int]:
+        """Wait until every awaited task is answered, dropped or its process gone, or ``enough``
+        of them were answered, or the deadline: ``timeout``, or sooner ``deadline_factor`` times
+        the time half of ``task_ids`` took to be answered. Then close those of ``task_ids`` still
+        open. Returns their ids."""
+        started = time.monotonic()
+        deadline = started + timeout
+        half = math.ceil(len(task_ids) / 2)
         with self._cond:
-            while True:
-                self.registry.reap_silent()
-                remaining = deadline - time.monotonic()
-                if not self._awaited or remaining <= 0:
-                    break
-                self._cond.wait(min(remaining, REAP_INTERVAL_SECONDS))
+            self._answered_now = 0
+            self._wake_on_answer = enough is not None or deadline_factor > 0
+            try:
+                while True:
+                    self.registry.reap_silent()
+                    now = time.monotonic()
+                    if deadline_factor and half and self._answered_now >= half:
+                        deadline = min(deadline, started + deadline_factor * (now - started))
+                        half = 0  # the deadline is set once
+                    if not self._awaited or now >= deadline or (enough is not None and self._answered_now >= enough):
+                        break
+                    self._cond.wait(min(deadline - now, REAP_INTERVAL_SECONDS))
+            finally:
+                self._wake_on_answer = False
             return self.close(task_ids)
 
     def close(self, task_ids: set[int]) -> set[int]:
@@ -172,28 +232,67 @@ class TaskBoard:
     # ------------------------------------------------------------------ results
 
     def result_task(self, result: ResultInfo, principal: Principal | None = None) -> Task:
-        """Claim the outstanding task a result answers for the calling stream (the claim ends
-        when the task closes); raises :class:`UnknownSession` for a session the caller does not
-        hold, :class:`Rejected` if it answers no outstanding task or another stream holds it."""
+        """The outstanding task a result stream answers, counting the stream against the task's
+        ``delivery_attempts``. Raises :class:`UnknownSession` for a session the caller does not
+        hold, :class:`DuplicateResult` for a copy of a result already taken or being folded, and
+        :class:`Rejected` if it answers no outstanding task of the caller or the task took its
+        last stream (the task is then dropped)."""
         with self._cond:
             if self.registry.session(result.session, principal) is None:
                 raise UnknownSession("unknown or expired session: join again")
             task = self._outstanding.get(result.task_id)
-            if task is None or task.session != result.session:
+            if task is None:
+                task = self._answered.get(result.task_id)
+                if task is not None and task.session == result.session and self._same_task(result, task):
+                    self._counts(task).duplicates += 1
+                    raise DuplicateResult(f"task {task.task_id} was answered already")
                 raise Rejected(f"task {result.task_id} is not outstanding for this process (late or unknown)")
-            if result.client_id != task.client_id or result.round != task.round:
+            if task.session != result.session:
+                raise Rejected(f"task {result.task_id} is not outstanding for this process (late or unknown)")
+            if not self._same_task(result, task):
                 raise Rejected(f"result names client {result.client_id} round {result.round}, "
                                f"task {result.task_id} is client {task.client_id} round {task.round}")
             if task.task_id in self._claimed:
-                raise Rejected(f"a result for task {task.task_id} is already being received")
-            self._claimed.add(task.task_id)
+                self._counts(task).duplicates += 1
+                raise DuplicateResult(f"a result for task {task.task_id} is being folded")
+            if task.streams >= self.attempts:
+                self._give_up(task, f"{task.streams} result streams, none complete "
+                                    "(server.delivery_attempts)")
+                raise Rejected(f"task {task.task_id} took {task.streams} result streams, the most "
+                               "server.delivery_attempts allows")
+            task.streams += 1
+            if task.streams > 1:
+                self._counts(task).results_sent_again += 1
             return task
 
-    def check_current(self, task: Task) -> None:
-        """Raise :class:`Rejected` unless ``task`` is still outstanding."""
+    def claim(self, task: Task) -> None:
+        """Claim ``task`` for folding its result, once: raises :class:`DuplicateResult` when
+        another copy of its result was folded or is being folded, :class:`Rejected` when the task
+        was closed before its result arrived."""
         with self._cond:
+            if task.task_id in self._claimed or task.task_id in self._answered:
+                self._counts(task).duplicates += 1
+                raise DuplicateResult(f"a result for task {task.task_id} was folded already")
             if task.task_id not in self._outstanding:
                 raise Rejected(f"task {task.task_id} was closed before its result arrived")
+            self._claimed.add(task.task_id)
+
+    def stream_cut(self, task: Task, reason: str, received_bytes: int = 0) -> None:
+        """A task or result stream of ``task`` ended early (the connection broke, or the peer
+        cancelled): a transport failure, not a bad result. The task stays outstanding; its process
+        asks for it again or sends its result again."""
+        with self._cond:
+            counts = self._counts(task)
+            counts.streams_cut += 1
+            counts.cut_bytes += received_bytes
+            if task.task_id not in self._outstanding:
+                return
+        self.log(f"round {task.round} client {task.client_id}: {printable(reason, 200)}; it is sent again")
+
+    def delivery_counts(self, round_number: int) -> DeliveryCounts:
+        """What round ``round_number`` had to send again so far."""
+        with self._cond:
+            return dataclasses.replace(self._delivery.get(round_number, DeliveryCounts()))
 
     def is_outstanding(self, task: Task) -> bool:
         with self._cond:
@@ -201,9 +300,14 @@ class TaskBoard:
 
     def answered(self, task: Task) -> None:
         """Close an answered task (it may already be closed when its result was folded as the
-        round closed)."""
+        round closed); later copies of its result are duplicates."""
         with self._cond:
+            if task.task_id in self._awaited:
+                self._answered_now += 1
+                if self._wake_on_answer:
+                    self._cond.notify_all()
             self._close_task(task)
+            self._answered[task.task_id] = task
 
     def fail_task(self, task: Task, reason: str) -> bool:
         """Drop a task whose delivery or result failed; the round goes on without it. A task that
@@ -221,23 +325,28 @@ class TaskBoard:
     # ------------------------------------------------------------------ what the registry reports
 
     def process_restarted(self, old: ProcessState, new: ProcessState) -> None:
-        """A restarted process replaces ``old``: queued tasks of clients it hosts move over, the
-        rest close; training tasks the old process had taken are lost with it (evaluations are
-        asked again)."""
+        """A restarted process replaces ``old``: the tasks the old process held and had queued,
+        of clients the new one hosts, move over (those it held first, offered again); the rest
+        close. A task whose result is being folded stays with its fold."""
         mailbox = self._mailboxes.pop(old.session, None)
         if mailbox is None:
             return
         moved = []
+        for task_id in sorted(mailbox.taken):
+            task = self._outstanding[task_id]
+            if task_id in self._claimed:
+                continue
+            if task.client_id in new.clients:
+                del self._outstanding[task_id]
+                self._counts(task).tasks_sent_again += 1
+                moved.append(task)
+            else:
+                self._close_task(task)
         for task in mailbox.pending:
             if task.client_id in new.clients and not task.closed:
                 moved.append(task)
             else:
                 self._close_task(task)
-        for task_id in sorted(mailbox.taken):
-            task = self._outstanding[task_id]
-            if task.kind == TaskKind.TRAIN:
-                self._record_failure(f"round {task.round} client {task.client_id}: its process restarted")
-            self._close_task(task)
         if mailbox.waiter is not None:
             mailbox.waiter.wake()  # its poll now finds the session gone
         if moved:
@@ -263,6 +372,37 @@ class TaskBoard:
         if mailbox is None:
             mailbox = self._mailboxes[process.session] = Mailbox(process)
         return mailbox
+
+    def _lost_task(self, mailbox: Mailbox, held: set[int]) -> Task | None:
+        """The first task ``mailbox``'s process took, does not hold and whose result is not being
+        folded: it was lost on the way, and is sent again unless it was sent
+        ``delivery_attempts`` times (then it is dropped)."""
+        for task_id in sorted(mailbox.taken - held - self._claimed):
+            task = self._outstanding[task_id]
+            if task.sent >= self.attempts:
+                self._give_up(task, f"sent {task.sent} times, never received (server.delivery_attempts)")
+                continue
+            task.sent += 1
+            self._counts(task).tasks_sent_again += 1
+            return task
+        return None
+
+    def _give_up(self, task: Task, reason: str) -> None:
+        """Drop a task whose delivery failed too often."""
+        self._counts(task).given_up += 1
+        self._close_task(task)
+        self._record_failure(f"round {task.round} client {task.client_id}: {reason}")
+        self.log(f"warning: round {task.round} client {task.client_id} dropped: {reason}")
+
+    def _counts(self, task: Task) -> DeliveryCounts:
+        counts = self._delivery.get(task.round)
+        if counts is None:
+            counts = self._delivery[task.round] = DeliveryCounts()
+        return counts
+
+    @staticmethod
+    def _same_task(result: ResultInfo, task: Task) -> bool:
+        return result.client_id == task.client_id and result.round == task.round
 
     def _close_task(self, task: Task) -> None:
         """Take a task out of every queue; wakes the round loop when its last awaited task closes."""

@@ -138,16 +138,29 @@ def test_broken_results_are_rejected_and_change_nothing(harness_factory, corrupt
     assert any(message in f for f in harness.coordinator.failures)
 
 
-def test_results_for_unknown_or_closed_tasks_are_refused(harness_factory) -> None:
+def test_a_copy_of_a_taken_result_is_acknowledged_and_dropped_and_unknown_tasks_are_refused(harness_factory) -> None:
+    """At-least-once delivery: a client whose acknowledgement was lost sends its result again;
+    the copy is answered ``duplicate`` and changes nothing. A result for a task the process was
+    never given is refused."""
     harness = harness_factory()
     session = harness.join([0])
     harness.start_rounds(1)
     header, _ = harness.get_task(session)
     uploads = _zero_deltas(header, harness.coordinator.global_state)
-    assert harness.submit(session, header, uploads).accepted
+    first = harness.submit(session, header, uploads)
+    assert first.accepted and not first.duplicate
     harness.wait_rounds()
+    model = {k: v.clone() for k, v in harness.coordinator.global_state.items()}
+    copy = harness.submit(session, header, {n: torch.ones_like(t) for n, t in uploads.items()})
+    assert copy.accepted and copy.duplicate
+    assert all(torch.equal(model[k], v) for k, v in harness.coordinator.global_state.items())
+    assert harness.records[0]["completed"] == [0]
+    assert harness.coordinator.board.delivery_counts(1).duplicates == 1
+    unknown = pb.TaskHeader()
+    unknown.CopyFrom(header)
+    unknown.task_id = header.task_id + 1000
     with pytest.raises(grpc.RpcError) as error:
-        harness.submit(session, header, uploads)
+        harness.submit(session, unknown, uploads)
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(grpc.RpcError) as error:
         harness.stub.GetTask(pb.TaskRequest(session="forged", wait_seconds=1), timeout=BOUND).next()
@@ -293,9 +306,10 @@ def test_fold_threads_give_the_model_the_event_loop_gives(harness_factory) -> No
                for name in loop)
 
 
-def test_one_result_stream_per_task(harness_factory) -> None:
-    """While one stream of a task's result is being read, a second one for the same task is
-    refused (a client sending again cannot have its result folded twice); the first is taken."""
+def test_two_copies_of_a_result_in_flight_are_folded_once(harness_factory) -> None:
+    """A client whose result stream seemed lost sends it again while the server still reads the
+    first copy (a half-open connection looks like that): both streams are read, the first to
+    complete is folded, the other is answered ``duplicate``; the round folds the client once."""
     harness = harness_factory()
     session = harness.join([0])
     harness.start_rounds(1)
@@ -314,19 +328,20 @@ def test_one_result_stream_per_task(harness_factory) -> None:
         yield from chunks[1:]
 
     first = harness.stub.SubmitResult.future(held_after_the_header(), timeout=BOUND)
-    board = harness.coordinator.board
+    task = harness.coordinator.board._outstanding[header.task_id]
     deadline = time.monotonic() + BOUND
-    while header.task_id not in board._claimed:  # the server has read the first stream's header
+    while task.streams < 1:  # the server has read the first stream's header
         assert time.monotonic() < deadline and not first.done(), "the server never read the first header"
         time.sleep(0.01)
-    with pytest.raises(grpc.RpcError) as error:
-        harness.stub.SubmitResult(iter(chunks), timeout=BOUND)
-    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "already being received" in error.value.details()
+    second = harness.stub.SubmitResult(iter(chunks), timeout=BOUND)
+    assert second.accepted and not second.duplicate
     release.set()
-    assert first.result(timeout=BOUND).accepted
+    reply = first.result(timeout=BOUND)
+    assert reply.accepted and reply.duplicate
     harness.wait_rounds()
     assert harness.records[0]["completed"] == [0]
+    delivery = harness.coordinator.board.delivery_counts(1)  # the copy may come after the round's record
+    assert (delivery.results_sent_again, delivery.duplicates, delivery.given_up) == (1, 1, 0)
 
 
 def test_no_heartbeats_while_a_long_poll_waits(harness_factory, tmp_path, monkeypatch) -> None:

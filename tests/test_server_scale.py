@@ -53,8 +53,10 @@ def test_a_virtual_result_carries_exactly_the_tensors_its_plan_asks_for(algorith
     task = Task(task_id=7, kind=TaskKind.TRAIN, round=1, client_id=3, session="s", train=plan)
     payloads = Payloads(config.to_json())
     upload = payloads.upload(task)
-    header = pb.ResultHeader(session="s", task_id=7, client_id=3, round=1, num_samples=train_sample_count(3))
-    sent, tensors = decode_chunks(pb.ResultChunk.FromString(serialized) for serialized in upload.stream(header))
+    header = pb.ResultHeader(session="s", task_id=7, client_id=3, round=1, num_samples=train_sample_count(3),
+                             tensors=upload.specs)
+    stream = [pb.ResultChunk(header=header).SerializeToString(), *upload.chunks]  # as the session sends it
+    sent, tensors = decode_chunks(pb.ResultChunk.FromString(serialized) for serialized in stream)
     check_header(result_info(sent), sent.tensors, coordinator.expected_uploads(task))  # raises when they differ
     assert tuple(tensors) == task.uploads()
     assert (sent.task_id, sent.client_id, sent.num_samples) == (7, 3, train_sample_count(3))

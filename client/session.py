@@ -1,0 +1,534 @@
+"""The client side of fedpart's protocol, written once for every kind of client process.
+
+A :class:`Session` owns one process's conversation with the coordinator (``proto/fedpart.proto``):
+the join, heartbeats while no long poll waits, the long poll for the next task, the result upload,
+the goodbye, and what to do when any of them fails. What a task means is its *worker*'s business:
+``fedpart client`` trains and evaluates (:mod:`fedpart.client.runtime`), the load generator answers
+without computing (:mod:`fedpart.client.virtual`); both run on this one session, so a protocol
+change is made here once and the load tests exercise the real protocol.
+
+Delivery is at least once (DESIGN section 10, :mod:`fedpart.server.task_board`):
+
+- every poll lists the tasks this process holds (received, not yet answered); a task the server
+  gave the process but the list lacks was lost on the way, and the server sends it again;
+- a task stream that breaks off or ends short is dropped and the poll is made again;
+- a result is sent until the server answers it: taken, ``duplicate`` (a copy it had already taken,
+  whose acknowledgement was lost), or refused for a reason that sending again cannot change;
+- while the server cannot be reached the calls are tried again with capped exponential backoff,
+  for ``connect_timeout`` before the first join and ``reconnect_timeout`` once the server was seen.
+
+A dead connection (a vanished peer, a NAT that dropped its mapping, a black-holed route) is found
+by keepalive pings within :data:`~fedpart.common.protocol.KEEPALIVE_SECONDS` +
+:data:`~fedpart.common.protocol.KEEPALIVE_TIMEOUT_SECONDS`, and the call on it fails and is tried
+again on a new connection.
+
+A session runs on an asyncio event loop. The load generator runs thousands of them on one loop;
+``fedpart client`` runs one on a loop thread of its own (:class:`SessionThread`) so that its main
+thread trains, and SIGINT or SIGTERM interrupt the training at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Protocol, TypeVar
+
+import grpc
+
+from fedpart.common.exit_codes import ExitCode
+from fedpart.common.plans import ResultInfo, TaskInfo, TaskKind
+from fedpart.common.protocol import (
+    KEEPALIVE_SECONDS,
+    KEEPALIVE_TIMEOUT_SECONDS,
+    RETRY_LATER_CODES,
+    UNKNOWN_SESSION,
+    method_path,
+)
+from fedpart.common.security import ClientSecurity
+from fedpart.common.serde import result_header, task_info
+from fedpart.common.wire import IncompleteMessage, ReceivedChunk, WireError, read_chunk
+from fedpart.proto import fedpart_pb2 as pb
+from fedpart.proto import fedpart_pb2_grpc as pb_grpc
+
+POLL_SECONDS = 20.0        # long-poll budget of one task request
+TRANSFER_SECONDS = 600.0   # deadline for moving one task or result, on top of the poll
+CONNECT_SECONDS = 120.0    # default connect_timeout: how long to keep trying a server that is not up yet
+RECONNECT_SECONDS = 300.0  # default reconnect_timeout: how long to keep trying a server that went away
+JOIN_SECONDS = 60.0        # deadline of one join call
+LEAVE_SECONDS = 5.0        # deadline of the goodbye of a process that stops
+FIRST_RETRY_SECONDS = 0.5  # while the server is unreachable, attempts are this far apart at first,
+MAX_RETRY_SECONDS = 5.0    # doubling up to this (the channel's own reconnect backoff is the same)
+HEARTBEAT_SECONDS = 5.0    # at most; shorter when server.heartbeat_timeout is short
+CHANNEL_OPTIONS: list[tuple[str, object]] = [
+    # pings find a dead connection while a call waits on it, and keep NAT mappings alive while
+    # the process trains for minutes
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_SECONDS * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_SECONDS * 1000)),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", int(FIRST_RETRY_SECONDS * 1000)),
+    ("grpc.max_reconnect_backoff_ms", int(MAX_RETRY_SECONDS * 1000)),
+]
+
+T = TypeVar("T")
+
+
+class SessionError(RuntimeError):
+    """The process cannot go on (the message says why)."""
+
+    code = ExitCode.ERROR
+
+
+class ServerNotReached(SessionError):
+    """No server answered within ``connect_timeout``, or it stayed away for ``reconnect_timeout``."""
+
+    code = ExitCode.UNREACHABLE
+
+
+class ConnectionRefused(SessionError):
+    """A connection that trying again cannot mend (an untrusted certificate, a wrong name, TLS
+    against plaintext, an unknown host, a refused credential): the message says what to fix."""
+
+    code = ExitCode.USAGE
+
+
+class Sent(enum.Enum):
+    """How the server answered a result."""
+
+    TAKEN = "taken"
+    DUPLICATE = "duplicate"  # a copy of a result it had taken already (the first answer was lost)
+    REFUSED = "refused"      # for a reason sending again cannot change
+
+
+@dataclass
+class Backoff:
+    """Capped exponential backoff between attempts to reach a lost server, bounded in total."""
+
+    deadline: float
+    delay: float = FIRST_RETRY_SECONDS
+    attempts: int = 0
+
+    def next_delay(self) -> float | None:
+        """Seconds to wait before the next attempt; None once the deadline has passed."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        delay = min(self.delay, remaining)
+        self.delay = min(2 * self.delay, MAX_RETRY_SECONDS)
+        self.attempts += 1
+        return delay
+
+
+def heartbeat_interval(heartbeat_timeout: float) -> float:
+    """Seconds between heartbeats: a few per ``server.heartbeat_timeout``, at most
+    :data:`HEARTBEAT_SECONDS`."""
+    return max(0.2, min(HEARTBEAT_SECONDS, heartbeat_timeout / 4))
+
+
+def why(error: grpc.RpcError) -> str:
+    """A gRPC error in one short line for the log."""
+    details = (error.details() or "").splitlines()
+    return f"{error.code().name}: {details[0][:200] if details else 'no details'}"
+
+
+class TaskReader(Protocol):
+    """Takes in the tensor pieces of one task stream (see :class:`~fedpart.common.wire.TensorAssembler`)."""
+
+    def add(self, pieces: list[tuple[int, memoryview]]) -> None: ...
+
+    def finish(self) -> Any:
+        """What the worker makes of the tensors; raises
+        :class:`~fedpart.common.wire.IncompleteMessage` when bytes are missing."""
+
+
+@dataclass
+class ReceivedTask:
+    """A task as it arrived: its plain values, its header (with the tensor specs) and what the
+    worker's :class:`TaskReader` made of its tensors."""
+
+    info: TaskInfo
+    header: pb.TaskHeader
+    payload: Any = None
+
+
+@dataclass
+class Answer:
+    """What a worker answers a task with: the result's values, the specs of its tensors, and
+    the serialized ``ResultChunk`` messages of their pieces (made anew for each attempt);
+    ``on_taken`` runs once the server has the result."""
+
+    num_samples: int = 0
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    specs: list[pb.TensorSpec] = field(default_factory=list)
+    pieces: Callable[[], Iterable[bytes]] = lambda: ()
+    on_taken: Callable[[], None] = lambda: None
+
+
+class SessionEvents:
+    """What a session tells its process as it goes; each is a no-op here. ``fedpart client``
+    logs, the load generator counts."""
+
+    def log(self, message: str) -> None:
+        """A line for the process's log."""
+
+    def call_failed(self, rpc: str, error: grpc.RpcError) -> None:
+        """A call ended with ``error`` (it may be tried again)."""
+
+    def joined(self, again: bool) -> None:
+        """The process joined (``again``: after the server had lost its session)."""
+
+    def heartbeat(self, known: bool) -> None:
+        """A heartbeat was answered; ``known`` is False when the server had lost the session."""
+
+    def polled(self, kind: TaskKind, tensor_bytes: int) -> None:
+        """A poll was answered with a task of ``kind`` carrying ``tensor_bytes``."""
+
+    def answered(self, task: TaskInfo, sent: Sent, nbytes: int) -> None:
+        """A result was answered ``sent`` after its last attempt's ``nbytes`` bytes."""
+
+
+class Session:
+    """One client process's conversation with the coordinator. Use it on one event loop:
+    ``async with session:`` opens and closes its channel."""
+
+    def __init__(self, server: str, security: ClientSecurity, join_request: Callable[[], pb.JoinRequest],
+                 events: SessionEvents | None = None, connect_timeout: float = CONNECT_SECONDS,
+                 reconnect_timeout: float = RECONNECT_SECONDS,
+                 channel_options: list[tuple[str, object]] | None = None,
+                 diagnose: Callable[[grpc.RpcError], str | None] | None = None) -> None:
+        self.server = server
+        self.security = security
+        self.events = events or SessionEvents()
+        self.connect_timeout = connect_timeout
+        self.reconnect_timeout = reconnect_timeout
+        self.session = ""
+        self.run_id = ""
+        self.versions: dict[str, int] = {}  # global tensors the process holds, by version
+        self.call_timeout = TRANSFER_SECONDS + POLL_SECONDS  # lowered to the server's once joined
+        self._join_request = join_request
+        self._diagnose = diagnose
+        self._channel_options = channel_options if channel_options is not None else CHANNEL_OPTIONS
+        self._held: set[int] = set()  # tasks received and not yet answered
+        self._outage: Backoff | None = None  # set while the server is unreachable
+        self._poll_waiting = False  # a long poll waits unanswered: the server counts it as a sign of life
+        self._heartbeats: asyncio.Task | None = None
+        self._channel: grpc.aio.Channel | None = None
+
+    async def __aenter__(self) -> Session:
+        self._channel = self.security.aio_channel(self.server, self._channel_options)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        # raw chunk bytes both ways: read_chunk takes pieces as views, results go out serialized once
+        self._get_task = self._channel.unary_stream(
+            method_path("GetTask"), request_serializer=pb.TaskRequest.SerializeToString,
+            response_deserializer=partial(read_chunk, pb.TaskHeader))
+        self._submit_result = self._channel.stream_unary(
+            method_path("SubmitResult"), request_serializer=None, response_deserializer=pb.SubmitReply.FromString)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+            await asyncio.gather(self._heartbeats, return_exceptions=True)
+        await self._channel.close()
+
+    # ------------------------------------------------------------------ join and leave
+
+    async def join(self) -> pb.JoinReply:
+        """The first join: tried again with backoff while no server answers (not up yet,
+        restarting) or it cannot take the join now, for ``connect_timeout`` seconds; raises
+        :class:`ServerNotReached` after that, :class:`ConnectionRefused` at once for a failure
+        that trying again cannot mend, :class:`SessionError` for a refused join."""
+        self.events.log(f"connecting to {self.server} ({self.security.describe()}); trying for up to "
+                        f"{self.connect_timeout:.0f} s (--connect-timeout)")
+        backoff = Backoff(time.monotonic() + self.connect_timeout)
+        diagnosed: set[str] = set()  # each distinct failure is looked into once
+        while True:
+            try:
+                reply = await self._stub.Join(self._join_request(), timeout=max(1.0, min(
+                    JOIN_SECONDS, backoff.deadline - time.monotonic())))
+                break
+            except grpc.aio.AioRpcError as error:
+                self.events.call_failed("Join", error)
+                if error.code() not in RETRY_LATER_CODES:
+                    raise self._refused_join(error) from error
+                if self._diagnose is not None and why(error) not in diagnosed:
+                    diagnosed.add(why(error))
+                    problem = await asyncio.get_running_loop().run_in_executor(None, self._diagnose, error)
+                    if problem:
+                        raise ConnectionRefused(problem) from error
+                delay = backoff.next_delay()
+                if delay is None:
+                    raise ServerNotReached(f"no server answered at {self.server} within {self.connect_timeout:.0f} s "
+                                           f"(--connect-timeout); last error: {why(error)}") from error
+                self.events.log(f"attempt {backoff.attempts}: {self.server} did not take the join ({why(error)}); "
+                                f"next attempt in {delay:.1f} s")
+                await asyncio.sleep(delay)
+        self.session, self.run_id = reply.session, reply.run_id
+        self.events.joined(again=False)
+        return reply
+
+    async def joined_run(self, call_timeout: float, heartbeat_timeout: float, first_beat_after: float = 0.0) -> None:
+        """The run's config is known: calls ask for deadlines within ``call_timeout``, and
+        heartbeats start (the first after ``first_beat_after`` seconds)."""
+        self.call_timeout = min(self.call_timeout, call_timeout)
+        self._heartbeats = asyncio.create_task(self._beat(heartbeat_interval(heartbeat_timeout), first_beat_after))
+
+    async def _rejoin(self) -> None:
+        """The server does not know this session (it dropped the process after missed
+        heartbeats, or it is a resumed server): join the same run again, keeping the held tensor
+        versions. A server that now runs another run ends the process."""
+        try:
+            reply = await self._stub.Join(self._join_request(), timeout=JOIN_SECONDS)
+        except grpc.aio.AioRpcError as error:
+            self.events.call_failed("Join", error)
+            if error.code() in RETRY_LATER_CODES:
+                await self._back_off(error)
+                return
+            raise self._refused_join(error) from error
+        self._server_back()
+        if reply.run_id != self.run_id:
+            raise SessionError(f"the server at {self.server} now runs another run ({reply.run_id}, this process "
+                               f"served {self.run_id}); stopping")
+        self.session = reply.session
+        self._held.clear()  # tasks of the old session were closed with it
+        self.events.joined(again=True)
+        self.events.log(f"joined run {reply.run_id} again (the server had dropped this process or was restarted)")
+
+    def _refused_join(self, error: grpc.RpcError) -> SessionError:
+        """The error that ends a process whose join was refused: a refused credential is a
+        :class:`ConnectionRefused` that says what to give instead."""
+        said = f"join refused ({error.code().name}): {error.details()}"
+        if error.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return SessionError(said)
+        return ConnectionRefused((self._diagnose(error) if self._diagnose is not None else None) or said)
+
+    async def leave(self, reason: str) -> None:
+        """Tell the server why this process stops (best effort: the server may be gone)."""
+        try:
+            await self._stub.Leave(pb.LeaveRequest(session=self.session, reason=reason), timeout=LEAVE_SECONDS)
+        except grpc.aio.AioRpcError as error:
+            self.events.call_failed("Leave", error)
+
+    async def _beat(self, interval: float, first_after: float) -> None:
+        """A sign of life every ``interval`` while no long poll waits: the server counts a waiting
+        poll as one, so thousands of idle processes do not send thousands of heartbeats."""
+        await asyncio.sleep(first_after)
+        while True:
+            if not self._poll_waiting:
+                try:
+                    reply = await self._stub.Heartbeat(pb.HeartbeatRequest(session=self.session),
+                                                       timeout=max(interval, 1.0))
+                except grpc.aio.AioRpcError as error:
+                    self.events.call_failed("Heartbeat", error)
+                else:
+                    self.events.heartbeat(reply.known)
+            await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------------ tasks
+
+    async def next_task(self, reader: Callable[[pb.TaskHeader], TaskReader]) -> ReceivedTask:
+        """The next task to work on, or DONE: long polls until one arrives whole, sending the
+        polls again after a lost stream, an unreachable server (with backoff, for
+        ``reconnect_timeout``) or a lost session (joining again). ``reader`` makes the
+        :class:`TaskReader` for a task's tensors. The task is held until :meth:`answer`."""
+        while True:
+            request = pb.TaskRequest(session=self.session, held_versions=self.versions, wait_seconds=POLL_SECONDS,
+                                     held_tasks=sorted(self._held))
+            try:
+                received = await self._poll(request, reader)
+            except grpc.aio.AioRpcError as error:
+                self.events.call_failed("GetTask", error)
+                if error.code() in RETRY_LATER_CODES:
+                    await self._back_off(error)
+                elif error.code() == UNKNOWN_SESSION:
+                    await self._rejoin()
+                else:
+                    raise SessionError(f"server refused the task request ({error.code().name}): "
+                                       f"{error.details()}") from error
+                continue
+            except IncompleteMessage as error:
+                self.events.log(f"a task stream ended short ({error}); asking again")
+                continue
+            self._server_back()
+            if received is None:
+                continue
+            if received.info.kind in (TaskKind.TRAIN, TaskKind.EVALUATE):
+                self._held.add(received.info.task_id)
+            return received
+
+    async def _poll(self, request: pb.TaskRequest, reader: Callable[[pb.TaskHeader], TaskReader]
+                    ) -> ReceivedTask | None:
+        """One long poll, read to its end; None for IDLE. Versions of the received tensors are
+        held from then on."""
+        call = self._get_task(request, timeout=self.call_timeout)
+        header: pb.TaskHeader | None = None
+        tensors: TaskReader | None = None
+        received = 0
+        self._poll_waiting = True
+        try:
+            async for chunk in call:
+                self._poll_waiting = False  # from the first chunk on: heartbeats while the rest arrives
+                header, tensors = self._take_chunk(chunk, header, tensors, reader)
+                received += sum(len(data) for _, data in chunk.pieces)
+        finally:
+            self._poll_waiting = False
+        if header is None:
+            raise SessionError("the server answered a task request with an empty stream")
+        info = _task(header)
+        self.events.polled(info.kind, received)
+        if info.kind == TaskKind.IDLE:
+            return None
+        payload = _finished(tensors, header) if tensors is not None else None
+        self.versions.update({spec.name: spec.version for spec in header.tensors})
+        return ReceivedTask(info, header, payload)
+
+    @staticmethod
+    def _take_chunk(chunk: ReceivedChunk, header: pb.TaskHeader | None, tensors: TaskReader | None,
+                    reader: Callable[[pb.TaskHeader], TaskReader]) -> tuple[pb.TaskHeader, TaskReader | None]:
+        if chunk.malformed:
+            raise SessionError(f"the server sent a malformed task stream: {chunk.malformed}")
+        if chunk.header is not None:
+            if header is not None:
+                raise SessionError("the server sent a second header inside one task stream")
+            header = chunk.header
+            if header.kind in (pb.TRAIN, pb.EVALUATE):
+                tensors = _checked(reader, header)
+        elif header is None:
+            raise SessionError("the first chunk of a task stream carries no header")
+        if chunk.pieces:
+            if tensors is None:
+                raise SessionError("the server sent tensor pieces with a task that carries none")
+            try:
+                tensors.add(chunk.pieces)
+            except WireError as error:
+                raise SessionError(f"task {header.task_id}: {error}") from error
+        return header, tensors
+
+    async def answer(self, task: ReceivedTask, answer: Answer) -> Sent:
+        """Send a task's result until the server answers it, and let the task go. A stream the
+        server could not take (unreachable, busy, or the transport broke it) is sent again with
+        backoff, for ``reconnect_timeout``; the server folds a result once, however many copies
+        arrive."""
+        info = task.info
+        try:
+            while True:
+                header = result_header(ResultInfo(self.session, info.task_id, info.client_id, info.round,
+                                                  num_samples=answer.num_samples, metrics=answer.metrics),
+                                       answer.specs)
+                first = pb.ResultChunk(header=header).SerializeToString()
+                counted = _Counted(_chained(first, answer.pieces()))
+                try:
+                    reply = await self._submit_result(iter(counted), timeout=self.call_timeout)
+                except grpc.aio.AioRpcError as error:
+                    self.events.call_failed("SubmitResult", error)
+                    if error.code() in RETRY_LATER_CODES:
+                        await self._back_off(error)
+                        continue
+                    if error.code() == UNKNOWN_SESSION:
+                        self.events.log(f"result for client {info.client_id} round {info.round} lost: the server "
+                                        "had dropped this process and its tasks")
+                        await self._rejoin()
+                    else:
+                        self.events.log(f"warning: result for client {info.client_id} round {info.round} not "
+                                        f"taken: {error.details()}")
+                    self.events.answered(info, Sent.REFUSED, counted.nbytes)
+                    return Sent.REFUSED
+                self._server_back()
+                sent = Sent.DUPLICATE if reply.duplicate else Sent.TAKEN
+                answer.on_taken()
+                self.events.answered(info, sent, counted.nbytes)
+                return sent
+        finally:
+            self._held.discard(info.task_id)
+
+    # ------------------------------------------------------------------ reaching the server
+
+    async def _back_off(self, error: grpc.RpcError) -> None:
+        """The server did not answer: wait before the next attempt (capped exponential backoff),
+        and give up once it has been unreachable for ``reconnect_timeout``."""
+        if self._outage is None:
+            self._outage = Backoff(time.monotonic() + self.reconnect_timeout)
+            self.events.log(f"lost the server at {self.server} ({error.code().name}); trying to reconnect for "
+                            f"up to {self.reconnect_timeout:.0f} s")
+        delay = self._outage.next_delay()
+        if delay is None:
+            raise ServerNotReached(f"the server at {self.server} was unreachable for {self.reconnect_timeout:.0f} s "
+                                   f"(--reconnect-timeout); last error: {why(error)}")
+        self.events.log(f"server unreachable; attempt {self._outage.attempts} in {delay:.1f} s")
+        await asyncio.sleep(delay)
+
+    def _server_back(self) -> None:
+        if self._outage is not None:
+            self.events.log(f"the server answers again after {self._outage.attempts} attempts")
+            self._outage = None
+
+
+def _task(header: pb.TaskHeader) -> TaskInfo:
+    try:
+        return task_info(header)
+    except WireError as error:
+        raise SessionError(f"the server sent a task this client cannot read: {error}") from error
+
+
+def _checked(reader: Callable[[pb.TaskHeader], TaskReader], header: pb.TaskHeader) -> TaskReader:
+    try:
+        return reader(header)
+    except WireError as error:
+        raise SessionError(f"task {header.task_id}: {error}") from error
+
+
+def _finished(tensors: TaskReader, header: pb.TaskHeader) -> Any:
+    """The worker's payload of a whole task stream; a short one raises IncompleteMessage."""
+    try:
+        return tensors.finish()
+    except IncompleteMessage:
+        raise
+    except WireError as error:
+        raise SessionError(f"task {header.task_id}: {error}") from error
+
+
+def _chained(first: bytes, rest: Iterable[bytes]) -> Iterable[bytes]:
+    yield first
+    yield from rest
+
+
+class _Counted:
+    """Serialized chunks, counting the bytes handed to gRPC."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._chunks = chunks
+        self.nbytes = 0
+
+    def __iter__(self):
+        for chunk in self._chunks:
+            self.nbytes += len(chunk)
+            yield chunk
+
+
+class SessionThread:
+    """An event loop on a thread of its own, for a process whose main thread does the work:
+    :meth:`call` runs a session's coroutine there and waits for it. A signal that interrupts the
+    wait (SIGINT, SIGTERM raise in the main thread) cancels the coroutine and is raised on."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="session", daemon=True)
+        self._thread.start()
+
+    def call(self, coroutine: Awaitable[T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
