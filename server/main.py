@@ -117,6 +117,8 @@ class GrpcServer:
                 ("grpc.http2.max_ping_strikes", 0),
                 ("grpc.keepalive_time_ms", int(2 * KEEPALIVE_SECONDS * 1000)),
                 ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_SECONDS * 1000)),
+                ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_SECONDS * 1000)),
+                ("grpc.http2.max_pings_without_data", 0),
                 *receive_window_options(coordinator.config.server.receive_window),
             ])
         service = CoordinatorService(coordinator, coordinator.ledger, CallGuard(principals, mutual_tls),
@@ -377,7 +379,8 @@ class ServerRun:
         evaluations = coordinator.evaluate_all()
         global_metrics = self.evaluator.evaluate(coordinator.global_state) if self.evaluator is not None else None
         summary = build_summary(config, coordinator.model, self.records, evaluations, global_metrics,
-                                coordinator.ledger, coordinator.failures, self.seconds())
+                                coordinator.ledger, coordinator.failures, self.seconds(),
+                                evaluation_delivery=coordinator.board.delivery_counts(config.rounds + 1).as_dict())
         self.run_dir.write_summary(summary)
         mark_finished(self.run_dir.path)
         self.display.print(format_table(summary))

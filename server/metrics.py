@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from fedpart.server.report import delivery_totals
+
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
@@ -97,6 +99,16 @@ class RunCollector:
         for action in ROBUST_COUNTS:
             robust.add_metric([action], sum(r.get("robust", {}).get(action, 0) for r in records))
         yield robust
+        delivery = CounterMetricFamily("fedpart_delivery", "What faults made the server do, by kind: tasks and "
+                                       "results sent again, streams cut, duplicates dropped, tasks given up",
+                                       labels=["kind"])
+        totals = delivery_totals(records)
+        if progress.round > len(records):  # the round in progress, or the final evaluation
+            for kind, count in coordinator.board.delivery_counts(progress.round).as_dict().items():
+                totals[kind] = totals.get(kind, 0) + count
+        for kind, count in sorted(totals.items()):
+            delivery.add_metric([kind], count)
+        yield delivery
         yield CounterMetricFamily("fedpart_refused_result_bytes", "Bytes of results the server refused (not "
                                   "traffic of any round)", value=coordinator.ledger.refused_bytes)
         yield GaugeMetricFamily("fedpart_failures", "Failures so far, as summary.json lists them: results "

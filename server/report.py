@@ -142,9 +142,11 @@ def _metric_summary(evaluations: Mapping[int, Mapping[str, float]], key: str) ->
 def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
                   evaluations: Mapping[int, Mapping[str, float]], global_metrics: Mapping[str, float] | None,
                   ledger: ByteLedger, failures: list[str], seconds: float, status: str = COMPLETED,
-                  note: str | None = None) -> dict[str, Any]:
+                  note: str | None = None, evaluation_delivery: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The run's summary.json content. ``status`` says how the run ended (:data:`COMPLETED`,
-    :data:`INTERRUPTED`, :data:`FAILED`: then it holds what was known, ``note`` says why)."""
+    :data:`INTERRUPTED`, :data:`FAILED`: then it holds what was known, ``note`` says why);
+    ``evaluation_delivery``: what the final evaluation had to send again (the rounds' counts are
+    in their records)."""
     names = dict(model.named_parameters())
     body = [n for n in names if n.startswith("body.")]
     head = [n for n in names if n.startswith("head.")]
@@ -196,10 +198,22 @@ def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
             "round_seconds_mean": statistics.fmean(r["seconds"] for r in rounds) if rounds else None,
             **_gpu_peak(rounds),
         },
+        "delivery": {"rounds": delivery_totals(rounds), "evaluation": dict(evaluation_delivery or {})},
         "seconds": round(seconds, 3),
         "failures": failures,
         "per_client": per_client,
     }
+
+
+def delivery_totals(rounds: list[dict]) -> dict[str, int]:
+    """The rounds' delivery counts (tasks and results sent again, streams cut, duplicates, tasks
+    given up: :class:`~fedpart.server.task_board.DeliveryCounts`) summed by kind; records written
+    before fedpart counted them have none."""
+    totals: dict[str, int] = {}
+    for record in rounds:
+        for kind, count in record.get("delivery", {}).items():
+            totals[kind] = totals.get(kind, 0) + count
+    return totals
 
 
 def _gpu_peak(rounds: list[dict]) -> dict[str, int]:

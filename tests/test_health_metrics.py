@@ -156,6 +156,8 @@ def test_a_server_with_tls_tokens_health_and_metrics_ports_through_a_run(secrets
     assert metrics["fedpart_last_round_seconds"] > 0 and metrics["fedpart_round_seconds_total"] > 0
     assert metrics["fedpart_failures"] == 0 and metrics["fedpart_refused_result_bytes_total"] == 0
     assert metrics['fedpart_results_robust_total{action="rejected"}'] == 0
+    assert metrics['fedpart_delivery_total{kind="streams_cut"}'] == 0  # a clean network
+    assert metrics['fedpart_delivery_total{kind="tasks_sent_again"}'] == 0
     for direction in ("down", "up"):
         assert metrics[f'fedpart_bytes_total{{direction="{direction}",part="body"}}'] > 0
         assert metrics[f'fedpart_bytes_total{{direction="{direction}",part="control"}}'] > 0
