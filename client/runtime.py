@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections import deque
 from collections.abc import Awaitable
+from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -57,6 +59,8 @@ from fedpart.common.wire import TensorAssembler, encode_chunks, wire_form
 from fedpart.proto import fedpart_pb2 as pb
 
 T = TypeVar("T")
+
+RESULTS_IN_FLIGHT = 2  # results a process may still be sending while it works on its next task
 
 
 class ClientError(SessionError):
@@ -195,22 +199,41 @@ class ClientProcess:
             raise
 
     def _serve(self) -> int:
-        while True:
-            task = self._call(self.session.next_task(self._reader))
-            info = task.info
-            if info.kind == TaskKind.DONE:
-                if info.outcome == RunOutcome.ABORTED:
-                    self.log("the server ended the run early (it was interrupted or gave up; see its log)")
-                    return ExitCode.ENDED_EARLY
-                self.log("run finished")
-                return ExitCode.COMPLETED
-            self.log(f"task {info.task_id}: {info.kind.name.lower()} client {info.client_id} round {info.round} "
-                     f"({len(task.header.tensors)} tensors received)")
-            self._absorb(task)
-            answer = self._execute(info)
-            self.activity.task(f"client {info.client_id} round {info.round}: sending the result")
-            self._call(self.session.answer(task, answer))
-            self.activity.task("waiting for a task")
+        """Work through tasks until DONE. The session fetches the next task while one runs, and
+        sends a result while the next runs (at most :data:`RESULTS_IN_FLIGHT` at once), so
+        the transfers of a process's tasks overlap its training instead of adding to it."""
+        upcoming = self._loop.submit(self.session.next_task(self._reader))
+        sending: deque[Future[Sent]] = deque()
+        try:
+            while True:
+                task = self._loop.wait(upcoming)
+                info = task.info
+                if info.kind == TaskKind.DONE:
+                    if info.outcome == RunOutcome.ABORTED:
+                        self.log("the server ended the run early (it was interrupted or gave up; see its log)")
+                        return ExitCode.ENDED_EARLY
+                    self._settle(sending, 0)
+                    self.log("run finished")
+                    return ExitCode.COMPLETED
+                self.log(f"task {info.task_id}: {info.kind.name.lower()} client {info.client_id} round {info.round} "
+                         f"({len(task.header.tensors)} tensors received)")
+                self._absorb(task)
+                upcoming = self._loop.submit(self.session.next_task(self._reader))
+                answer = self._execute(info)
+                sending.append(self._loop.submit(self.session.answer(task, answer)))
+                self._settle(sending, RESULTS_IN_FLIGHT)
+                self.activity.task("waiting for a task")
+        finally:
+            for future in (upcoming, *sending):
+                future.cancel()
+
+    def _settle(self, sending: deque[Future[Sent]], at_most: int) -> None:
+        """Wait until at most ``at_most`` results are still on their way; an upload that failed
+        (the server stayed away past ``--reconnect-timeout``) raises here."""
+        while sending and (len(sending) > at_most or sending[0].done()):
+            if not sending[0].done():
+                self.activity.task("sending results")
+            self._loop.wait(sending.popleft())
 
     def _reader(self, header: pb.TaskHeader) -> TensorAssembler:
         """Where a task's tensors are assembled: pinned staging buffers on a GPU."""
@@ -270,7 +293,7 @@ class ClientProcess:
                  f"{outcome.compute_seconds:.2f} s, loss {outcome.loss:.4f}")
         trained = {k: v.detach() for k, v in self.model.state_dict().items()}
         uploads = {n: trained[n] - self.cache[n] for n in plan.upload_deltas}
-        uploads.update({n: trained[n] for n in plan.upload_values})
+        uploads.update({n: trained[n].clone() for n in plan.upload_values})  # sent while the model trains on
         uploads, kept, state = self.transfers.to_host(uploads, {n: trained[n] for n in personal}, state)
         if kept:
             self.store.save_personal(client, task.round, kept)

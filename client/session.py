@@ -24,12 +24,15 @@ again on a new connection.
 
 A session runs on an asyncio event loop. The load generator runs thousands of them on one loop;
 ``fedpart client`` runs one on a loop thread of its own (:class:`SessionThread`) so that its main
-thread trains, and SIGINT or SIGTERM interrupt the training at once.
+thread trains, and SIGINT or SIGTERM interrupt the training at once. A poll and result uploads may
+run at the same time (the worker fetches its next task and sends earlier results while it trains):
+a lost session is joined again once, by whichever call found it lost first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import threading
 import time
@@ -221,6 +224,7 @@ class Session:
         self._held: set[int] = set()  # tasks received and not yet answered
         self._outage: Backoff | None = None  # set while the server is unreachable
         self._poll_waiting = False  # a long poll waits unanswered: the server counts it as a sign of life
+        self._rejoining = asyncio.Lock()  # one join again at a time
         self._heartbeats: asyncio.Task | None = None
         self._channel: grpc.aio.Channel | None = None
 
@@ -283,10 +287,16 @@ class Session:
         self.call_timeout = min(self.call_timeout, call_timeout)
         self._heartbeats = asyncio.create_task(self._beat(heartbeat_interval(heartbeat_timeout), first_beat_after))
 
-    async def _rejoin(self) -> None:
-        """The server does not know this session (it dropped the process after missed
+    async def _rejoin(self, lost: str) -> None:
+        """The server does not know session ``lost`` (it dropped the process after missed
         heartbeats, or it is a resumed server): join the same run again, keeping the held tensor
-        versions. A server that now runs another run ends the process."""
+        versions, unless another call already did. A server that now runs another run ends the
+        process."""
+        async with self._rejoining:
+            if self.session == lost:
+                await self._join_again()
+
+    async def _join_again(self) -> None:
         try:
             reply = await self._stub.Join(self._join_request(), timeout=JOIN_SECONDS)
         except grpc.aio.AioRpcError as error:
@@ -342,7 +352,8 @@ class Session:
         ``reconnect_timeout``) or a lost session (joining again). ``reader`` makes the
         :class:`TaskReader` for a task's tensors. The task is held until :meth:`answer`."""
         while True:
-            request = pb.TaskRequest(session=self.session, held_versions=self.versions, wait_seconds=POLL_SECONDS,
+            session = self.session
+            request = pb.TaskRequest(session=session, held_versions=self.versions, wait_seconds=POLL_SECONDS,
                                      held_tasks=sorted(self._held))
             try:
                 received = await self._poll(request, reader)
@@ -351,7 +362,7 @@ class Session:
                 if error.code() in RETRY_LATER_CODES:
                     await self._back_off(error)
                 elif error.code() == UNKNOWN_SESSION:
-                    await self._rejoin()
+                    await self._rejoin(session)
                 else:
                     raise SessionError(f"server refused the task request ({error.code().name}): "
                                        f"{error.details()}") from error
@@ -422,7 +433,8 @@ class Session:
         info = task.info
         try:
             while True:
-                header = result_header(ResultInfo(self.session, info.task_id, info.client_id, info.round,
+                session = self.session
+                header = result_header(ResultInfo(session, info.task_id, info.client_id, info.round,
                                                   num_samples=answer.num_samples, metrics=answer.metrics),
                                        answer.specs)
                 first = pb.ResultChunk(header=header).SerializeToString()
@@ -437,7 +449,7 @@ class Session:
                     if error.code() == UNKNOWN_SESSION:
                         self.events.log(f"result for client {info.client_id} round {info.round} lost: the server "
                                         "had dropped this process and its tasks")
-                        await self._rejoin()
+                        await self._rejoin(session)
                     else:
                         self.events.log(f"warning: result for client {info.client_id} round {info.round} not "
                                         f"taken: {error.details()}")
@@ -526,7 +538,15 @@ class SessionThread:
         self._thread.start()
 
     def call(self, coroutine: Awaitable[T]) -> T:
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        return self.wait(self.submit(coroutine))
+
+    def submit(self, coroutine: Awaitable[T]) -> concurrent.futures.Future[T]:
+        """Start ``coroutine`` on the loop; the caller goes on (:meth:`wait` for its outcome)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    @staticmethod
+    def wait(future: concurrent.futures.Future[T]) -> T:
+        """The outcome of a submitted coroutine; an interrupted wait cancels it."""
         try:
             return future.result()
         except BaseException:
