@@ -23,8 +23,8 @@ Columns:
 - *generators CPU s/round*: the same for the load generators together; they share the cores with
   the server, so a round cannot take less than (server + generators CPU) / cores;
 - *heartbeats missed*: server log lines "went silent";
-- *final evaluation s*: from the server's "evaluating" line to the line after it (every client
-  evaluated and the summary written);
+- *final evaluation s*: from the server's "evaluating" line to the summary table it prints after
+  it (every client evaluated and the summary written);
 - *floor s*: the same bytes in one process: ``results x result bytes`` through one loopback TCP
   connection (a plain socket pair) plus the fold of as many model-sized float32 deltas with the
   server's :class:`~fedpart.server.aggregation.WeightedMean` on one core, each the least of 3
@@ -35,14 +35,32 @@ Columns:
 for measuring a setting against the default in two invocations. Linux only (``/proc``). Every
 process is stopped by PID when a row ends, however it ends.
 
+Connection faults (issue 20): ``--cuts N`` and ``--evaluation-cuts M`` put a fault relay
+(``python -m fedpart.deploy.relay``, a process of its own) between the load generators and the
+server, which resets the connection that carries each of N seeded random bytes of the rounds'
+traffic and M of the final evaluation's (``reset_at``: offsets in the relay's whole traffic, so a
+cut lands in whatever flows then: a task stream, a result upload, a waiting poll). Where those
+bytes lie is known before the run: the sampling is seeded, so :func:`expected_traffic` gives the
+tensor bytes of each round (the model to each process hosting a sampled client, a model-sized
+result from each sampled client) and of the evaluation (the model to each process). ``--relay``
+alone relays without faults, the baseline for the relay's own cost. A relayed row also prints the
+relay's counts, the server's ``delivery`` counts of each round (``metrics.jsonl``) and of the final
+evaluation (``summary.json``): tasks and results sent again, streams cut, duplicates, tasks given
+up; and how many clients were evaluated. The columns *cuts* (resets made) and *evaluated* join the
+table. ``--keep`` also keeps the processes' output (``server.log``, ``relay.log``,
+``generator_I.log``).
+
     python benchmarks/server_scale.py --rows 1000x100,1000x600 --rounds 2
+    python benchmarks/server_scale.py --rows 10000x2000 --rounds 2 --cuts 20 --evaluation-cuts 10
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
+import random
 import re
 import socket
 import statistics
@@ -62,6 +80,7 @@ from fedpart.common.config import apply_overrides, config_from_dict
 from fedpart.common.experiment import build_run_model
 from fedpart.deploy.launcher import split_clients, stop_processes
 from fedpart.server.aggregation import WeightedMean
+from fedpart.server.sampling import sample_clients
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SAMPLE_SECONDS = 0.05
@@ -74,9 +93,12 @@ RECONNECT_SECONDS = 60.0
 FLOOR_REPEATS = 3
 FOLD_POOL = 4  # distinct delta sets the fold floor cycles through, so it does not run from cache
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
+_RELAY_LISTENING = re.compile(r"relay listening on (\S+:\d+) -> ")
+_RELAY_COUNTS = re.compile(r"^\{.*\}$")
 _ROUND_LINE = re.compile(r"\bround\s+(\d+)/\d+  clients")  # after the log line's time
 _EVALUATING = "evaluating and personalising"
 _SILENT = "went silent"
+_STAMPED = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ")  # a server log line (console.stamp)
 
 
 @dataclass(frozen=True)
@@ -115,6 +137,35 @@ def scale_config(clients: int, rounds: int, fraction: float, model: str, timeout
     }, list(overrides))
 
 
+def expected_traffic(row: Row, config: dict, model_bytes: int) -> tuple[int, int]:
+    """Tensor bytes, both ways, of the rounds together and of the final evaluation of a FedAvg
+    run of ``config`` (a :func:`scale_config`): each round sends the model once to every process
+    that hosts a sampled client (it then holds the version) and takes a model-sized result from
+    each sampled client; the evaluation sends the model once to every process. The sampling is
+    seeded, so the sampled clients are known before the run. Headers, polls and heartbeats add a
+    little more on the wire."""
+    run = config_from_dict(config)
+    hosts = [int(spec.split("-")[0]) for spec in split_clients(row.clients, row.processes)]
+    rounds = 0
+    for round_number in range(1, run.rounds + 1):
+        sampled = sample_clients(run.clients, round_number, run.seed, run.sampling.fraction,
+                                 run.sampling.probability, run.sampling.over_selection)
+        processes = {bisect.bisect_right(hosts, client) - 1 for client in sampled}
+        rounds += (len(sampled) + len(processes)) * model_bytes
+    return rounds, row.processes * model_bytes
+
+
+def fault_offsets(rounds_bytes: int, evaluation_bytes: int, cuts: int, evaluation_cuts: int,
+                  seed: int) -> tuple[int, ...]:
+    """Seeded offsets in the relay's whole traffic at which it resets a connection: ``cuts``
+    uniform over the rounds' bytes, ``evaluation_cuts`` uniform over the evaluation's, which
+    follow them."""
+    draw = random.Random(seed)
+    offsets = [draw.randrange(rounds_bytes) for _ in range(cuts)]
+    offsets += [rounds_bytes + draw.randrange(evaluation_bytes) for _ in range(evaluation_cuts)]
+    return tuple(sorted(offsets))
+
+
 class Lines:
     """A process's output lines with the time each arrived, read on a thread."""
 
@@ -151,6 +202,12 @@ class Lines:
     def snapshot(self) -> list[tuple[float, str]]:
         with self._changed:
             return list(self.lines)
+
+    def save(self, path: Path, timeout: float) -> None:
+        """Write the lines to ``path`` once the output ended (or at ``timeout``)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._closed, timeout)
+            path.write_text("".join(f"{line}\n" for _, line in self.lines))
 
 
 class ProcSampler:
@@ -212,6 +269,12 @@ class RowResult:
     generator_exits: list[int | None]
     load: dict  # the generators' counts, summed
     problems: list[str]
+    evaluated: int  # clients with an evaluation in summary.json
+    delivery_per_round: list[dict]  # each round's "delivery" counts from metrics.jsonl
+    evaluation_delivery: dict  # the final evaluation's delivery counts from summary.json
+    planned_cuts: int
+    relay: dict | None  # the relay's counts, when the row ran through it
+    relay_cpu_per_round: float | None
 
 
 def _generator_slices(row: Row, generators: int) -> list[tuple[str, int]]:
@@ -240,15 +303,29 @@ def _sum_loads(loads: list[dict]) -> dict:
     return total
 
 
-def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
-    """One real server and the row's virtual processes; every process is stopped by PID at the end."""
+def _relay_command(target: str, offsets: tuple[int, ...], processes: int) -> list[str]:
+    """The fault relay's command line: room for every virtual process's connection and as many
+    new ones while the old close, and a reset at each of ``offsets`` of its traffic."""
+    command = [sys.executable, "-m", "fedpart.deploy.relay", "--listen", "127.0.0.1:0", "--target", target,
+               "--max-connections", str(2 * processes + 64)]
+    if offsets:
+        command += ["--reset-at", ",".join(map(str, offsets))]
+    return command
+
+
+def run_row(row: Row, args: argparse.Namespace, work: Path, model_bytes: int) -> RowResult:
+    """One real server, through the fault relay when asked, and the row's virtual processes;
+    every process is stopped by PID at the end."""
+    config = scale_config(row.clients, args.rounds, args.fraction, args.model, args.timeout, args.set)
     config_path = work / "config.yaml"
-    config_path.write_text(yaml.safe_dump(scale_config(row.clients, args.rounds, args.fraction, args.model,
-                                                       args.timeout, args.set)))
+    config_path.write_text(yaml.safe_dump(config))
+    offsets = fault_offsets(*expected_traffic(row, config, model_bytes), args.cuts, args.evaluation_cuts,
+                            args.fault_seed)
     out = work / "run"
     started: list[subprocess.Popen] = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     sampler = None
+    relay_lines = relay_sampler = None
     generator_samplers: list[ProcSampler] = []
     try:
         server = subprocess.Popen([sys.executable, "-m", "fedpart.deploy.cli", "server", str(config_path),
@@ -258,6 +335,13 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
         sampler = ProcSampler(server.pid)
         server_lines = Lines(server)
         address = server_lines.wait_for(_LISTENING, LISTEN_SECONDS, "listening line from the server").group(1)
+        if args.relay:
+            relay = subprocess.Popen(_relay_command(address, offsets, row.processes), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env)
+            started.append(relay)
+            relay_sampler = ProcSampler(relay.pid)
+            relay_lines = Lines(relay)
+            address = relay_lines.wait_for(_RELAY_LISTENING, LISTEN_SECONDS, "listening line from the relay").group(1)
         generators = []
         for index, (ids, processes) in enumerate(_generator_slices(row, args.generators)):
             generator = subprocess.Popen(
@@ -284,21 +368,46 @@ def run_row(row: Row, args: argparse.Namespace, work: Path) -> RowResult:
             except subprocess.TimeoutExpired:
                 pass
     finally:
-        stop_processes(started, STOP_SECONDS)
-        for each in [sampler, *generator_samplers] if sampler is not None else []:
-            each.close()
-    return _collect(row, args, work, out, go, server, server_lines, sampler, generators, generator_samplers)
+        stop_processes(started, STOP_SECONDS)  # the relay prints its counts when stopped
+        for each in [sampler, relay_sampler, *generator_samplers]:
+            if each is not None:
+                each.close()
+    server_lines.save(work / "server.log", STOP_SECONDS)
+    for index, (_, lines) in enumerate(generators):
+        lines.save(work / f"generator_{index}.log", STOP_SECONDS)
+    relay_counts = None
+    if relay_lines is not None:
+        relay_lines.save(work / "relay.log", STOP_SECONDS)
+        try:
+            relay_counts = json.loads(relay_lines.wait_for(_RELAY_COUNTS, STOP_SECONDS, "counts").group(0))
+        except RuntimeError:
+            pass  # a problem of the row (_collect)
+    return _collect(row, args, work, out, go, server, server_lines, sampler, generators, generator_samplers,
+                    len(offsets), relay_counts, relay_sampler)
 
 
 def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: float, server: subprocess.Popen,
              server_lines: Lines, sampler: ProcSampler,
-             generators: list[tuple[subprocess.Popen, Lines]], generator_samplers: list[ProcSampler]) -> RowResult:
+             generators: list[tuple[subprocess.Popen, Lines]], generator_samplers: list[ProcSampler],
+             planned_cuts: int, relay_counts: dict | None, relay_sampler: ProcSampler | None) -> RowResult:
     """Read what the row's processes left behind into its result."""
     problems = []
     metrics_path = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.is_file() else []
     if len(records) < args.rounds:
         problems.append(f"{len(records)} of {args.rounds} rounds completed")
+    problems += [f"round {r['round']}: {len(r['completed'])} of {len(r['sampled'])} results" for r in records
+                 if len(r["completed"]) < len(r["sampled"])]
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    evaluated = sum(client["test_samples"] is not None for client in summary.get("per_client", []))
+    if evaluated < row.clients:
+        problems.append(f"{evaluated} of {row.clients} clients evaluated")
+    if args.relay and relay_counts is None:
+        problems.append("the relay printed no counts")
+    if relay_counts is not None and relay_counts["resets"] < planned_cuts:
+        problems.append(f"the relay made {relay_counts['resets']} of {planned_cuts} planned cuts (the traffic "
+                        "ended before the later offsets)")
     lines = server_lines.snapshot()
     round_lines = {int(m.group(1)): t for t, line in lines if (m := _ROUND_LINE.search(line))}
     windows = [(round_lines[r["round"]] - r["seconds"], round_lines[r["round"]]) for r in records
@@ -306,10 +415,15 @@ def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: floa
     cpu = [sampler.cpu_at(end) - sampler.cpu_at(start) for start, end in windows]
     generators_cpu = [sum(each.cpu_at(end) - each.cpu_at(start) for each in generator_samplers)
                       for start, end in windows]
+    relay_cpu = [relay_sampler.cpu_at(end) - relay_sampler.cpu_at(start) for start, end in windows
+                 ] if relay_sampler is not None else []
     evaluation = None
     for index, (moment, line) in enumerate(lines):
-        if _EVALUATING in line and index + 1 < len(lines):
-            evaluation = lines[index + 1][0] - moment
+        if _EVALUATING in line:
+            # the evaluation's own log lines (streams sent again, processes lost) are stamped; the
+            # summary table printed after it is not
+            after = next((t for t, later in lines[index + 1:] if not _STAMPED.match(later)), None)
+            evaluation = None if after is None else after - moment
     loads = []
     for index, (generator, _) in enumerate(generators):
         path = work / f"load_{index}.json"
@@ -336,7 +450,11 @@ def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: floa
         heartbeats_missed=sum(_SILENT in line for _, line in lines),
         evaluation_seconds=evaluation,
         generator_exits=[generator.returncode for generator, _ in generators],
-        load=load, problems=problems,
+        load=load, problems=problems, evaluated=evaluated,
+        delivery_per_round=[r.get("delivery", {}) for r in records],
+        evaluation_delivery=summary.get("delivery", {}).get("evaluation", {}),
+        planned_cuts=planned_cuts, relay=relay_counts,
+        relay_cpu_per_round=statistics.fmean(relay_cpu) if relay_cpu else None,
     )
 
 
@@ -434,10 +552,13 @@ def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def format_table(results: list[tuple[RowResult, Floor]]) -> str:
+def format_table(results: list[tuple[RowResult, Floor]], relayed: bool = False) -> str:
+    """The rows as a Markdown table; ``relayed`` adds the columns of the fault relay."""
     header = ["clients N", "processes K", "results per round", "joined-in s", "round s", "server peak RSS",
               "server CPU s/round", "generators CPU s/round", "heartbeats missed", "final evaluation s",
               "floor s", "round/floor"]
+    if relayed:
+        header += ["cuts", "evaluated"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result, floor in results:
         rounds = ", ".join(f"{s:.2f}" for s in result.round_seconds) or "-"
@@ -449,8 +570,20 @@ def format_table(results: list[tuple[RowResult, Floor]]) -> str:
             f"{result.peak_rss_bytes / 1e9:.2f} GB", _fmt(result.cpu_per_round),
             _fmt(result.generators_cpu_per_round), str(result.heartbeats_missed),
             _fmt(result.evaluation_seconds), f"{floor.seconds:.2f}", _fmt(ratio, "{:.1f}x"),
+            *([_cuts(result), f"{result.evaluated:,}"] if relayed else []),
         ]) + " |")
     return "\n".join(lines)
+
+
+def _cuts(result: RowResult) -> str:
+    if result.relay is None:
+        return "-"
+    made = result.relay["resets"]
+    return str(made) if made == result.planned_cuts else f"{made} of {result.planned_cuts}"
+
+
+def _nonzero(counts: dict) -> str:
+    return ", ".join(f"{key} {value}" for key, value in counts.items() if value) or "none"
 
 
 def format_details(result: RowResult, floor: Floor) -> str:
@@ -465,11 +598,22 @@ def format_details(result: RowResult, floor: Floor) -> str:
         f"{floor.transfer:.3f} s + WeightedMean fold {floor.fold:.3f} s (1 core) = {floor.seconds:.3f} s; "
         f"plain float32 sum {floor.plain_sum:.3f} s",
     ]
+    if result.relay is not None:
+        relay = result.relay
+        lines.append(
+            f"  relay: {relay['accepted']} connections accepted ({relay['rejected']} over its bound, "
+            f"{relay['refused']} refused by the server), {relay['resets']} reset of {result.planned_cuts} planned, "
+            f"{relay['up']:,} bytes up, {relay['down']:,} down; "
+            f"CPU s/round {_fmt(result.relay_cpu_per_round)}")
+        for number, counts in enumerate(result.delivery_per_round, start=1):
+            lines.append(f"  round {number} delivery: {_nonzero(counts)}")
+        lines.append(f"  final evaluation: {result.evaluated} of {result.row.clients} clients evaluated; delivery: "
+                     f"{_nonzero(result.evaluation_delivery)}")
     lines += [f"  problem: {problem}" for problem in result.problems]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=parse_rows, default=parse_rows("1000x100"),
                         help="CLIENTSxPROCESSES, comma-separated (default 1000x100)")
@@ -480,12 +624,34 @@ def main(argv: list[str] | None = None) -> int:
                         help="OS processes the virtual processes are spread over (default: the cores)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="the server's join, round and evaluation timeouts (a row ends by them)")
-    parser.add_argument("--keep", type=Path, help="keep each row's run directory and counts under this directory")
+    parser.add_argument("--keep", type=Path,
+                        help="keep each row's run directory, counts and logs under this directory")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key of the server's config, e.g. server.receive_window=65536 (repeatable)")
+    parser.add_argument("--relay", action="store_true",
+                        help="connect the load generators through the fault relay (implied by the cuts)")
+    parser.add_argument("--cuts", type=int, default=0,
+                        help="connections the relay resets at seeded random bytes of the rounds' traffic")
+    parser.add_argument("--evaluation-cuts", type=int, default=0,
+                        help="connections the relay resets at seeded random bytes of the final evaluation's traffic")
+    parser.add_argument("--fault-seed", type=int, default=0, help="seed of the bytes the cuts fall on")
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked; ``relay`` is set when cuts are asked for."""
     args = parser.parse_args(argv)
     if args.generators < 1:
         parser.error("--generators must be at least 1")
+    if args.cuts < 0 or args.evaluation_cuts < 0:
+        parser.error("--cuts and --evaluation-cuts must be >= 0")
+    args.relay = args.relay or args.cuts > 0 or args.evaluation_cuts > 0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parse_args(parser, argv)
     try:
         tensors = result_tensors(args.model)
     except ValueError as error:
@@ -498,24 +664,28 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"row {row.clients}x{row.processes}: {error}")
         if args.keep is not None and (args.keep / f"{row.clients}x{row.processes}").exists():
             parser.error(f"--keep: {args.keep / f'{row.clients}x{row.processes}'} exists already")
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     results = []
     floors: dict[int, Floor] = {}
     for row in args.rows:
         if args.keep is not None:
             work = args.keep / f"{row.clients}x{row.processes}"
             work.mkdir(parents=True)
-            result = run_row(row, args, work)
+            result = run_row(row, args, work, model_bytes)
         else:
             with tempfile.TemporaryDirectory(prefix="fedpart-scale-") as tmp:
-                result = run_row(row, args, Path(tmp))
+                result = run_row(row, args, Path(tmp), model_bytes)
         count = max(result.sampled_per_round, default=max(1, int(args.fraction * row.clients + 1e-9)))
         if count not in floors:
             floors[count] = measure_floor(count, tensors)
         results.append((result, floors[count]))
         print(format_details(result, floors[count]), flush=True)
     settings = "".join(f", {override}" for override in args.set)
+    if args.relay:
+        settings += (f", through the fault relay: {args.cuts} cuts in the rounds, {args.evaluation_cuts} in the "
+                     f"final evaluation (seed {args.fault_seed})")
     print(f"\nFedAvg, {args.model}, fraction {args.fraction}, {args.rounds} rounds, {os.cpu_count()} cores{settings}")
-    print(format_table(results))
+    print(format_table(results, args.relay))
     return 0 if all(not result.problems for result, _ in results) else 1
 
 

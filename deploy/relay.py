@@ -9,6 +9,11 @@ byte for byte, and half-closes each direction when its sender does. A :class:`Fa
   directions together, drawn uniformly from ``reset_bytes`` with the plan's seed (the same seed
   gives the same offsets). The relay forwards exactly that many bytes, then closes both sockets
   with ``SO_LINGER {1, 0}``: each peer gets a TCP RST, and whatever was still in flight is lost.
+- **reset in the traffic**: ``reset_at`` lists offsets in the relay's whole traffic (every
+  connection, both directions, together); the connection that relays byte ``X`` of it is reset
+  right after that byte, as above. Offsets spread over a run's expected traffic cut connections
+  wherever its bytes flow at the time (a task stream, a result upload, an evaluation), whereas
+  offsets per connection mostly cut long-lived connections early in their life.
 - **black hole**: after ``blackhole_bytes`` bytes the relay forwards nothing more, in either
   direction, and closes neither socket: it keeps reading and discarding, so neither sender ever
   blocks on a full buffer. The relay's kernel still acknowledges every segment (TCP keepalive
@@ -29,7 +34,7 @@ from synchronous code (its own loop on a thread), or the command line::
         --reset-bytes 300000-3000000 --cuts 9 --seed 1
 
 which prints ``relay listening on HOST:PORT`` once ready, and its counts as one JSON line when
-stopped by SIGTERM or SIGINT (exit 0).
+stopped by SIGTERM or SIGINT (exit 0). ``--reset-at 5000000,90000000`` resets in the traffic instead.
 """
 
 from __future__ import annotations
@@ -43,9 +48,11 @@ import socket
 import struct
 import sys
 import threading
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 
 from fedpart.common.exit_codes import ExitCode
+from fedpart.common.limits import raise_open_file_limit
 
 CHUNK_BYTES = 65536
 QUEUE_CHUNKS = 16
@@ -60,6 +67,7 @@ class FaultPlan:
     """What the relay does to the connections it forwards (the module docstring has the details)."""
 
     reset_bytes: tuple[int, int] | None = None  # [low, high] bytes, both directions, then a RST
+    reset_at: tuple[int, ...] = ()  # offsets in the relay's whole traffic: the connection relaying each is reset
     blackhole_bytes: int | None = None  # bytes, both directions, then silence without a close
     cuts: int | None = None  # connections reset or black-holed at most; None: every connection
     delay_ms: float = 0.0
@@ -75,6 +83,11 @@ class FaultPlan:
                 raise ValueError(f"reset_bytes must be 0 <= low <= high, got {low}-{high}")
             if self.blackhole_bytes is not None:
                 raise ValueError("a plan either resets or black-holes connections, not both")
+        if self.reset_at:
+            if min(self.reset_at) < 0:
+                raise ValueError(f"reset_at offsets must be >= 0, got {min(self.reset_at)}")
+            if self.reset_bytes is not None or self.blackhole_bytes is not None:
+                raise ValueError("a plan resets at offsets in the traffic or per connection, not both")
         if self.blackhole_bytes is not None and self.blackhole_bytes < 0:
             raise ValueError(f"blackhole_bytes must be >= 0, got {self.blackhole_bytes}")
         if self.cuts is not None and self.cuts < 0:
@@ -107,6 +120,7 @@ class RelayCounts:
     down: int = 0
     discarded: int = 0  # bytes read from black-holed connections and dropped
     cut_offsets: list[int] = field(default_factory=list)  # bytes relayed by each reset connection
+    cut_totals: list[int] = field(default_factory=list)  # the relay's whole traffic (up + down) at each reset
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -159,6 +173,7 @@ class Relay:
         self.address: Address | None = None
         self._counts = RelayCounts()
         self._faults = 0
+        self._traffic_offsets = deque(sorted(self.plan.reset_at))  # those of reset_at not yet reached
         self._tasks: set[asyncio.Task] = set()  # one a connection
         self._server: asyncio.Server | None = None
 
@@ -181,7 +196,8 @@ class Relay:
 
     def counts(self) -> RelayCounts:
         """A copy of the counts (call it on the relay's loop)."""
-        return replace(self._counts, cut_offsets=list(self._counts.cut_offsets))
+        return replace(self._counts, cut_offsets=list(self._counts.cut_offsets),
+                       cut_totals=list(self._counts.cut_totals))
 
     def _fault_allowed(self) -> bool:
         return self.plan.cuts is None or self._faults < self.plan.cuts
@@ -277,31 +293,49 @@ class Relay:
                 self._counts.discarded += len(chunk)
                 continue
             take = len(chunk) if connection.until_fault is None else min(len(chunk), connection.until_fault)
+            traffic_cut = self._traffic_cut(take)
+            if traffic_cut is not None:
+                take = traffic_cut
             writer.write(chunk[:take])
             connection.relayed += take
             if direction == "up":
                 self._counts.up += take
             else:
                 self._counts.down += take
+            fire = traffic_cut is not None
             if connection.until_fault is not None:
                 connection.until_fault -= take
-                if connection.until_fault == 0:
-                    self._fire(connection)
-                    self._counts.discarded += len(chunk) - take
+                fire = fire or connection.until_fault == 0
+            if fire:
+                self._counts.discarded += len(chunk) - take
+                self._fire(connection)
             await writer.drain()
         if not connection.black_holed and writer.can_write_eof():
             writer.write_eof()
+
+    def _traffic_cut(self, size: int) -> int | None:
+        """Bytes of a ``size``-byte write after which the relay's whole traffic reaches the next
+        offset of ``reset_at`` (0 when it has passed it already); None when the write stays short
+        of it, or no more cuts are allowed. Reaching it takes the offset off the list."""
+        if not self._traffic_offsets or not self._fault_allowed():
+            return None
+        to_offset = self._traffic_offsets[0] - self._counts.up - self._counts.down
+        if to_offset > size:
+            return None
+        self._traffic_offsets.popleft()
+        return max(0, to_offset)
 
     def _fire(self, connection: _Connection) -> None:
         """The fault of ``connection``: a reset (both sockets reset; raises) or a black hole."""
         connection.until_fault = None
         self._faults += 1
-        if self.plan.reset_bytes is None:
+        if self.plan.blackhole_bytes is not None:
             connection.black_holed = True
             self._counts.black_holes += 1
             return
         self._counts.resets += 1
         self._counts.cut_offsets.append(connection.relayed)
+        self._counts.cut_totals.append(self._counts.up + self._counts.down)
         for writer in (connection.client, connection.target):
             _arm_reset(writer)
             writer.transport.abort()
@@ -381,6 +415,14 @@ def format_address(address: Address) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def parse_offsets(text: str) -> tuple[int, ...]:
+    """``N,N,...`` byte offsets."""
+    parts = text.split(",")
+    if not all(part.strip().isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated byte offsets, got {text!r}")
+    return tuple(int(part) for part in parts)
+
+
 def parse_byte_range(text: str) -> tuple[int, int]:
     """``LOW-HIGH`` or ``N`` (always N) bytes."""
     low, _, high = text.partition("-")
@@ -411,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", type=parse_address, default=("127.0.0.1", 0), help="HOST:PORT (port 0: a free one)")
     parser.add_argument("--target", type=parse_address, required=True, help="HOST:PORT to forward to")
     parser.add_argument("--reset-bytes", type=parse_byte_range, help="reset each connection after LOW-HIGH bytes")
+    parser.add_argument("--reset-at", type=parse_offsets, default=(),
+                        help="reset the connection that relays each of these bytes of the whole traffic, "
+                             "e.g. 5000000,9000000")
     parser.add_argument("--blackhole-bytes", type=int, help="stop forwarding after N bytes, closing nothing")
     parser.add_argument("--cuts", type=int, help="connections faulted at most (default: every one)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="latency added to each chunk, one way")
@@ -420,11 +465,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connect-timeout", type=float, default=FaultPlan.connect_timeout, help="seconds")
     args = parser.parse_args(argv)
     try:
-        plan = FaultPlan(reset_bytes=args.reset_bytes, blackhole_bytes=args.blackhole_bytes, cuts=args.cuts,
-                         delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, seed=args.seed,
+        plan = FaultPlan(reset_bytes=args.reset_bytes, reset_at=args.reset_at, blackhole_bytes=args.blackhole_bytes,
+                         cuts=args.cuts, delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, seed=args.seed,
                          max_connections=args.max_connections, connect_timeout=args.connect_timeout)
     except ValueError as error:
         parser.error(str(error))
+    raise_open_file_limit()  # two sockets a relayed connection
     return asyncio.run(_serve(Relay(args.target, plan, args.listen)))
 
 

@@ -188,6 +188,19 @@ def test_the_same_seed_cuts_at_the_same_offsets(sink) -> None:
     assert offsets(8) != first
 
 
+def test_resets_in_the_traffic_cut_whichever_connection_relays_each_offset(echo) -> None:
+    payload = _payload(50_000)  # 100,000 bytes of traffic a connection, echoed
+    with RelayThread(echo.address, FaultPlan(reset_at=(200_000, 30_000))) as relay:
+        outcomes = [_exchange(relay.address, payload) for _ in range(4)]
+        counts = relay.counts()
+    assert [reset for _, reset in outcomes] == [True, False, True, False]
+    assert all(received == payload for received, _ in outcomes[1::2])
+    # the first connection is cut at byte 30,000 of the traffic; the second passes (30,000 to
+    # 130,000); the third relays 70,000 more bytes and is cut at byte 200,000
+    assert counts.cut_totals == [30_000, 200_000] and counts.cut_offsets == [30_000, 70_000]
+    assert (counts.resets, counts.relayed, counts.up + counts.down) == (2, 4, 300_000)
+
+
 def test_delay_adds_latency_each_way_without_capping_throughput(echo) -> None:
     with RelayThread(echo.address, FaultPlan(delay_ms=150)) as relay:
         started = time.monotonic()
@@ -244,11 +257,15 @@ def test_a_target_that_refuses_and_connections_over_the_bound_are_reset_at_once(
 
 def test_bad_plans_are_refused() -> None:
     for bad in (dict(reset_bytes=(5, 1)), dict(reset_bytes=(1, 5), blackhole_bytes=3), dict(cuts=-1),
-                dict(delay_ms=-1), dict(max_connections=0), dict(connect_timeout=0)):
+                dict(delay_ms=-1), dict(max_connections=0), dict(connect_timeout=0), dict(reset_at=(5, -1)),
+                dict(reset_at=(5,), reset_bytes=(1, 2)), dict(reset_at=(5,), blackhole_bytes=3)):
         with pytest.raises(ValueError):
             FaultPlan(**bad)
     with pytest.raises(SystemExit) as exit_info:
         main(["--target", "127.0.0.1:1", "--reset-bytes", "10-x"])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--target", "127.0.0.1:1", "--reset-at", "10,x"])
     assert exit_info.value.code == 2
 
 
