@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pickle
 import statistics
 import subprocess
@@ -65,6 +64,7 @@ from fedpart.client.speed import AMP_DTYPES
 from fedpart.common.algorithms import RoundContext
 from fedpart.common.config import config_from_dict
 from fedpart.common.experiment import build_run_model, run_algorithm
+from fedpart.common.limits import client_threads
 from fedpart.common.models.zoo import build_model
 from fedpart.deploy.launcher import split_clients, stop_processes
 
@@ -319,7 +319,7 @@ def main() -> int:
     samples = args.samples or defaults["samples"]
     epochs = args.epochs or defaults["epochs"]
     rounds = args.rounds or defaults["rounds"]
-    torch.set_num_threads(max(1, os.cpu_count() or 1))  # as fedpart run gives one client process
+    torch.set_num_threads(client_threads(1))  # as fedpart run gives its one client process
     print(f"device {describe(device)} | torch {torch.__version__} | amp {args.amp}, channels_last "
           f"{args.channels_last}, compile {args.compile}")
     if device.type != "cuda":

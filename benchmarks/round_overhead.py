@@ -15,7 +15,8 @@ What is measured:
 - **floor**: the same work with no framework. P spawn worker processes (P = the number of client
   processes fedpart starts), the same client -> process assignment
   (``fedpart.deploy.launcher.split_clients``) and the same torch thread count per process
-  (``max(1, cpu_count // P)``, as fedpart's launcher gives each client process); each worker
+  (:func:`~fedpart.common.limits.client_threads` of P, as ``fedpart run`` gives each client
+  process: the cores of this process's affinity and cgroup quota divided by P); each worker
   loads its clients' data and pays torch's one-off optimizer import before the first round
   (not timed; fedpart's clients do both before they report ready). A round's time is wall time
   in the parent from sending the global weights to holding the new global model: every worker,
@@ -63,6 +64,7 @@ import yaml
 from torch.nn.utils import parameters_to_vector
 
 from fedpart.common.checkpoint import load_tensors
+from fedpart.common.limits import client_threads
 from fedpart.common.models.zoo import build_model
 from fedpart.deploy.launcher import split_clients
 
@@ -77,7 +79,7 @@ TEST_PER_CLIENT = 100
 EPOCHS = 1
 BATCH_SIZE = 10
 LR = 0.01
-TARGET_RATIO = 1.05
+TARGET_RATIO = 1.03
 RAW_MODEL_BYTES = PARAMETERS * 4
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 POLL_SECONDS = 0.01
@@ -98,7 +100,7 @@ def client_processes(processes: int) -> tuple[list[list[int]], int]:
     for spec in ranges:
         low, high = (int(x) for x in spec.split("-"))
         groups.append(list(range(low, high + 1)))
-    return groups, max(1, (os.cpu_count() or 1) // len(groups))
+    return groups, client_threads(len(groups))
 
 
 def task_seed(round_number: int, client: int) -> int:

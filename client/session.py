@@ -73,7 +73,7 @@ CHANNEL_OPTIONS: list[tuple[str, object]] = [
     ("grpc.keepalive_time_ms", int(KEEPALIVE_SECONDS * 1000)),
     ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_SECONDS * 1000)),
     # gRPC waits this long for the answer to any ping, keepalives included (60 s by default: a
-    # black-holed upload failed after 70 s; with it, after 15 s)
+    # black-holed upload failed after 70 s; with it, after the keepalive bound)
     ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_SECONDS * 1000)),
     ("grpc.keepalive_permit_without_calls", 1),
     # keep pinging through a long poll that carries no data (by default pings stop after two,
