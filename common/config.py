@@ -183,6 +183,10 @@ class RobustConfig:
     norm_action: str = "clip"      # a delta over the bound: "clip" (scale it down) or "reject" it
     max_samples: int = 0           # cap on a result's self-reported sample count (0 = none)
     partition_sizes: bool = True   # also cap at the client's partition size where the server can compute it
+    adaptive_bound: float = 10.0   # refuse a result whose delta's L2 norm is over this many times the median
+                                   # of the latest round's deltas of the same tensors (0 = off)
+    first_round_bound: float = 3.0  # before any such round: over this many times those tensors' L2 norm in
+                                    # the initial global model (0 = no bound until a round has been folded)
 
 
 @dataclass
@@ -393,6 +397,10 @@ def _validate(config: RunConfig) -> None:
          "robust.norm_bound must be a finite number >= 0 (0 = off)"),
         (robust.norm_action in ("clip", "reject"), "robust.norm_action must be 'clip' or 'reject'"),
         (robust.max_samples >= 0, "robust.max_samples must be >= 0 (0 = no cap)"),
+        (math.isfinite(robust.adaptive_bound) and (robust.adaptive_bound == 0 or robust.adaptive_bound >= 1),
+         "robust.adaptive_bound must be 0 (off) or a finite number >= 1"),
+        (math.isfinite(robust.first_round_bound) and robust.first_round_bound >= 0,
+         "robust.first_round_bound must be a finite number >= 0 (0 = none)"),
     ]
     sampling = config.sampling
     checks.append((0 < sampling.fraction <= 1, "sampling.fraction must be in (0, 1]"))
