@@ -209,11 +209,11 @@ def _fold_round(step: AggregationStep, global_state: dict[str, torch.Tensor], no
 def test_the_default_bound_refuses_a_delta_over_10_times_the_latest_median():
     step, state = _default_step()
     initial = delta_norm(state)
-    assert (step.robust.adaptive_bound, step.robust.first_round_bound) == (10.0, 3.0)
-    assert not step.screen(0, _of_norm(state, 2.99 * initial), 100).clipped
-    with pytest.raises(ResultRefused, match=rf"exceeds {3 * initial:.6g}, robust.first_round_bound 3 x the "
+    assert (step.robust.adaptive_bound, step.robust.first_round_bound) == (10.0, 10.0)
+    assert not step.screen(0, _of_norm(state, 9.99 * initial), 100).clipped
+    with pytest.raises(ResultRefused, match=rf"exceeds {10 * initial:.6g}, robust.first_round_bound 10 x the "
                                             rf"initial global norm {initial:.6g} of these tensors"):
-        step.screen(0, _of_norm(state, 3.01 * initial), 100)
+        step.screen(0, _of_norm(state, 10.01 * initial), 100)
     _fold_round(step, state, [0.4, 0.1, 0.3, 0.2])
     passed = step.screen(0, _of_norm(state, 2.49), 100)
     assert not passed.clipped and passed.notes == ()
@@ -247,8 +247,8 @@ def test_rounds_that_train_different_tensors_are_not_compared():
     head = {name: tensor for name, tensor in state.items() if name.startswith("head.")}
     _fold_round(step, body, [0.01, 0.01, 0.01])
     assert step.adaptive_bound.limit(body)[0] == pytest.approx(0.1, rel=1e-6)
-    assert step.adaptive_bound.limit(head)[0] == pytest.approx(3 * delta_norm(head))
-    assert step.adaptive_bound.limit(state)[0] == pytest.approx(3 * delta_norm(state))
+    assert step.adaptive_bound.limit(head)[0] == pytest.approx(10 * delta_norm(head))
+    assert step.adaptive_bound.limit(state)[0] == pytest.approx(10 * delta_norm(state))
 
 
 def test_where_the_adaptive_bound_has_no_scale():
@@ -415,7 +415,7 @@ def test_the_default_bound_refuses_a_1e30_delta_and_changes_nothing(serve):
         client.submit(header, uploads, 10)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     initial = delta_norm({n: server.initial[n] for n in header.train.upload_deltas})
-    assert (f"delta norm {delta_norm(uploads):.6g} exceeds {3 * initial:.6g}, robust.first_round_bound 3 x the "
+    assert (f"delta norm {delta_norm(uploads):.6g} exceeds {10 * initial:.6g}, robust.first_round_bound 10 x the "
             f"initial global norm {initial:.6g} of these tensors") in error.value.details()
     server.wait()
     record = server.records[0]
@@ -646,7 +646,7 @@ def test_one_attacker_in_ten(tmp_path, processes, clean_run, without_attacker, d
     assert [record["robust"]["rejected"] for record in metrics] == [1] * len(metrics)
     assert len(summary["failures"]) == len(metrics)
     assert all(f"client {ATTACKER}: result rejected: delta norm" in failure for failure in summary["failures"])
-    assert "robust.first_round_bound 3 x the initial global norm" in summary["failures"][0]
+    assert "robust.first_round_bound 10 x the initial global norm" in summary["failures"][0]
     assert all("robust.adaptive_bound 10 x the median delta norm" in failure for failure in summary["failures"][1:])
 
 
