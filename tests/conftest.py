@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import queue
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -24,6 +26,15 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # A wait ends as soon as what it waits for happens; the bound only turns a hang into a failure.
 # FEDPART_TEST_WAIT_SCALE multiplies it on a slower machine (e.g. 2).
 WAIT = 300.0 * float(os.environ.get("FEDPART_TEST_WAIT_SCALE", "1"))
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script outside the package (``benchmarks/*.py``) as a module named after its file."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def small_config(**overrides: Any) -> dict[str, Any]:

@@ -5,7 +5,6 @@ they mean nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,21 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, child_env
+from conftest import REPO, child_env, load_script
 
 SCRIPT = REPO / "benchmarks" / "reproduce.py"
 STUDY_TIMEOUT = 900.0
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("reproduce", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["reproduce"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-reproduce = _module()
+reproduce = load_script(SCRIPT)
 
 
 @pytest.mark.slow

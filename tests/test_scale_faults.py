@@ -6,29 +6,17 @@ generator with 40 virtual client processes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-from conftest import REPO
+from conftest import REPO, load_script
 
 SCRIPT = REPO / "benchmarks" / "server_scale.py"
 # The server's round and evaluation timeouts: a task or an evaluation lost for good would hold its
 # round or the evaluation this long, and the run would then miss it.
 TIMEOUT = 60.0
 CUTS, EVALUATION_CUTS = 4, 3
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("server_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["server_scale"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-server_scale = _module()
+server_scale = load_script(SCRIPT)
 
 
 def test_resets_in_the_rounds_and_the_evaluation_lose_nothing_and_wait_on_no_timeout(tmp_path: Path) -> None:
