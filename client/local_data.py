@@ -44,7 +44,7 @@ def load_client_data(config: RunConfig, client_ids: list[int], data_root: str | 
     if tuple(dataset.input_shape) != tuple(input_shape) or dataset.num_classes != num_classes:
         raise ValueError(f"dataset {data.dataset!r} has samples {dataset.input_shape} and {dataset.num_classes} "
                          f"classes, the run expects {tuple(input_shape)} and {num_classes}")
-    splits = make_partition(dataset.y_train, dataset.y_test, config.clients, data.partition.scheme, config.seed,
+    splits = make_partition(dataset.y_train, dataset.y_test, config.clients, data.partition.scheme, config.partition_seed,
                             num_classes=dataset.num_classes, **data.partition.options)
     out = {}
     for client in client_ids:

@@ -327,7 +327,7 @@ class ClientProcess:
         values only through a codec that keeps every element."""
         section = self.config.compression.up
         codec = build_codec(section.codec, section.options)
-        generator = seeded_generator(self.config.seed, task.client_id, task.round)
+        generator = seeded_generator(self.config.training_seed, task.client_id, task.round)
         feedback = codec is not None and codec.error_feedback
         previous = self.store.residuals(task.client_id, task.round) if feedback else {}
         deltas = task.train.upload_deltas

@@ -84,6 +84,19 @@ class SamplingConfig:
 
 
 @dataclass
+class SeedsConfig:
+    """One seed per source of randomness, so that one can vary while the others stay fixed;
+    ``None`` takes the run's ``seed``. ``partition``: which samples each client holds;
+    ``init``: the initial model (FedBABU's fixed random head included); ``sampling``: the clients
+    of each round; ``training``: batch order, augmentation, fine-tuning and codec rounding."""
+
+    partition: int | None = None
+    init: int | None = None
+    sampling: int | None = None
+    training: int | None = None
+
+
+@dataclass
 class TrainConfig:
     """Local training (FedBABU's step decay: ``lr_milestones`` x ``lr_gamma``)."""
 
@@ -238,6 +251,7 @@ CODEC_OPTIONS: dict[str, dict[str, type]] = {
 class RunConfig:
     name: str = "run"
     seed: int = 0
+    seeds: SeedsConfig = field(default_factory=SeedsConfig)
     rounds: int = 10
     clients: int = 10
     processes: int = 2  # client processes ``fedpart run`` starts
@@ -255,6 +269,30 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def resolved_seeds(self) -> dict[str, int]:
+        """Every source's seed, ``seed`` where ``seeds`` leaves it unset."""
+        return {f.name: self._seed_of(f.name) for f in dataclasses.fields(SeedsConfig)}
+
+    def _seed_of(self, source: str) -> int:
+        value = getattr(self.seeds, source)
+        return self.seed if value is None else value
+
+    @property
+    def partition_seed(self) -> int:
+        return self._seed_of("partition")
+
+    @property
+    def init_seed(self) -> int:
+        return self._seed_of("init")
+
+    @property
+    def sampling_seed(self) -> int:
+        return self._seed_of("sampling")
+
+    @property
+    def training_seed(self) -> int:
+        return self._seed_of("training")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

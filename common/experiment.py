@@ -41,11 +41,11 @@ def run_algorithm(config: RunConfig) -> Algorithm:
 
 
 def build_run_model(config: RunConfig) -> SplitModel:
-    """The run's model, seeded from ``config.seed`` or loaded from ``model.init_checkpoint``, with
+    """The run's model, seeded from ``config.init_seed`` or loaded from ``model.init_checkpoint``, with
     the extra parts the algorithm declares (added after the checkpoint, at their own start)."""
     input_shape, num_classes = dataset_dims(config)
     model = build_model(config.model.name, num_classes=num_classes, input_shape=input_shape,
-                        seed=config.seed, **config.model.options)
+                        seed=config.init_seed, **config.model.options)
     if config.model.init_checkpoint:
         state = load_tensors(config.model.init_checkpoint)
         missing = set(model.state_dict()) - set(state)
@@ -105,7 +105,7 @@ def check_experiment(config: RunConfig, clients_data: LocalData | None = None, s
     except ValueError as error:
         raise ConfigError(f"data.options: {error}") from error
     try:
-        check_partition(data.partition.scheme, data.partition.options, config.clients, config.seed, counts)
+        check_partition(data.partition.scheme, data.partition.options, config.clients, config.partition_seed, counts)
     except ValueError as error:
         raise ConfigError(f"data.partition cannot be cut from {data.dataset} for {config.clients} clients: "
                           f"{error}") from error

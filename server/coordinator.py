@@ -236,7 +236,7 @@ class Coordinator:
             momentum=train.momentum, weight_decay=train.weight_decay, batch_size=train.batch_size,
             grad_clip=train.grad_clip,
             upload_deltas=tuple(deltas), upload_values=tuple(values),
-            seed=(self.config.seed * 1_000_003 + round_number) * 1_000_003 + client_id,
+            seed=(self.config.training_seed * 1_000_003 + round_number) * 1_000_003 + client_id,
         )
 
     def _personal_init(self, client_id: int) -> tuple[str, ...]:
@@ -247,7 +247,7 @@ class Coordinator:
         """Sample, dispatch, collect and aggregate one round; returns its metrics record."""
         started = time.monotonic()
         sampling = self.config.sampling
-        sampled = sample_clients(self.config.clients, round_number, self.config.seed,
+        sampled = sample_clients(self.config.clients, round_number, self.config.sampling_seed,
                                  sampling.fraction, sampling.probability, sampling.over_selection)
         with self._cond:
             self._round = round_number
@@ -345,7 +345,7 @@ class Coordinator:
         """
         ev = self.config.evaluate
         plan = EvalPlan(finetune_epochs=tuple(sorted(set(ev.finetune_epochs))), part=ev.part, lr=ev.lr,
-                        momentum=ev.momentum, batch_size=ev.batch_size, headless=ev.headless, seed=self.config.seed)
+                        momentum=ev.momentum, batch_size=ev.batch_size, headless=ev.headless, seed=self.config.training_seed)
         deadline = time.monotonic() + self.config.server.evaluation_timeout
         asked: dict[int, Task] = {}  # the latest evaluation task of each client
         unhosted_since: float | None = None

@@ -210,7 +210,7 @@ def partition_train_sizes(config: RunConfig) -> list[int]:
     """
     data = config.data
     dataset = load_dataset(data.dataset, data.root, **data.options)
-    splits = make_partition(dataset.y_train, dataset.y_test, config.clients, data.partition.scheme, config.seed,
+    splits = make_partition(dataset.y_train, dataset.y_test, config.clients, data.partition.scheme, config.partition_seed,
                             num_classes=dataset.num_classes, **data.partition.options)
     return [len(split.train) for split in splits]
 

@@ -91,7 +91,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.downloads = asyncio.Semaphore(download_slots)
         down = coordinator.config.compression.down
         self.payloads = TaskPayloads(coordinator.config.server.chunk_bytes, codec=build_codec(down.codec, down.options),
-                                     seed=coordinator.config.seed)
+                                     seed=coordinator.config.training_seed)
         self.stream_seconds = coordinator.config.server.call_timeout
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
