@@ -6,7 +6,8 @@ algorithm keeps on the client, as the client's last training left them),
 ``personal_start_<round>.safetensors`` (the personal parts that training round started from),
 ``residual.safetensors`` and ``residual_start_<round>.safetensors`` (the same for the upload
 codec's error-feedback residuals: what earlier uploads did not carry) and
-``personalized.safetensors`` (the fine-tuned model after evaluation);
+``personalized.safetensors`` (the whole model after the final evaluation's longest fine-tune;
+``fedpart export`` takes these away, :meth:`ClientStore.personalized_models` finds them);
 ``<state_dir>/latest_run`` names the run last served. The state survives a client process
 restart within a run; nothing here is ever sent unless the algorithm uploads it.
 
@@ -27,6 +28,8 @@ from fedpart.common.split_model import tensor_part
 
 PERSONAL = "personal"
 RESIDUAL = "residual"
+PERSONALIZED_FILE = "personalized.safetensors"
+CLIENT_DIR_PREFIX = "client_"
 
 
 class ClientStore:
@@ -47,7 +50,7 @@ class ClientStore:
         (self.root.parent / "latest_run").write_text(self.root.name)
 
     def _dir(self, client: int) -> Path:
-        return self.root / f"client_{client}"
+        return self.root / f"{CLIENT_DIR_PREFIX}{client}"
 
     def _start_path(self, client: int, kind: str, round_number: int) -> Path:
         return self._dir(client) / f"{kind}_start_{round_number:04d}.safetensors"
@@ -98,7 +101,21 @@ class ClientStore:
         """Keep the residuals round ``round_number``'s upload left, and what it started from."""
         self._save(client, RESIDUAL, round_number, tensors)
 
+    def personalized_path(self, client: int) -> Path:
+        """Where the client's personalized model lies (whether or not it was written yet)."""
+        return self._dir(client) / PERSONALIZED_FILE
+
     def save_personalized(self, client: int, state: Mapping[str, torch.Tensor]) -> Path:
-        path = self._dir(client) / "personalized.safetensors"
+        """Keep the client's whole personalized model (its state dict); returns the file."""
+        path = self.personalized_path(client)
         save_tensors(path, state)
         return path
+
+    def personalized_models(self) -> dict[int, Path]:
+        """The personalized model file of every client of this run that has one, by client id."""
+        found = {}
+        for path in self.root.glob(f"{CLIENT_DIR_PREFIX}*/{PERSONALIZED_FILE}"):
+            suffix = path.parent.name[len(CLIENT_DIR_PREFIX):]
+            if suffix.isdigit():
+                found[int(suffix)] = path
+        return dict(sorted(found.items()))

@@ -1,0 +1,74 @@
+"""fedpart's public plugin surface: the types a custom component receives and returns, and the
+loader of exported personalized models.
+
+Import plugin types from here, not from the internal modules they are defined in: those may move
+(``fedpart.common.dataset_types`` became ``fedpart.common.data.types``); this module keeps the
+names and gives a deprecation period when one changes. ``docs/plugins.md`` documents each kind.
+
+- **dataset** (``data.dataset: package.module:function``): ``function(root=..., **data.options)``
+  returns an :class:`ArrayDataset`.
+- **model** (``model.name: package.module:function``): ``function(num_classes=...,
+  input_shape=..., **model.options)`` returns a :class:`SplitModel`.
+- **loss** (``train.loss: package.module:function``): ``function()`` returns a :data:`LossFn`.
+- **algorithm**, **objective term**, **step rule**, **server optimizer**, **codec**: the types
+  below describe them; they are chosen by name from fedpart's own registries, which a run config
+  cannot extend yet (``docs/plugins.md`` says what exists).
+- :func:`load_model` rebuilds a model ``fedpart export`` wrote, in plain PyTorch.
+"""
+
+from fedpart.api.exported import METADATA_KEY, load_model, read_export_metadata
+from fedpart.common.algorithms import (
+    ALGORITHMS,
+    Algorithm,
+    PartFactory,
+    Role,
+    RoundContext,
+    Schedule,
+    all_then_head,
+    build_algorithm,
+    expand_layers,
+    gradual_unfreeze,
+    head_then_body,
+    train_body,
+    train_everything,
+    with_parts,
+)
+from fedpart.common.codecs import Codec, CodecError, Encoded
+from fedpart.common.data.datasets import DATASET_NAMES, load_dataset
+from fedpart.common.data.partition import make_partition
+from fedpart.common.data.types import ArrayDataset, ClientSplit
+from fedpart.common.losses import LossFn
+from fedpart.common.models.zoo import MODEL_NAMES, build_model
+from fedpart.common.objectives import (
+    STEP_RULES,
+    TERMS,
+    ObjectiveContext,
+    ObjectiveSpec,
+    Options,
+    StepRule,
+    Term,
+)
+from fedpart.common.plans import Phase
+from fedpart.common.split_model import HEAD, ModelOutput, SplitModel
+from fedpart.server.optimizers import OPTIMIZERS, RoundDelta, ServerOptimizer, StatefulOptimizer, apply_deltas
+
+__all__ = [
+    # datasets
+    "ArrayDataset", "ClientSplit", "DATASET_NAMES", "load_dataset", "make_partition",
+    # models
+    "SplitModel", "ModelOutput", "HEAD", "MODEL_NAMES", "build_model",
+    # losses
+    "LossFn",
+    # algorithms
+    "Algorithm", "Role", "RoundContext", "Phase", "Schedule", "PartFactory", "ALGORITHMS", "build_algorithm",
+    "train_everything", "train_body", "gradual_unfreeze", "expand_layers", "head_then_body", "all_then_head",
+    "with_parts",
+    # objective terms and step rules
+    "Term", "StepRule", "ObjectiveContext", "ObjectiveSpec", "Options", "TERMS", "STEP_RULES",
+    # server optimizers
+    "ServerOptimizer", "StatefulOptimizer", "RoundDelta", "apply_deltas", "OPTIMIZERS",
+    # codecs
+    "Codec", "Encoded", "CodecError",
+    # exported personalized models
+    "load_model", "read_export_metadata", "METADATA_KEY",
+]
