@@ -7,7 +7,7 @@ the goodbye, and what to do when any of them fails. What a task means is its *wo
 without computing (:mod:`fedpart.client.virtual`); both run on this one session, so a protocol
 change is made here once and the load tests exercise the real protocol.
 
-Delivery is at least once (DESIGN section 10, :mod:`fedpart.server.task_board`):
+Delivery is at least once (docs/architecture.md, Faults; :mod:`fedpart.server.task_board`):
 
 - every poll lists the tasks this process holds (received, not yet answered); a task the server
   gave the process but the list lacks was lost on the way, and the server sends it again;

@@ -1,5 +1,5 @@
 """Speed options of local training on the client's device: ``train.amp``, ``train.channels_last``
-and ``train.compile`` (README "GPUs").
+and ``train.compile`` (docs/gpus.md).
 
 - **amp** (``bf16`` / ``fp16``): the forward pass and the loss run under ``torch.autocast`` on a
   GPU; parameters, gradients and optimizer state stay float32. ``fp16`` adds a gradient scaler

@@ -1,4 +1,4 @@
-"""The exit codes of ``fedpart server``, ``fedpart client`` and ``fedpart run`` (README "Exit
+"""The exit codes of ``fedpart server``, ``fedpart client`` and ``fedpart run`` (docs/operating-a-run.md, "Exit
 codes"), and how a process turns SIGINT / SIGTERM into an orderly stop.
 
 A supervisor (systemd, Kubernetes, a shell script) tells from the code alone how a process ended:

@@ -99,7 +99,7 @@ class Principal:
 
 
 def load_credentials(path: str | Path) -> list[Principal]:
-    """Read a credentials file (see README, "Operations"); every entry is checked."""
+    """Read a credentials file (see docs/operations.md); every entry is checked."""
     try:
         raw = yaml.safe_load(_read(path, "credentials file"))
     except yaml.YAMLError as error:

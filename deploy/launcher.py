@@ -12,7 +12,7 @@ even share of the client ids and of the CPU cores, each on its device (their out
 ``<out>/logs/client_K.log``), forwards the server's output, and stops every process it started by
 PID. On a terminal it shows the live progress display, rendered from the progress lines the server
 prints with ``--progress json``; elsewhere it forwards plain lines only. A failed client process
-makes the whole run fail. Exit codes: the server's (README "Exit codes"); a client process's when
+makes the whole run fail. Exit codes: the server's (docs/operating-a-run.md, "Exit codes"); a client process's when
 it failed first; 130 / 143 when the launcher was interrupted / terminated (its processes then stop
 in order: the clients leave, the server writes what it knows marked ``interrupted``).
 """

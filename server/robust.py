@@ -1,6 +1,6 @@
 """The aggregation step as the run configures it (the ``robust:`` section).
 
-A result is never trusted for more than its shape (DESIGN section 8). Before a result is folded,
+A result is never trusted for more than its shape (docs/architecture.md, Trust). Before a result is folded,
 :meth:`AggregationStep.screen` caps its self-reported sample count (at the client's partition size
 where the server can compute the seeded partition itself, and at ``robust.max_samples``) and
 bounds the L2 norm of its delta over all its delta tensors: by default the :class:`AdaptiveBound`

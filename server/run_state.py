@@ -1,5 +1,5 @@
 """The server's run state at the end of each completed round: enough to resume the run after a
-crash with identical results (DESIGN.md section 8, ``fedpart server --resume RUN_DIR``).
+crash with identical results (docs/architecture.md, Trust; ``fedpart server --resume RUN_DIR``).
 
 Layout in the run directory: ``server_state/round_NNNN.safetensors`` holds the global tensors,
 FedHA's head dictionary and the server optimizer's state (``fedpart.server.optimizers``: FedAvgM's

@@ -10,7 +10,7 @@ being folded (a copy of the result that arrives meanwhile, or after the task was
 *duplicate*: acknowledged and dropped, so a result is never folded twice); *awaited* while the
 round loop waits for it, and the round loop is woken when the last awaited task closes.
 
-Delivery is at least once (DESIGN section 10): a lost message costs time, never a result. A poll
+Delivery is at least once (docs/architecture.md, Faults): a lost message costs time, never a result. A poll
 lists the tasks its process holds; an outstanding task of the process that the list lacks was
 lost on the way and is offered again at once. A result stream that ends early leaves its task
 outstanding for the client's next attempt. A restarted process is offered the tasks its

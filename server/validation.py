@@ -1,6 +1,6 @@
 """What a client may send: every rule a result must follow, in one place.
 
-A result is checked in three stages, each before the work it guards (DESIGN section 8: a result
+A result is checked in three stages, each before the work it guards (docs/architecture.md, Trust: a result
 is never trusted for more than its shape):
 
 1. its header, before any tensor byte is read (:func:`check_header`): it declares exactly the

@@ -1,4 +1,4 @@
-"""At-least-once delivery (DESIGN section 10): a lost task is offered again, a result stream that
+"""At-least-once delivery (docs/architecture.md, Faults): a lost task is offered again, a result stream that
 ends early is sent again, a copy of a taken result is dropped, a restarted process gets the tasks
 its predecessor held, and every one of these is bounded by ``server.delivery_attempts``.
 

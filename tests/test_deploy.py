@@ -252,10 +252,10 @@ def k8s_objects(directory: Path) -> dict[tuple[str, str], dict[str, Any]]:
     return objects
 
 
-def readme_secrets() -> dict[str, set[str]]:
-    """Secret name -> file names, from the ``kubectl create secret generic`` lines of the README."""
+def documented_secrets() -> dict[str, set[str]]:
+    """Secret name -> file names, from the ``kubectl create secret generic`` lines of docs/deploy.md."""
     secrets = {}
-    for line in (REPO / "README.md").read_text().splitlines():
+    for line in (REPO / "docs" / "deploy.md").read_text().splitlines():
         if line.startswith("kubectl create secret generic "):
             argv = shlex.split(line)
             secrets[argv[4]] = {a.removeprefix("--from-file=") for a in argv[5:] if a.startswith("--from-file=")}
@@ -330,7 +330,7 @@ def test_k8s_objects_and_their_references():
 
 
 def test_k8s_secrets_are_created_from_fedpart_certs_outputs():
-    secrets = readme_secrets()
+    secrets = documented_secrets()
     assert set(secrets) == {"fedpart-server", "fedpart-clients"}
     for files in secrets.values():
         assert files <= certs_outputs(PROCESSES) - {"ca.key"}
@@ -341,7 +341,7 @@ def test_k8s_secrets_are_created_from_fedpart_certs_outputs():
 
 def test_k8s_command_lines_read_mounted_files_and_cover_every_client_once(k8s_command_lines):
     objects = k8s_objects(K8S_BASE)
-    secrets = readme_secrets()
+    secrets = documented_secrets()
     (service,) = [o for (k, _), o in objects.items() if k == "Service"]
     (port,) = [p["port"] for p in service["spec"]["ports"]]
     server_lines, hosted = [], []

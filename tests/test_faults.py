@@ -1,4 +1,4 @@
-"""Faults cost time, never a result (DESIGN section 10): the quickstart with TLS and tokens, its
+"""Faults cost time, never a result (docs/architecture.md, Faults): the quickstart with TLS and tokens, its
 two client processes behind a relay (``fedpart.deploy.relay``) that resets connections at random
 byte offsets, black-holes one, or delays every byte while a client process is SIGKILLed in the
 middle of an upload and started again. Every round folds every sampled client, the final

@@ -1,5 +1,5 @@
 """The operator's command line: what ``fedpart server``, ``fedpart client`` and ``fedpart run``
-check before they start, how they refuse, how they stop, their exit codes (README "Exit codes"),
+check before they start, how they refuse, how they stop, their exit codes (docs/operating-a-run.md, "Exit codes"),
 their log lines and their live progress display on a terminal."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _fedpart(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
 
 
 def test_the_exit_code_table() -> None:
-    """README "Exit codes": the values a supervisor sees."""
+    """docs/operating-a-run.md, "Exit codes": the values a supervisor sees."""
     assert {code.name: int(code) for code in ExitCode} == {
         "COMPLETED": 0, "ERROR": 1, "USAGE": 2, "FAILURES": 3, "UNREACHABLE": 4, "ENDED_EARLY": 5,
         "INTERRUPTED": 130, "TERMINATED": 143}
@@ -173,7 +173,7 @@ def test_the_server_needs_the_test_split_only_for_the_global_test(tmp_path: Path
 
 
 def test_the_readme_server_command_runs_without_data_or_names_the_option(tmp_path: Path, processes) -> None:
-    """README "Running across machines": ``fedpart server configs/mnist_cnn2.yaml`` on a machine
+    """docs/across-machines.md: ``fedpart server configs/mnist_cnn2.yaml`` on a machine
     without MNIST fails at once naming evaluate.global_test, and writes nothing; with
     ``--set evaluate.global_test=false`` it starts."""
     out = tmp_path / "run"
