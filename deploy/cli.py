@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 # Nothing heavy at import time (console is standard library only): ``fedpart --help`` and
 # ``fedpart CMD --help`` load neither torch nor grpc; each command imports what it needs when it runs.
 from fedpart.common.console import PROGRESS_MODES
+from fedpart.deploy.export import add_export_parser
 
 if TYPE_CHECKING:
     from fedpart.common.config import RunConfig
@@ -364,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "default runs/compare-<name>-<time>")
     _add_link_options(compare)
     compare.set_defaults(handler=_compare)
+    add_export_parser(commands)
     verbose_help = (f"show gRPC's own log lines (handshake failures, ...) on stderr, for this command and the "
                     f"processes it starts (or set {VERBOSE_ENV}=1); by default gRPC stays quiet")
     parser.add_argument("--verbose", action="store_true", help=verbose_help)
