@@ -31,18 +31,27 @@ Studies (``python benchmarks/reproduce.py STUDY [STUDY ...]``; README "Results" 
 ``--size tiny`` runs every study's full grid of rows on scikit-learn's digits for a round or two
 (the test suite's check that the studies run end to end); ``--size full`` (default) is the
 documented study on real MNIST, sized to minutes per run on two CPU cores.
+
+``--lrs 0.01,0.03,0.1`` sweeps a study over the local learning rate: every cell is run at each
+rate (a variant that sets its own rate, such as LG-FedAvg's 1e-3, keeps it) and every claim gets
+a verdict per rate, plus one with each algorithm at its own best rate. A verdict never rests on a
+run that did not train: a run is *marked* (:func:`mark_runs`) when it diverged (a non-finite
+training loss or accuracy), collapsed (its model's accuracy within 5 points of chance) or, in a
+sweep, is under-trained (more than 15 points below the same variant at its best rate in the same
+cell and seed); a marked run's seed drops out of every pairing it is in, and the verdict says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +63,8 @@ from fedpart.deploy.report.runs import ReportError, Run, read_run
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ("full", "tiny")
+CHANCE_MARGIN = 0.05      # a model within 5 points of chance accuracy collapsed
+UNDERTRAINED_GAP = 0.15   # more than 15 points below its best learning rate: under-trained
 FINETUNE_SWEEP = [0, 1, 2, 3, 4, 5, 10]  # FedBABU's personalization-speed curve (tau_f)
 
 
@@ -77,11 +88,14 @@ class Variant:
 
 @dataclass(frozen=True)
 class Cell:
-    """One point of a study's grid (e.g. ``tau=4``): its own settings and its variants."""
+    """One point of a study's grid (e.g. ``tau=4``): its own settings and its variants. In a
+    learning-rate sweep ``origin`` is the key of the unswept cell and ``lr`` this cell's rate."""
 
     key: str
     settings: dict[str, Any]
     variants: tuple[Variant, ...]
+    origin: str | None = None
+    lr: float | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,7 @@ class Claim:
     worse: str
     lower: bool = False
     worse_metric: str | None = None
+    worse_cell: str | None = None  # the baseline's cell when it differs (each variant at its best rate)
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,8 @@ class Study:
     curve_columns: tuple[Column, ...] = ()  # an extra table (FedBABU's tau_f sweep)
     curve_title: str = ""
     per_round: bool = False          # also tabulate accuracy vs cumulative bytes / FLOPs per round
+    classes: int = 10                # of the data (chance accuracy = 1 / classes)
+    lrs: tuple[float, ...] = ()      # the swept learning rates (empty: no sweep)
 
 
 def _percent(key: str, title: str) -> Column:
@@ -338,6 +355,45 @@ STUDIES: dict[str, Callable[[str], Study]] = {
 }
 
 
+def select(study: Study, cells: Sequence[str] = (), variants: Sequence[str] = ()) -> Study:
+    """``study`` restricted to the named cells and variants (empty: all), with the claims whose
+    cells and variants remain (a scaled-down run of a study)."""
+    unknown = ([c for c in cells if c not in {cell.key for cell in study.cells}]
+               + [v for v in variants if v not in {v.label for cell in study.cells for v in cell.variants}])
+    if unknown:
+        raise ValueError(f"{study.name} has no cell or variant {unknown}")
+    kept = tuple(replace(cell, variants=tuple(v for v in cell.variants if not variants or v.label in variants))
+                 for cell in study.cells if not cells or cell.key in cells)
+    keys = {(cell.key, v.label) for cell in kept for v in cell.variants}
+
+    def holds(claim: Claim) -> bool:
+        return (claim.cell, claim.better) in keys and (claim.cell, claim.worse) in keys
+
+    return replace(study, cells=kept, claims=tuple(c for c in study.claims if holds(c)),
+                   trend_claims=tuple(t for t in study.trend_claims if holds(t[1]) and holds(t[2])))
+
+
+def _rate_key(cell_key: str, lr: float) -> str:
+    return f"{cell_key} lr={lr:g}"
+
+
+def sweep_learning_rates(study: Study, lrs: Sequence[float]) -> Study:
+    """``study`` with every cell run at each local learning rate of ``lrs`` (a cell setting
+    ``train.lr``, so a variant that sets its own rate keeps it) and every claim checked per rate.
+    A step size that suits one algorithm can break its baseline (FedAvg's head over-fits at lr 0.1
+    with momentum 0.9 where FedBABU's fixed head cannot), so a verdict at one rate says little."""
+    cells = tuple(Cell(_rate_key(cell.key, lr), {**cell.settings, "train.lr": lr}, cell.variants,
+                       origin=cell.key, lr=lr)
+                  for cell in study.cells for lr in lrs)
+    claims = tuple(replace(claim, cell=_rate_key(claim.cell, lr)) for claim in study.claims for lr in lrs)
+    trends = tuple((text, replace(small, cell=_rate_key(small.cell, lr)), replace(large, cell=_rate_key(large.cell, lr)))
+                   for text, small, large in study.trend_claims for lr in lrs)
+    rates = ", ".join(f"{lr:g}" for lr in lrs)
+    setting = (f"{study.setting}; swept over the local learning rate (train.lr in {rates}, replacing the rate above; "
+               "a variant with a rate of its own keeps it)")
+    return replace(study, setting=setting, cells=cells, claims=claims, trend_claims=trends, lrs=tuple(lrs))
+
+
 # ------------------------------------------------------------------------------------- running
 
 
@@ -355,6 +411,7 @@ class Record:
     error: str | None = None
     values: dict[str, float | None] = field(default_factory=dict)
     curve: list[dict[str, float]] = field(default_factory=list)  # per tested round
+    mark: str | None = None  # why the run did not train (see :func:`mark_runs`); None when it did
 
 
 def _setting(key: str, value: Any) -> str:
@@ -416,6 +473,8 @@ def measure(run: Run) -> tuple[dict[str, float | None], list[dict[str, float]]]:
         values[f"ft{epochs}"] = stats["mean"]
     personal = [v for v in (values["initial"], values.get("ft5")) if v is not None]
     values["personal_best"] = max(personal) if personal else None
+    losses = [record.get("train_loss") for record in run.rounds]
+    values["nonfinite_loss_rounds"] = float(sum(loss is not None and not math.isfinite(loss) for loss in losses))
     curve, up, down, flops = [], 0, 0, 0.0
     for record in run.rounds:
         up, down, flops = up + record["bytes_up"], down + record["bytes_down"], flops + record["train_flops"]
@@ -426,7 +485,48 @@ def measure(run: Run) -> tuple[dict[str, float | None], list[dict[str, float]]]:
 
 
 def run_directory(out_root: Path, study: Study, seed: int, cell: Cell, variant: Variant) -> Path:
-    return out_root / study.name / f"seed{seed}" / cell.key / variant.label.replace(" ", "_")
+    return out_root / study.name / f"seed{seed}" / cell.key.replace(" ", "_") / variant.label.replace(" ", "_")
+
+
+def model_accuracy(record: Record) -> float | None:
+    """What a run's trained model reaches: the global model's accuracy on the server's test split
+    where the algorithm has one, else the clients' mean personal (initial) accuracy."""
+    value = record.values.get("global")
+    return record.values.get("initial") if value is None else value
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def mark_runs(study: Study, records: Sequence[Record], margin: float = CHANCE_MARGIN,
+              gap: float = UNDERTRAINED_GAP) -> None:
+    """Set ``mark`` on every finished run that did not train, with the reason: *diverged* (a round's
+    training loss or the model's accuracy is not finite), *collapsed* (:func:`model_accuracy`
+    below chance + ``margin``) or, in a learning-rate sweep, *under-trained* (more than ``gap``
+    below the same variant at its best rate in the same cell and seed)."""
+    chance = 1.0 / study.classes
+    cells = {cell.key: cell for cell in study.cells}
+    finished = [r for r in records if r.error is None]
+    for record in records:
+        record.mark = None
+    for record in finished:
+        accuracy = model_accuracy(record)
+        if record.values.get("nonfinite_loss_rounds") or (accuracy is not None and not math.isfinite(accuracy)):
+            record.mark = "diverged: a non-finite training loss or accuracy"
+        elif accuracy is not None and accuracy < chance + margin:
+            record.mark = f"collapsed: model accuracy {accuracy * 100:.1f} % (chance {chance * 100:.0f} %)"
+    for record in finished:
+        cell = cells.get(record.cell)
+        accuracy = model_accuracy(record)
+        if record.mark is not None or cell is None or cell.origin is None or not _finite(accuracy):
+            continue
+        peers = [r for r in finished if r.variant == record.variant and r.seed == record.seed
+                 and r.cell in cells and cells[r.cell].origin == cell.origin and _finite(model_accuracy(r))]
+        best = max(peers, key=model_accuracy)
+        if model_accuracy(best) - accuracy > gap:
+            record.mark = (f"under-trained: model accuracy {accuracy * 100:.1f} % against "
+                           f"{model_accuracy(best) * 100:.1f} % at lr {cells[best.cell].lr:g}")
 
 
 def collect_study(study: Study, seeds: Sequence[int], out_root: Path) -> list[Record]:
@@ -482,10 +582,12 @@ def run_study(study: Study, seeds: Sequence[int], out_root: Path, data_root: Pat
 # ------------------------------------------------------------------------------------- tables
 
 
-def _values(records: Sequence[Record], cell: str, variant: str, key: str) -> dict[int, float]:
-    """Seed -> value of ``key`` for one row (runs that failed or lack the value left out)."""
+def _values(records: Sequence[Record], cell: str, variant: str, key: str, marked: bool = True) -> dict[int, float]:
+    """Seed -> value of ``key`` for one row (runs that failed or lack the value left out, and
+    marked runs too unless ``marked``)."""
     return {r.seed: r.values[key] for r in records
-            if r.cell == cell and r.variant == variant and r.error is None and r.values.get(key) is not None}
+            if r.cell == cell and r.variant == variant and r.error is None and r.values.get(key) is not None
+            and (marked or r.mark is None)}
 
 
 def _mean_std(values: Sequence[float], scale: float, digits: int) -> str:
@@ -501,6 +603,9 @@ def _row_cells(records: Sequence[Record], cell: Cell, variant: Variant, columns:
     rows = [r for r in records if r.cell == cell.key and r.variant == variant.label]
     ok = [r for r in rows if r.error is None]
     status = f"{len(ok)}/{len(rows)}" if rows else "0/0"
+    marked = sum(r.mark is not None for r in ok)
+    if marked:
+        status += f" ({marked} marked)"
     walls = [r.wall_seconds for r in ok]
     return ([cell.key, variant.label, status]
             + [_mean_std(list(_values(records, cell.key, variant.label, c.key).values()), c.scale, c.digits)
@@ -552,11 +657,20 @@ class Verdict:
 
 
 def _differences(records: Sequence[Record], claim: Claim) -> dict[int, float]:
-    """Seed -> (better - worse) in the claimed direction (positive = the claim holds in that seed)."""
-    better = _values(records, claim.cell, claim.better, claim.metric)
-    worse = _values(records, claim.cell, claim.worse, claim.worse_metric or claim.metric)
+    """Seed -> (better - worse) in the claimed direction (positive = the claim holds in that seed),
+    over the seeds where neither run failed or is marked."""
+    better = _values(records, claim.cell, claim.better, claim.metric, marked=False)
+    worse = _values(records, claim.worse_cell or claim.cell, claim.worse, claim.worse_metric or claim.metric,
+                    marked=False)
     sign = -1.0 if claim.lower else 1.0
     return {s: sign * (better[s] - worse[s]) for s in sorted(set(better) & set(worse))}
+
+
+def _left_out(records: Sequence[Record], claim: Claim) -> list[str]:
+    """The marked runs of a claim's two rows, as ``FedAvg seed 1 under-trained``."""
+    rows = {(claim.cell, claim.better), (claim.worse_cell or claim.cell, claim.worse)}
+    return [f"{r.variant} seed {r.seed} {r.mark.split(':')[0]}" for r in records
+            if (r.cell, r.variant) in rows and r.error is None and r.mark is not None]
 
 
 def _verdict(differences: Sequence[float]) -> str:
@@ -575,16 +689,57 @@ def _scale(metric: str) -> tuple[float, str]:
     return 1.0, ""
 
 
+def _claim_verdict(claim: Claim, records: Sequence[Record], cell_text: str) -> Verdict:
+    differences = _differences(records, claim)
+    left_out = _left_out(records, claim)
+    scale, unit = _scale(claim.metric)
+    values = ", ".join(f"{d * scale:+.2f}" for d in differences.values())
+    measured = (f"{claim.better} - {claim.worse}" if not claim.lower else f"{claim.worse} - {claim.better}")
+    measured += f" = {statistics.fmean(differences.values()) * scale:+.2f}{unit} (seeds: {values})" \
+        if differences else ": no data"
+    if left_out:
+        measured += "; left out: " + ", ".join(left_out)
+    verdict = _verdict(list(differences.values()))
+    if not differences and left_out:
+        verdict = "no verdict (a run did not train)"
+    return Verdict(claim.text, cell_text, measured, verdict)
+
+
+def best_rates(study: Study, records: Sequence[Record]) -> dict[tuple[str, str], float]:
+    """(unswept cell, variant) -> the swept rate at which the variant's :func:`model_accuracy`,
+    averaged over the seeds that finished, is highest."""
+    means: dict[tuple[str, str], tuple[float, float]] = {}
+    for cell in study.cells:
+        if cell.origin is None or cell.lr is None:
+            continue
+        for variant in cell.variants:
+            accuracies = [model_accuracy(r) for r in records
+                          if r.cell == cell.key and r.variant == variant.label and r.error is None]
+            accuracies = [a for a in accuracies if _finite(a)]
+            key = (cell.origin, variant.label)
+            if accuracies and (key not in means or statistics.fmean(accuracies) > means[key][1]):
+                means[key] = (cell.lr, statistics.fmean(accuracies))
+    return {key: lr for key, (lr, _) in means.items()}
+
+
 def verdicts(study: Study, records: Sequence[Record]) -> list[Verdict]:
-    out = []
-    for claim in study.claims:
-        differences = _differences(records, claim)
-        scale, unit = _scale(claim.metric)
-        values = ", ".join(f"{d * scale:+.2f}" for d in differences.values())
-        measured = (f"{claim.better} - {claim.worse}" if not claim.lower else f"{claim.worse} - {claim.better}")
-        measured += f" = {statistics.fmean(differences.values()) * scale:+.2f}{unit} (seeds: {values})" \
-            if differences else ": no data"
-        out.append(Verdict(claim.text, claim.cell, measured, _verdict(list(differences.values()))))
+    """One verdict per claim (per rate in a sweep, then each claim with both variants at their own
+    best rates), then the trend claims."""
+    out = [_claim_verdict(claim, records, claim.cell) for claim in study.claims]
+    if study.lrs:
+        origins = {cell.key: cell.origin for cell in study.cells}
+        best = best_rates(study, records)
+        first = _rate_key("", study.lrs[0])
+        for claim in study.claims:
+            origin = origins.get(claim.cell)
+            if origin is None or not claim.cell.endswith(first):
+                continue  # one best-rate verdict per claim: from the claim at the first rate
+            better, worse = best.get((origin, claim.better)), best.get((origin, claim.worse))
+            if better is None or worse is None:
+                continue
+            paired = replace(claim, cell=_rate_key(origin, better), worse_cell=_rate_key(origin, worse))
+            cell_text = f"{origin}, best lr ({claim.better} {better:g}, {claim.worse} {worse:g})"
+            out.append(_claim_verdict(paired, records, cell_text))
     for text, small, large in study.trend_claims:
         low, high = _differences(records, small), _differences(records, large)
         growth = {s: high[s] - low[s] for s in sorted(set(low) & set(high))}
@@ -592,7 +747,13 @@ def verdicts(study: Study, records: Sequence[Record]) -> list[Verdict]:
         values = ", ".join(f"{d * scale:+.2f}" for d in growth.values())
         measured = (f"gap at {large.cell} - gap at {small.cell} = {statistics.fmean(growth.values()) * scale:+.2f}"
                     f"{unit} (seeds: {values})") if growth else "no data"
-        out.append(Verdict(text, f"{small.cell} → {large.cell}", measured, _verdict(list(growth.values()))))
+        left_out = _left_out(records, small) + _left_out(records, large)
+        if left_out:
+            measured += "; left out: " + ", ".join(left_out)
+        verdict = _verdict(list(growth.values()))
+        if not growth and left_out:
+            verdict = "no verdict (a run did not train)"
+        out.append(Verdict(text, f"{small.cell} → {large.cell}", measured, verdict))
     return out
 
 
@@ -615,6 +776,12 @@ def study_markdown(study: Study, records: Sequence[Record], seeds: Sequence[int]
         parts += ["Global accuracy per tested round against cumulative bytes and training FLOPs (means over seeds):",
                   "", per_round_table(study, records), ""]
     parts += [verdict_table(verdicts(study, records)), ""]
+    marked = [r for r in records if r.error is None and r.mark]
+    if marked:
+        parts += [f"Runs that did not train (left out of every verdict; chance + {CHANCE_MARGIN * 100:.0f} points "
+                  f"is collapsed, more than {UNDERTRAINED_GAP * 100:.0f} points below the variant's best rate is "
+                  "under-trained):", ""]
+        parts += [f"- {r.cell} {r.variant} seed {r.seed}: {r.mark}" for r in marked] + [""]
     failed = [r for r in records if r.error]
     if failed:
         parts += ["Failed runs:", ""] + [f"- {r.cell} {r.variant} seed {r.seed}: {r.error.splitlines()[0]}"
@@ -637,6 +804,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("studies", nargs="*", default=list(STUDIES), help=f"any of {', '.join(STUDIES)} (default: all)")
     parser.add_argument("--size", choices=SIZES, default="full", help="full (MNIST) or tiny (digits, a round or two)")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    parser.add_argument("--cells", default="", help="comma-separated cells of the studies to run (default: all)")
+    parser.add_argument("--variants", default="", help="comma-separated variants to run (default: all)")
+    parser.add_argument("--lrs", default="",
+                        help="comma-separated local learning rates: every cell at each (train.lr), verdicts per rate")
     parser.add_argument("--set", dest="sets", action="append", type=_parse_set, default=[], metavar="KEY=VALUE",
                         help="override a setting of every run (e.g. --set model.name=cnn2)")
     parser.add_argument("--data-root", type=Path, default=default_data_root(), help="holds MNIST/raw/*.gz")
@@ -658,6 +829,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--seeds {args.seeds!r}: comma-separated integers")
     if not args.seeds:
         parser.error("--seeds: give at least one seed")
+    args.cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    try:
+        args.lrs = [float(lr) for lr in args.lrs.split(",") if lr.strip()]
+    except ValueError:
+        parser.error(f"--lrs {args.lrs!r}: comma-separated numbers")
+    if not all(lr > 0 and math.isfinite(lr) for lr in args.lrs) or len(set(args.lrs)) != len(args.lrs):
+        parser.error(f"--lrs {args.lrs}: distinct positive rates")
+    if args.lrs and any(key == "train.lr" for key, _ in args.sets):
+        parser.error("--lrs and --set train.lr both set the learning rate: give one")
     return args
 
 
@@ -668,7 +849,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run directories under {out_root}", flush=True)
     sections, dump, failed = [], {"size": args.size, "seeds": args.seeds, "studies": {}}, False
     for name in args.studies:
-        study = STUDIES[name](args.size)
+        try:
+            study = select(STUDIES[name](args.size), args.cells, args.variants)
+        except ValueError as error:
+            print(f"reproduce.py: {error}", file=sys.stderr)
+            return 2
+        if args.lrs:
+            study = sweep_learning_rates(study, args.lrs)
         started = time.perf_counter()
         if args.collect:
             records = collect_study(study, args.seeds, out_root)
@@ -678,7 +865,11 @@ def main(argv: list[str] | None = None) -> int:
             records = run_study(study, args.seeds, out_root, args.data_root, extra, args.timeout)
             wall = time.perf_counter() - started
             wall_text = f"study wall time {wall / 60:.1f} min"
+        mark_runs(study, records)
         command = f"python benchmarks/reproduce.py {name} --size {args.size} --seeds {','.join(map(str, args.seeds))}"
+        command += f" --cells {','.join(args.cells)}" if args.cells else ""
+        command += f" --variants {','.join(args.variants)}" if args.variants else ""
+        command += f" --lrs {','.join(f'{lr:g}' for lr in args.lrs)}" if args.lrs else ""
         command += "".join(f" --set {k}={json.dumps(v)}" for k, v in extra.items())
         section = study_markdown(study, records, args.seeds, args.size, wall_text, command)
         print("\n" + section, flush=True)

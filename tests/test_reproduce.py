@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import REPO, child_env, load_script
 
@@ -42,9 +43,13 @@ def test_study_runs_end_to_end_at_tiny_size(name: str, tmp_path: Path) -> None:
     section = out_md.read_text()
     table = section.split("\n\n")[3].splitlines()  # title, command, setting, then the results table
     assert [tuple(line.split(" | ")[:2]) for line in table[2:]] == [(f"| {c}", v) for c, v in expected]
-    assert all("| 1/1 |" in line for line in table[2:])
+    assert all("| 1/1" in line for line in table[2:])
     assert len(dumped["verdicts"]) == len(study.claims) + len(study.trend_claims)
-    assert all(v["verdict"] in ("reproduced", "not reproduced", "inconclusive") for v in dumped["verdicts"])
+    for verdict in dumped["verdicts"]:  # a run that did not train in a round or two gives no verdict, and says so
+        if verdict["verdict"] == "no verdict (a run did not train)":
+            assert "left out" in verdict["measured"]
+        else:
+            assert verdict["verdict"] in ("reproduced", "not reproduced", "inconclusive")
     if study.per_round:  # the per-round global accuracy was recorded for the algorithms with a global model
         assert any(r["curve"] for r in records)
 
@@ -109,3 +114,127 @@ def test_run_settings_precedence(tmp_path: Path) -> None:
     assert settings["rounds"] == max(1, 60 // 10 // 4)      # the variant's rounds win over the cell's
     assert settings["data.root"] == str(tmp_path.resolve())
     assert settings["data.options"] == {"normalize": True, "train_samples": 3000, "test_samples": 2500}
+
+
+def _sweep_study() -> object:
+    """The FedBABU study's tau=4 cell with FedAvg, FedBABU and LG-FedAvg, swept over two rates."""
+    study = reproduce.select(reproduce.STUDIES["fedbabu"]("full"), ["tau=4"], ["FedAvg", "FedBABU", "LG-FedAvg"])
+    return reproduce.sweep_learning_rates(study, [0.01, 0.1])
+
+
+def test_sweep_runs_every_cell_at_each_rate_and_checks_every_claim_per_rate(tmp_path: Path) -> None:
+    unswept = reproduce.select(reproduce.STUDIES["fedbabu"]("full"), ["tau=4"], ["FedAvg", "FedBABU", "LG-FedAvg"])
+    study = _sweep_study()
+    assert [c.key for c in study.cells] == ["tau=4 lr=0.01", "tau=4 lr=0.1"]
+    assert all(c.origin == "tau=4" for c in study.cells) and [c.lr for c in study.cells] == [0.01, 0.1]
+    for cell in study.cells:
+        by_label = {v.label: v for v in cell.variants}
+        assert reproduce.run_settings(study, cell, by_label["FedAvg"], 0, tmp_path, {})["train.lr"] == cell.lr
+        # a variant with a rate of its own keeps it (LG-FedAvg fine-tunes FedAvg's model at 1e-3)
+        assert reproduce.run_settings(study, cell, by_label["LG-FedAvg"], 0, tmp_path, {})["train.lr"] == 0.001
+    directories = {reproduce.run_directory(tmp_path, study, 0, c, c.variants[0]) for c in study.cells}
+    assert len(directories) == 2 and all(" " not in str(d) for d in directories)
+    assert sorted((c.text, c.cell) for c in study.claims) == sorted(
+        (c.text, f"{c.cell} lr={lr:g}") for c in unswept.claims for lr in (0.01, 0.1))
+    # FedPer and FedRep were not selected: no claim against them is left
+    assert all({c.better, c.worse} <= {"FedAvg", "FedBABU", "LG-FedAvg"} for c in study.claims)
+    with pytest.raises(ValueError, match="tau=5"):
+        reproduce.select(reproduce.STUDIES["fedbabu"]("full"), ["tau=5"])
+
+
+def _run(variant: str, seed: int, cell: str, model: float | None, initial: float = 0.5,
+         nonfinite: float = 0.0) -> object:
+    values = {"global": model, "initial": initial, "nonfinite_loss_rounds": nonfinite}
+    return reproduce.Record("fedbabu", cell, variant, seed, "", [], 1.0, values=values)
+
+
+def test_mark_runs_names_diverged_collapsed_and_under_trained_runs() -> None:
+    study = _sweep_study()
+    low, high = "tau=4 lr=0.01", "tau=4 lr=0.1"
+    records = [
+        _run("FedAvg", 0, low, 0.90), _run("FedAvg", 0, high, 0.70),          # 20 points below its best rate
+        _run("FedAvg", 1, low, 0.90), _run("FedAvg", 1, high, 0.80),          # 10 points below: trained
+        _run("FedBABU", 0, low, 0.12), _run("FedBABU", 0, high, 0.85),        # within 5 points of chance
+        _run("FedBABU", 1, low, 0.85), _run("FedBABU", 1, high, 0.84, nonfinite=1.0),
+        _run("LG-FedAvg", 0, low, None, initial=0.11),                       # no global model: personal accuracy
+        _run("LG-FedAvg", 0, high, None, initial=float("nan")),
+    ]
+    failed = _run("LG-FedAvg", 1, low, 0.10)
+    failed.error = "exit code 1"
+    reproduce.mark_runs(study, records + [failed])
+    marks = [(r.variant, r.seed, r.cell, (r.mark or "trained").split(":")[0]) for r in records]
+    assert marks == [
+        ("FedAvg", 0, low, "trained"), ("FedAvg", 0, high, "under-trained"),
+        ("FedAvg", 1, low, "trained"), ("FedAvg", 1, high, "trained"),
+        ("FedBABU", 0, low, "collapsed"), ("FedBABU", 0, high, "trained"),
+        ("FedBABU", 1, low, "trained"), ("FedBABU", 1, high, "diverged"),
+        ("LG-FedAvg", 0, low, "collapsed"), ("LG-FedAvg", 0, high, "diverged"),
+    ]
+    assert failed.mark is None  # a failed run is already out of every verdict
+    assert "70.0 % against 90.0 % at lr 0.01" in records[1].mark
+
+
+def test_a_verdict_never_rests_on_a_run_that_did_not_train() -> None:
+    study = reproduce.Study("s", "paper", "", {}, (reproduce.Cell("c", {}, ()),), (),
+                            (reproduce.Claim("a above b", "c", "m", "a", "b"),))
+    records = [_record("a", 0, 0.9), _record("a", 1, 0.9), _record("b", 0, 0.8), _record("b", 1, 0.95)]
+    assert reproduce.verdicts(study, records)[0].verdict == "inconclusive"
+    records[3].mark = "under-trained: model accuracy 50.0 % against 90.0 % at lr 0.03"
+    found = reproduce.verdicts(study, records)[0]
+    assert found.verdict == "reproduced"  # seed 1's baseline did not train: only seed 0 is paired
+    assert found.measured.endswith("(seeds: +0.10); left out: b seed 1 under-trained")
+    records[2].mark = "collapsed: model accuracy 10.0 % (chance 10 %)"
+    assert reproduce.verdicts(study, records)[0].verdict == "no verdict (a run did not train)"
+
+
+def test_best_rate_verdict_pairs_each_variant_at_its_own_best_rate() -> None:
+    study = _sweep_study()
+    low, high = "tau=4 lr=0.01", "tau=4 lr=0.1"
+    records = []
+    for seed in (0, 1):
+        records += [_run("FedAvg", seed, low, 0.90, initial=0.88), _run("FedAvg", seed, high, 0.80, initial=0.60),
+                    _run("FedBABU", seed, low, 0.85, initial=0.80), _run("FedBABU", seed, high, 0.88, initial=0.84)]
+    reproduce.mark_runs(study, records)
+    found = reproduce.verdicts(study, records)
+    initial = [v for v in found if v.text.startswith("initial accuracy")]
+    # FedAvg's initial accuracy is above FedBABU's at 0.01, below it at 0.1
+    assert [(v.cell, v.verdict) for v in initial] == [
+        (low, "reproduced"), (high, "not reproduced"),
+        ("tau=4, best lr (FedAvg 0.01, FedBABU 0.1)", "reproduced")]
+    assert initial[2].measured.startswith("FedAvg - FedBABU = +4.00 points")
+
+
+@pytest.mark.slow
+def test_learning_rate_sweep_end_to_end_marks_runs_by_the_rule(tmp_path: Path) -> None:
+    out_json = tmp_path / "sweep.json"
+    command = [sys.executable, str(SCRIPT), "fedftha", "--size", "tiny", "--seeds", "0", "--variants",
+               "FedFTHA,FedAvg", "--lrs", "0.001,0.1", "--out-root", str(tmp_path / "runs"), "--json", str(out_json)]
+    done = subprocess.run(command, cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                          timeout=STUDY_TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    dumped = json.loads(out_json.read_text())["studies"]["fedftha"]
+    records = dumped["records"]
+    assert [(r["cell"], r["variant"]) for r in records] == [
+        ("shards2 lr=0.001", "FedFTHA"), ("shards2 lr=0.001", "FedAvg"),
+        ("shards2 lr=0.1", "FedFTHA"), ("shards2 lr=0.1", "FedAvg")]
+    for record in records:  # each run trained at its cell's rate
+        rate = float(record["cell"].split("lr=")[1])
+        config = yaml.safe_load((Path(record["out"]) / "config.yaml").read_text())
+        assert config["train"]["lr"] == rate
+    by_run = {(r["cell"], r["variant"]): r for r in records}
+    for (cell, variant), record in by_run.items():  # the marks follow the documented rule
+        accuracy = record["values"]["global"]
+        best = max(by_run[(c, variant)]["values"]["global"] for c in ("shards2 lr=0.001", "shards2 lr=0.1"))
+        expected = ("collapsed" if accuracy < 0.1 + reproduce.CHANCE_MARGIN
+                    else "under-trained" if best - accuracy > reproduce.UNDERTRAINED_GAP else None)
+        assert (record["mark"] or "").split(":")[0] == (expected or "")
+    verdicts = dumped["verdicts"]
+    assert [v["cell"] for v in verdicts][:2] == ["shards2 lr=0.001", "shards2 lr=0.1"]
+    assert verdicts[2]["cell"].startswith("shards2, best lr (FedFTHA ")
+    for verdict in verdicts[:2]:
+        marked = [r for r in records if r["cell"] == verdict["cell"] and r["mark"]]
+        assert ("left out" in verdict["measured"]) == bool(marked)
+        if marked:  # one seed: nothing is left to pair
+            assert verdict["verdict"] == "no verdict (a run did not train)"
+        else:
+            assert verdict["verdict"] in ("reproduced", "not reproduced", "inconclusive")
