@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -204,3 +205,27 @@ def test_load_model_refuses_a_file_fedpart_did_not_export(tmp_path: Path) -> Non
         load_model(path)
     with pytest.raises(ValueError, match="lacks"):
         write_exported_model(tmp_path / "x.safetensors", {"w": torch.zeros(2)}, {"format": EXPORT_FORMAT})
+
+
+def test_a_client_found_in_two_state_dirs_comes_from_the_newer_file(quickstart_run: Path, tmp_path: Path) -> None:
+    """A client whose process moved left a model in each state dir; its last evaluation wrote the newer."""
+    earlier, later = tmp_path / "earlier", tmp_path / "later"
+    for state_dir in (earlier, later):
+        shutil.copytree(quickstart_run / "state" / "process_0", state_dir)
+    run_id = ClientStore.latest_run(earlier)
+    for state_dir, mtime in ((earlier, 1_000_000_000), (later, 1_000_000_100)):
+        for path in ClientStore(state_dir, run_id).personalized_models().values():
+            os.utime(path, (mtime, mtime))
+    out = tmp_path / "out"
+    assert export(quickstart_run, out, earlier, later) == 0
+    entries = json.loads((out / MANIFEST).read_text())["clients"]
+    assert entries and {entry["process"] for entry in entries} == {str(later.resolve())}
+
+
+def test_the_store_lists_only_client_dirs_with_a_personalized_model(tmp_path: Path) -> None:
+    store = ClientStore(tmp_path, "run-1")
+    store.save_personalized(4, {"w": torch.ones(1)})
+    store.save_personal(2, 1, {"head.weight": torch.ones(1)})
+    (store.root / "client_x").mkdir()
+    (store.root / "client_x" / "personalized.safetensors").write_bytes(b"")
+    assert store.personalized_models() == {4: store.personalized_path(4)}
