@@ -20,9 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedpart.common.config import RunConfig
 
 MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
 SERVER_STATE_FILE = Path("server_state") / "state.json"
 PROCESS_STATE_GLOB = "state/process_*"
 
@@ -68,7 +72,7 @@ def run_export(args: argparse.Namespace) -> int:
     entries = _write_models(config, summary, run_id, found, run_dir, out)
     missing = [c for c in range(config.clients) if c not in found]
     manifest = {
-        "format": 1,
+        "format": MANIFEST_FORMAT,
         "run_id": run_id,
         "run_dir": str(run_dir.resolve()),
         "run": _run_basics(config, summary),
@@ -127,7 +131,7 @@ def _personalized_models(state_dirs: list[Path], run_id: str) -> dict[int, Path]
     return dict(sorted(found.items()))
 
 
-def _write_models(config: Any, summary: dict[str, Any], run_id: str, found: dict[int, Path], run_dir: Path,
+def _write_models(config: RunConfig, summary: dict[str, Any], run_id: str, found: dict[int, Path], run_dir: Path,
                   out: Path) -> list[dict[str, Any]]:
     """Write one exported model per client; returns the manifest's client entries."""
     from fedpart.api.exported import EXPORT_FORMAT, write_exported_model
@@ -182,7 +186,7 @@ def _label(process_dir: Path, run_dir: Path) -> str:
         return str(process_dir.resolve())
 
 
-def _run_basics(config: Any, summary: dict[str, Any]) -> dict[str, Any]:
+def _run_basics(config: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
     """The run's name, status and accuracy summary (from summary.json where it exists)."""
     basics = {"name": config.name, "algorithm": config.algorithm.name, "model": config.model.name,
               "dataset": config.data.dataset, "clients": config.clients, "rounds": config.rounds}
