@@ -66,7 +66,8 @@ from fedpart.common.config import config_from_dict
 from fedpart.common.experiment import build_run_model, run_algorithm
 from fedpart.common.limits import client_threads
 from fedpart.common.models.zoo import build_model
-from fedpart.deploy.launcher import split_clients, stop_processes
+from fedpart.common.client_ids import split_clients
+from fedpart.deploy.launcher import stop_processes
 
 MODELS = ("cnn4", "mobilenet", "resnet18")
 SCHEDULES = ("fedavg", "fedbabu", "layer_expansion_vanilla")

@@ -14,7 +14,7 @@ What is measured:
   the single evaluation after the last round.
 - **floor**: the same work with no framework. P spawn worker processes (P = the number of client
   processes fedpart starts), the same client -> process assignment
-  (``fedpart.deploy.launcher.split_clients``) and the same torch thread count per process
+  (``fedpart.common.client_ids.split_clients``) and the same torch thread count per process
   (:func:`~fedpart.common.limits.client_threads` of P, as ``fedpart run`` gives each client
   process: the cores of this process's affinity and cgroup quota divided by P); each worker
   loads its clients' data and pays torch's one-off optimizer import before the first round
@@ -66,7 +66,7 @@ from torch.nn.utils import parameters_to_vector
 from fedpart.common.checkpoint import load_tensors
 from fedpart.common.limits import client_threads
 from fedpart.common.models.zoo import build_model
-from fedpart.deploy.launcher import split_clients
+from fedpart.common.client_ids import split_clients
 
 MODEL = "cnn2"
 INPUT_SHAPE = (1, 28, 28)

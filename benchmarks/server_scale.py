@@ -78,7 +78,8 @@ import yaml
 
 from fedpart.common.config import apply_overrides, config_from_dict
 from fedpart.common.experiment import build_run_model
-from fedpart.deploy.launcher import split_clients, stop_processes
+from fedpart.common.client_ids import split_clients
+from fedpart.deploy.launcher import stop_processes
 from fedpart.server.aggregation import WeightedMean
 from fedpart.server.sampling import sample_clients
 

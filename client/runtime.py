@@ -53,7 +53,8 @@ from fedpart.common.losses import build_loss
 from fedpart.common.models.zoo import unit_forward_flops
 from fedpart.common.plans import RunOutcome, TaskInfo, TaskKind
 from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.common.security import ClientSecurity, format_id_ranges
+from fedpart.common.client_ids import format_id_ranges
+from fedpart.common.security import ClientSecurity
 from fedpart.common.split_model import tensor_part
 from fedpart.common.wire import TensorAssembler, encode_chunks, wire_form
 from fedpart.proto import fedpart_pb2 as pb

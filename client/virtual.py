@@ -1,7 +1,7 @@
 """Virtual client processes: fedpart's client protocol without training, for load tests.
 
 One OS process stands in for thousands of client processes. Each :class:`VirtualProcess` hosts a
-slice of the client ids (split as ``fedpart.deploy.launcher.split_clients`` splits them) over its
+slice of the client ids (split as ``fedpart.common.client_ids.split_clients`` splits them) over its
 own gRPC channel and TCP connection, on the same :class:`~fedpart.client.session.Session` as
 ``fedpart client``: the same join, heartbeats, long polls, delivery and backoff. It is another
 worker: it reads every task stream to its end (checking its size, discarding the bytes) and answers
@@ -56,9 +56,9 @@ from fedpart.common.experiment import build_run_model, dataset_dims
 from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.plans import EvalPlan, TaskInfo, TaskKind, TrainPlan
 from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.common.security import ClientSecurity, SecurityError, parse_id_ranges
+from fedpart.common.client_ids import parse_id_ranges, split_clients
+from fedpart.common.security import ClientSecurity, SecurityError
 from fedpart.common.wire import IncompleteMessage, WireError, encode_chunks, named_specs, spec_nbytes
-from fedpart.deploy.launcher import split_clients
 from fedpart.proto import fedpart_pb2 as pb
 
 DELTA_SCALE = 1e-3    # standard deviation of the seeded deltas a virtual client uploads
@@ -333,11 +333,7 @@ def slice_clients(client_ids: list[int], processes: int) -> list[list[int]]:
     """Contiguous, even slices of ``client_ids``, one per process, as ``split_clients`` cuts them."""
     if not 1 <= processes <= len(client_ids):
         raise ValueError(f"--processes {processes}: give 1 to {len(client_ids)} (one client id at least per process)")
-    slices = []
-    for spec in split_clients(len(client_ids), processes):
-        low, high = (int(x) for x in spec.split("-"))
-        slices.append(client_ids[low:high + 1])
-    return slices
+    return [[client_ids[i] for i in parse_id_ranges(spec)] for spec in split_clients(len(client_ids), processes)]
 
 
 def tokens_by_slice(token_dir: Path, slices: list[list[int]]) -> list[str]:

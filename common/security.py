@@ -13,12 +13,13 @@ import hashlib
 import ipaddress
 import os
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import yaml
+
+from fedpart.common.client_ids import parse_id_ranges
 
 TOKEN_ENV = "FEDPART_TOKEN"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -31,43 +32,6 @@ class SecurityError(ValueError):
 def hash_token(token: str) -> str:
     """The SHA-256 hex digest under which a server keeps a token."""
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-def parse_id_ranges(spec: str) -> list[int]:
-    """``"0-9"``, ``"3,5,7"`` or ``"0-3,8"`` -> sorted unique non-negative ids."""
-    ids: set[int] = set()
-    for part in str(spec).split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                low, high = (int(x) for x in part.split("-", 1))
-                if high < low:
-                    raise ValueError
-                ids.update(range(low, high + 1))
-            else:
-                ids.add(int(part))
-        except ValueError as error:
-            raise ValueError(f"cannot read client ids {part!r} (use e.g. 0-9 or 3,5,7)") from error
-    if not ids or min(ids) < 0:
-        raise ValueError(f"{spec!r} names no valid client ids")
-    return sorted(ids)
-
-
-def format_id_ranges(ids: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the inverse of :func:`parse_id_ranges`)."""
-    parts: list[str] = []
-    start = prev = None
-    for i in [*sorted(ids), None]:
-        if start is None:
-            start = prev = i
-        elif i is not None and i == prev + 1:
-            prev = i
-        else:
-            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = i
-    return ",".join(parts)
 
 
 def is_loopback(host: str) -> bool:

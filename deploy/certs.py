@@ -85,7 +85,7 @@ def _write(path: Path, data: bytes, private: bool) -> Path:
 
 def write_run_credentials(out: Path, server_names: list[str], clients: int, processes: int) -> list[Path]:
     """Write CA, server and per-process credentials for a run into ``out``; returns the files."""
-    from fedpart.deploy.launcher import split_clients
+    from fedpart.common.client_ids import split_clients
 
     names = [n.strip() for n in server_names if n.strip()]
     if not names:

@@ -99,7 +99,8 @@ def resume_config(args: argparse.Namespace) -> RunConfig:
 
 def _client(args: argparse.Namespace) -> int:
     from fedpart.common.config import ConfigError
-    from fedpart.common.security import ClientSecurity, parse_id_ranges
+    from fedpart.common.client_ids import parse_id_ranges
+    from fedpart.common.security import ClientSecurity
 
     if args.data_root is not None and not Path(args.data_root).is_dir():
         raise ConfigError(f"--data-root {args.data_root}: no such directory")

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from fedpart.client.placement import AUTO, resolve_devices
+from fedpart.common.client_ids import split_clients
 from fedpart.common.config import RunConfig
 from fedpart.common.console import Display, RunProgress, render_run, stamp
 from fedpart.common.exit_codes import ExitCode, Stopped
@@ -38,13 +39,6 @@ from fedpart.common.exit_codes import ExitCode, Stopped
 STARTUP_SECONDS = 120.0
 STOP_SECONDS = 30.0
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
-
-
-def split_clients(num_clients: int, processes: int) -> list[str]:
-    """Contiguous, even client-id ranges, one per process (``0-4``, ``5-9``)."""
-    processes = max(1, min(processes, num_clients))
-    bounds = [round(i * num_clients / processes) for i in range(processes + 1)]
-    return [f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def client_processes(config: RunConfig, devices: str | None) -> tuple[list[tuple[str, str]], list[str]]:

@@ -33,7 +33,8 @@ from fedpart.common.exit_codes import ExitCode, Stopped
 from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.plans import RunOutcome
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
-from fedpart.common.security import Principal, SecurityError, ServerSecurity, format_id_ranges
+from fedpart.common.client_ids import format_id_ranges
+from fedpart.common.security import Principal, SecurityError, ServerSecurity
 from fedpart.server.auth import CallGuard, Principals, TokenGate
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.global_eval import GlobalEvaluator

@@ -33,7 +33,8 @@ from typing import Protocol
 from fedpart.common.config import RunConfig
 from fedpart.common.plans import JoinInfo, RunOutcome
 from fedpart.common.protocol import PROTOCOL_VERSION, Denied, Rejected
-from fedpart.common.security import Principal, format_id_ranges
+from fedpart.common.client_ids import format_id_ranges
+from fedpart.common.security import Principal
 from fedpart.server.validation import printable
 
 # Silent processes are looked for at most this often (a scan over the live processes); also the

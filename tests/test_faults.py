@@ -21,7 +21,7 @@ import yaml
 from conftest import REPO, WAIT, LineReader, read_metrics, read_summary, write_config
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from fedpart.deploy.certs import write_run_credentials
-from fedpart.deploy.launcher import split_clients
+from fedpart.common.client_ids import split_clients
 from fedpart.deploy.relay import FaultPlan, RelayCounts, RelayThread
 
 ROUNDS = 8

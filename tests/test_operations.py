@@ -41,7 +41,8 @@ from fedpart.common.console import RunProgress, stamp
 from fedpart.common.exit_codes import ExitCode, Stopped, stop_on_signals
 from fedpart.common.experiment import LocalData, check_experiment
 from fedpart.common.limits import client_threads
-from fedpart.common.security import Principal, SecurityError, parse_id_ranges
+from fedpart.common.client_ids import parse_id_ranges
+from fedpart.common.security import Principal, SecurityError
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.server.main import check_credentials_host_run
 from fedpart.server.report import RunDirectory, check_new_run_dir

@@ -15,7 +15,8 @@ from conftest import WAIT, child_env, fedpart_command, read_metrics, read_summar
 from fedpart.client.placement import DeviceError, PeakMemory, Transfers, resolve_device, resolve_devices
 from fedpart.common.config import config_from_dict
 from fedpart.common.wire import make_spec
-from fedpart.deploy.launcher import client_processes, split_clients
+from fedpart.common.client_ids import split_clients
+from fedpart.deploy.launcher import client_processes
 from fedpart.server.report import build_summary
 from test_robust import RawClient, InProcessServer
 

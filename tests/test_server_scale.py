@@ -17,7 +17,7 @@ from fedpart.common.config import config_from_dict
 from fedpart.common.plans import EvalPlan, TaskKind
 from fedpart.common.serde import result_info
 from fedpart.common.wire import decode_chunks
-from fedpart.deploy.launcher import split_clients
+from fedpart.common.client_ids import split_clients
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.task_board import Task

@@ -1,0 +1,74 @@
+"""The import graph between the project's folders (docs/architecture.md, Layout): every import,
+at module level or inside a function, goes down the layers (proto < common < server, client <
+api < deploy), server and client never import each other, and no two modules import each other
+through any chain (no cycle)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# each folder's layer: a module imports its own folder and lower layers (api, the public plugin
+# surface, re-exports what plugins need; the command line in deploy may use it)
+FOLDERS = {"proto": 0, "common": 1, "server": 2, "client": 2, "api": 3, "deploy": 4}
+PACKAGE = "fedpart"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([PACKAGE, *parts])
+
+
+def _imports(path: Path) -> set[str]:
+    """The fedpart modules ``path`` imports, resolved to modules of the repository where they are
+    names inside a module (``from fedpart.common.config import RunConfig`` -> fedpart.common.config)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE + "."):
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith(PACKAGE + "."))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for folder in FOLDERS for p in (REPO / folder).rglob("*.py")}
+    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def _folder(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_imports_go_down_the_layers():
+    wrong = []
+    for module, imported in _graph().items():
+        for target in imported:
+            source_folder, target_folder = _folder(module), _folder(target)
+            if source_folder != target_folder and FOLDERS[target_folder] >= FOLDERS[source_folder]:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports that go up or across the layers:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
