@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Protocol
 
-import numba
 import numpy as np
 import torch
 
@@ -70,12 +69,28 @@ _FOLD_SIGNATURES = ["void(float64[::1], float64[::1], float64[::1], float32[::1]
 _FOLD_OPTIONS = {"nogil": True, "error_model": "numpy", "boundscheck": False}
 
 
+def _torch_two_sum_fold(value: np.ndarray, total: np.ndarray, error: np.ndarray, source: np.ndarray,
+                        weight: float) -> None:
+    """:func:`_two_sum_fold` as whole-array torch operations: the same IEEE operations per
+    element, so the same bits, in nine passes instead of one (a cnn2 result: 1.71 ms against
+    0.33 ms compiled, ``benchmarks/fold_throughput.py --torch-threads 1``)."""
+    old = torch.from_numpy(value)
+    term = torch.from_numpy(source).to(torch.float64) * weight
+    new = torch.from_numpy(total)
+    torch.add(old, term, out=new)
+    back = new - old
+    torch.from_numpy(error).add_((old - (new - back)) + (term - back))
+
+
 def _compile_fold() -> Callable[..., None]:
-    """:func:`_two_sum_fold` compiled by Numba for float32 and float64 sources. Torch has no fused
-    TwoSum: as nine torch ops a block (nine passes over float64 rows) a cnn2 result took 1.71 ms,
-    compiled (one pass) 0.33 ms, with the same bits (``benchmarks/fold_throughput.py
-    --torch-threads 1``). Compiled code is cached beside this file, or in the user's cache
-    directory; where neither can be written it is compiled in each process (about 0.5 s)."""
+    """:func:`_two_sum_fold` compiled by Numba (the ``server`` extra) for float32 and float64
+    sources: one pass instead of torch's nine. Compiled code is cached beside this file, or in the
+    user's cache directory; where neither can be written it is compiled in each process (about
+    0.5 s). Without Numba, :func:`_torch_two_sum_fold` gives the same bits, slower."""
+    try:
+        import numba
+    except ImportError:
+        return _torch_two_sum_fold
     try:
         return numba.njit(_FOLD_SIGNATURES, cache=True, **_FOLD_OPTIONS)(_two_sum_fold)
     except RuntimeError:  # Numba found no writable cache directory

@@ -517,3 +517,42 @@ def test_head_dictionary_combines_with_a_robust_aggregator():
     for client, value in enumerate((1.0, 2.0, 1e9)):
         heads.store(client, {"head.bias": torch.tensor([value])}, 1)
     assert heads.combine(CoordinateMedian())["head.bias"].tolist() == [2.0]
+
+
+def test_the_torch_fold_gives_the_compiled_folds_bits():
+    generator = np.random.default_rng(8)
+    for dtype in (np.float32, np.float64):
+        value = generator.standard_normal(70_000) * 1e3
+        error = generator.standard_normal(70_000) * 1e-13
+        source = (generator.standard_normal(70_000) * 1e-2).astype(dtype)
+        results = []
+        for fold in (aggregation._fold_elements, aggregation._torch_two_sum_fold):
+            total, carried = np.empty_like(value), error.copy()
+            fold(value.copy(), total, carried, source, 600.0)
+            results.append((total, carried))
+        assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
+
+
+WITHOUT_NUMBA = """
+import sys
+sys.modules["numba"] = None  # as on a machine without the server extra: import numba raises ImportError
+import torch
+from fedpart.server import aggregation
+assert aggregation._fold_elements is aggregation._torch_two_sum_fold
+mean = aggregation.WeightedMean(32_000)
+generator = torch.Generator().manual_seed(9)
+for weight in (3, 600, 17):
+    mean.add({"x": torch.randn(70_000, generator=generator)}, weight)
+torch.save(mean.result()["x"], sys.argv[1])
+"""
+
+
+def test_without_numba_the_server_folds_the_same_bits(tmp_path):
+    out = tmp_path / "mean.pt"
+    run = subprocess.run([sys.executable, "-c", WITHOUT_NUMBA, str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    mean = WeightedMean(32_000)
+    generator = torch.Generator().manual_seed(9)
+    for weight in (3, 600, 17):
+        mean.add({"x": torch.randn(70_000, generator=generator)}, weight)
+    assert torch.equal(torch.load(out), mean.result()["x"])

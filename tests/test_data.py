@@ -50,6 +50,18 @@ def test_digits_split_is_fixed() -> None:
     assert np.array_equal(a.y_train, b.y_train) and np.array_equal(a.x_test, b.x_test)
 
 
+def test_shipped_digits_are_scikit_learns() -> None:
+    # scikit-learn is a test requirement only: the package ships the arrays, in its order
+    from sklearn.datasets import load_digits
+
+    from fedpart.common.data import datasets
+
+    reference = load_digits()
+    with np.load(Path(datasets.__file__).with_name(datasets.DIGITS_FILE)) as shipped:
+        assert np.array_equal(shipped["images"], reference.images)
+        assert np.array_equal(shipped["labels"], reference.target)
+
+
 def test_digits_rejects_options() -> None:
     with pytest.raises(ValueError, match="normalize"):
         load_dataset("digits", None, normalize=True)

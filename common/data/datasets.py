@@ -6,7 +6,7 @@ stored dtype (``uint8`` stays ``uint8``); scaling and per-channel normalisation 
 
 Supported names (:data:`DATASET_NAMES`) and the files read under the data root (``data.root``):
 
-- ``digits``: scikit-learn's bundled 8x8 digits (no root needed).
+- ``digits``: the 8x8 digits scikit-learn bundles, shipped in this package (no root needed).
 - ``mnist``: ``MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz`` (gzipped IDX).
 - ``cifar10``: ``cifar-10-batches-py/data_batch_1..5`` and ``test_batch`` (python pickles).
 - ``cifar100``: ``cifar-100-python/train`` and ``test`` (python pickles, fine labels).
@@ -47,6 +47,7 @@ except ImportError:  # numpy < 2
 DATASET_NAMES: tuple[str, ...] = ("digits", "mnist", "cifar10", "cifar100", "tiny-imagenet")
 
 DIGITS_TEST_FRACTION = 0.2
+DIGITS_FILE = "digits.npz"  # images (uint8, 1797 x 8 x 8) and labels (uint8), in scikit-learn's order
 # Fixed seed of the digits train/test split: the split is part of the dataset, not of a run.
 DIGITS_SPLIT_SEED = 0
 # Fixed seed of the ``train_samples`` / ``test_samples`` subsets (part of the dataset, not of a run).
@@ -213,17 +214,17 @@ def _require(path: Path, root: Root) -> Path:
 
 
 def _load_digits() -> ArrayDataset:
-    """scikit-learn's digits (1,797 samples, 8x8, values 0..16) as float32 ``(N, 1, 8, 8)``.
+    """The 8x8 digits (1,797 samples, values 0..16; the test set of the UCI "Optical Recognition
+    of Handwritten Digits" data, as scikit-learn bundles it) as float32 ``(N, 1, 8, 8)``, read from
+    :data:`DIGITS_FILE` in this package, so no client needs scikit-learn.
 
     There is no official test split: 20% of every class goes to the test set, chosen by a
     permutation with the fixed seed :data:`DIGITS_SPLIT_SEED` (independent of any run seed), so
     every run and every process sees the same split. Both splits keep file order.
     """
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = np.asarray(bunch.images, dtype=np.float32).reshape(-1, 1, 8, 8)
-    y = np.asarray(bunch.target, dtype=np.int64)
+    with np.load(Path(__file__).with_name(DIGITS_FILE)) as arrays:
+        x = arrays["images"].astype(np.float32).reshape(-1, 1, 8, 8)
+        y = arrays["labels"].astype(np.int64)
     rng = np.random.default_rng(DIGITS_SPLIT_SEED)
     test_mask = np.zeros(len(y), dtype=bool)
     for c in np.unique(y):
