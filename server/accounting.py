@@ -2,13 +2,23 @@
 and part (``body``, ``head``, ``other`` and any extra model part such as FedRoD's
 ``personal_head`` for tensor bytes, ``control`` for everything else); and,
 over the run, the tensor bytes of accepted traffic by direction and encoding next to the bytes
-of the decoded tensors (the compression ratio achieved on the wire)."""
+of the decoded tensors (the compression ratio achieved on the wire).
+
+Two figures (DESIGN section 11). **Physical** bytes are what crossed each connection: a client
+process caches global tensors by version, so a process hosting five clients downloads a changed
+tensor once, and its joins, heartbeats and idle polls belong to no client (:data:`PROCESS`).
+**Logical** bytes are what each task costs a client that is its own device and holds nothing:
+every tensor the task names, in the encoding the server sends, in a stream of its own, its header
+listing them all, its request, its result and the answer to it; counted once a task (a task sent
+again after a fault adds physical bytes only). They do not depend on how clients are packed into
+processes; their tensor bytes are also split by the model's schedule unit (``conv1``, ...,
+``head``, extra parts by name, ``other``)."""
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 PARTS = ("body", "head", "other", "control")  # always reported; extra parts once they carried bytes
 DIRECTIONS = ("down", "up")
@@ -17,9 +27,12 @@ PROCESS = -1  # client id for messages that belong to a process, not one client 
 
 class ByteLedger:
     """Thread-safe byte counters keyed by (round, client, direction, part), with running totals
-    per round, per client and overall so that every query is a lookup, however long the run."""
+    per round, per client and overall so that every query is a lookup, however long the run;
+    beside them the logical bytes by (round, direction, part), (round, client, direction) and
+    (round, direction, unit). ``units`` are the model's schedule units, in order: the units
+    :meth:`by_unit` always lists (others follow once they carried bytes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, units: Sequence[str] = ()) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[int, int, str, str], int] = defaultdict(int)
         self._by_round: dict[tuple[int, str, str], int] = defaultdict(int)
@@ -28,6 +41,10 @@ class ByteLedger:
         self.refused_bytes = 0  # serialized bytes of results the server refused (not traffic of any round)
         self._encodings: dict[tuple[str, str], dict[str, int]] = {}  # (direction, encoding) -> wire / raw
         self._parts: list[str] = list(PARTS)
+        self._units: list[str] = list(units)
+        self._logical_by_round: dict[tuple[int | None, str, str], int] = defaultdict(int)  # round None: overall
+        self._logical_by_client: dict[tuple[int, int, str], int] = defaultdict(int)
+        self._logical_by_unit: dict[tuple[int | None, str, str], int] = defaultdict(int)  # round None: overall
 
     def add(self, round_number: int, client: int, direction: str, by_part: Mapping[str, int]) -> None:
         with self._lock:
@@ -39,6 +56,25 @@ class ByteLedger:
                     self._by_round[(round_number, direction, part)] += count
                     self._by_client[(client, direction, part)] += count
                     self._overall[(direction, part)] += count
+
+    def add_logical(self, round_number: int, client: int, direction: str, by_part: Mapping[str, int],
+                    by_unit: Mapping[str, int]) -> None:
+        """Add logical bytes of one client's task: ``by_part`` as in :meth:`add`, ``by_unit`` its
+        tensor bytes by schedule unit (they sum to its tensor parts' bytes)."""
+        with self._lock:
+            for part, count in by_part.items():
+                if count:
+                    if part not in self._parts:
+                        self._parts.append(part)
+                    self._logical_by_round[(round_number, direction, part)] += count
+                    self._logical_by_round[(None, direction, part)] += count
+                    self._logical_by_client[(round_number, client, direction)] += count
+            for unit, count in by_unit.items():
+                if count:
+                    if unit not in self._units:
+                        self._units.append(unit)
+                    self._logical_by_unit[(round_number, direction, unit)] += count
+                    self._logical_by_unit[(None, direction, unit)] += count
 
     def add_encodings(self, direction: str, counts: Mapping[str, Mapping[str, int]]) -> None:
         """Add ``{encoding: {"wire": n, "raw": m}}`` (serialized tensor bytes, decoded bytes)."""
@@ -77,3 +113,22 @@ class ByteLedger:
         """``{"down": n, "up": n}``."""
         parts = self.by_part(round_number, client)
         return {d: sum(counts[d] for counts in parts.values()) for d in DIRECTIONS}
+
+    def logical(self, round_number: int | None = None) -> dict:
+        """``{"down": n, "up": n, "by_part": {part: {"down": n, "up": n}}}`` of one round (of
+        every round this ledger counted when None)."""
+        with self._lock:
+            by_part = {p: {d: self._logical_by_round.get((round_number, d, p), 0) for d in DIRECTIONS}
+                       for p in self._parts}
+        return {**{d: sum(counts[d] for counts in by_part.values()) for d in DIRECTIONS}, "by_part": by_part}
+
+    def logical_totals(self, round_number: int, client: int) -> dict[str, int]:
+        """``{"down": n, "up": n}``: one client's logical bytes in one round."""
+        with self._lock:
+            return {d: self._logical_by_client.get((round_number, client, d), 0) for d in DIRECTIONS}
+
+    def by_unit(self, round_number: int | None = None) -> dict[str, dict[str, int]]:
+        """``{unit: {"down": n, "up": n}}``: logical tensor bytes by schedule unit, in the model's
+        order, of one round (of every round this ledger counted when None)."""
+        with self._lock:
+            return {u: {d: self._logical_by_unit.get((round_number, d, u), 0) for d in DIRECTIONS} for u in self._units}

@@ -79,7 +79,7 @@ class Coordinator:
         self.shared_names = self.algorithm.shared_names(self.global_state)
         self.personal_names = self.algorithm.personal_names(self.global_state)
         self.run_id = uuid.uuid4().hex[:12]
-        self.ledger = ByteLedger()  # the service records into it; rounds and resume read it
+        self.ledger = ByteLedger(self.model.schedule_units)  # the service records into it; rounds and resume read it
         self.heads = HeadDictionary()
         self.aggregation = AggregationStep(config, log)
 
@@ -325,7 +325,10 @@ class Coordinator:
             "bytes_down": totals["down"],
             "bytes_up": totals["up"],
             "bytes_by_part": self.ledger.by_part(round_number),
+            "logical": self.ledger.logical(round_number),
+            "bytes_by_unit": self.ledger.by_unit(round_number),
             "clients": {str(c): {**self.ledger.totals(round_number, c),
+                                 **{f"logical_{d}": n for d, n in self.ledger.logical_totals(round_number, c).items()},
                                  "compute_seconds": metrics.get(c, {}).get("compute_seconds")} for c in sampled},
             "robust": results.robust.as_dict(),
             "delivery": self.board.delivery_counts(round_number).as_dict(),

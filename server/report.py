@@ -192,7 +192,8 @@ def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
                                      for d in ("down", "up")},
                   "evaluation": ledger.totals(config.rounds + 1),
                   "refused_up": ledger.refused_bytes,
-                  **_compression(ledger)},
+                  **_compression(ledger),
+                  "logical": _logical_bytes(rounds, ledger, config.rounds + 1)},
         "compute": {
             "client_seconds": sum(r["client_compute_seconds"] for r in rounds),
             "train_flops": sum(r["train_flops"] for r in rounds),
@@ -203,6 +204,31 @@ def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
         "seconds": round(seconds, 3),
         "failures": failures,
         "per_client": per_client,
+    }
+
+
+def _logical_bytes(rounds: list[dict], ledger: ByteLedger, evaluation_round: int) -> dict[str, Any]:
+    """The run's logical bytes: its rounds' (summed from their records, so a resumed run counts
+    the rounds an earlier server ran; records written before fedpart counted them have none)
+    and the final evaluation's (from the ledger, as ``evaluation_round``)."""
+    counted = [r for r in rounds if "logical" in r]
+    evaluation = ledger.logical(evaluation_round)
+    by_part: dict[str, dict[str, int]] = {}
+    by_unit: dict[str, dict[str, int]] = {}
+    splits = [(by_part, r["logical"]["by_part"]) for r in counted] + [(by_unit, r["bytes_by_unit"]) for r in counted]
+    splits += [(by_part, evaluation["by_part"]), (by_unit, ledger.by_unit(evaluation_round))]
+    for totals, split in splits:
+        for key, counts in split.items():
+            entry = totals.setdefault(key, {"down": 0, "up": 0})
+            for direction in ("down", "up"):
+                entry[direction] += counts[direction]
+    return {
+        **{d: sum(r["logical"][d] for r in counted) + evaluation[d] for d in ("down", "up")},
+        "by_part": by_part,
+        "by_unit": by_unit,
+        "per_round_mean": {d: statistics.fmean(r["logical"][d] for r in counted) if counted else 0
+                           for d in ("down", "up")},
+        "evaluation": {d: evaluation[d] for d in ("down", "up")},
     }
 
 
@@ -274,6 +300,9 @@ def format_table(summary: Mapping[str, Any]) -> str:
     b = summary["bytes"]
     lines.append(f"bytes down {b['down']:,}  up {b['up']:,}  (per round: down {b['per_round_mean']['down']:,.0f}, "
                  f"up {b['per_round_mean']['up']:,.0f})")
+    logical = b["logical"]
+    lines.append(f"logical bytes (each client its own device) down {logical['down']:,}  up {logical['up']:,}  "
+                 f"(per round: down {logical['per_round_mean']['down']:,.0f}, up {logical['per_round_mean']['up']:,.0f})")
     parts = ", ".join(f"{p} {v['down']:,}/{v['up']:,}" for p, v in b["by_part"].items())
     lines.append(f"by part (down/up): {parts}")
     ratios = ", ".join(f"{d} {b['compression_ratio'][d]:.2f}x" for d, by_encoding in b["encodings"].items()

@@ -2,7 +2,8 @@
 process registry, the task board and the round engine (``server/registry.py``,
 ``server/task_board.py``, ``server/coordinator.py``), converting messages at this edge
 (:mod:`fedpart.common.serde`), and records the serialized size of every message it sends or
-receives in the run's :class:`~fedpart.server.accounting.ByteLedger`.
+receives in the run's :class:`~fedpart.server.accounting.ByteLedger`, and beside them each task's
+logical bytes: a task's when it is first sent, a result's when it is accepted.
 
 Every handler runs on one event loop, so a waiting client costs a coroutine, not a thread: a long
 poll registers a waiter on the task board and sleeps until its own process has work. A result is
@@ -46,7 +47,8 @@ from fedpart.server.accounting import PROCESS, ByteLedger
 from fedpart.server.auth import CallGuard
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.task_board import DuplicateResult, Task
-from fedpart.server.transfers import TaskPayloads, UploadSlots, bytes_by_part
+from fedpart.server.transfers import (LogicalTensors, TaskPayloads, UploadSlots, bytes_by_part, logical_header_bytes,
+                                      result_chunk_bytes)
 from fedpart.server.validation import check_first_chunk, check_header, check_later_chunk
 
 # Longest deadline a unary call may ask for (join, heartbeat, leave answer at once).
@@ -93,6 +95,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.payloads = TaskPayloads(coordinator.config.server.chunk_bytes, codec=build_codec(down.codec, down.options),
                                      seed=coordinator.config.training_seed)
         self.stream_seconds = coordinator.config.server.call_timeout
+        server = coordinator.config.server
+        # the message size a training task names to a process connected alone (logical bytes)
+        self.logical_result_chunk_bytes = result_chunk_bytes(server.result_chunk_bytes, server.waiting_upload_bytes, 1)
+        self._logical_tasks: dict[int, set[int]] = {}  # by round: tasks whose logical bytes are counted
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         async with self.guard.admit(context, UNARY_CALL_SECONDS) as principal:
@@ -180,9 +186,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _task_chunks(self, task: Task, request: pb.TaskRequest) -> Iterator[pb.TaskChunk | bytes]:
         """The header alone, then the shared, serialized chunks of the tensors the process lacks."""
-        specs, tensors = self.payloads.wire_forms(*self.coordinator.task_tensors(task, request.held_versions))
+        named_specs, named_tensors = self.payloads.wire_forms(*self.coordinator.task_tensors(task, {}))
+        held = request.held_versions
+        stale = [index for index, spec in enumerate(named_specs) if held.get(spec.name, -1) < spec.version]
+        specs = [named_specs[index] for index in stale]
+        tensors = [named_tensors[index] for index in stale]
         first = pb.TaskChunk(header=task_header(task, specs))
         self.ledger.add(task.round, task.client_id, "down", _control(first.ByteSize()))
+        if self._first_stream(task):
+            self._count_logical_task(task, request, first.header, named_specs, specs)
         yield first
         chunks = self.payloads.chunks(specs, tensors, [tensor_part(spec.name) for spec in specs])
         encodings = self.payloads.encoding_bytes(specs)  # before a yield lets another task evict them
@@ -190,6 +202,31 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.ledger.add(task.round, task.client_id, "down", by_part)
             yield chunk
         self.ledger.add_encodings("down", encodings)
+
+    def _first_stream(self, task: Task) -> bool:
+        """Whether this is the first stream of ``task`` to send its chunks (rounds before the
+        previous one are forgotten: their tasks are closed)."""
+        counted = self._logical_tasks.setdefault(task.round, set())
+        if task.task_id in counted:
+            return False
+        counted.add(task.task_id)
+        for old in [r for r in self._logical_tasks if r < task.round - 1]:
+            del self._logical_tasks[old]
+        return True
+
+    def _count_logical_task(self, task: Task, request: pb.TaskRequest, header: pb.TaskHeader,
+                            named_specs: list[pb.TensorSpec], sent_specs: list[pb.TensorSpec]) -> None:
+        """A task's logical bytes: its request without the process's held versions and tasks, its
+        first message listing every tensor it names (``named_specs``; ``header`` lists
+        ``sent_specs``) and naming the message size of a process alone, and every named tensor."""
+        tensors = self.payloads.logical(named_specs)
+        missing_spec_bytes = tensors.header_spec_bytes - sum(tensors.spec_bytes[spec.name] for spec in sent_specs)
+        named_chunk_bytes = self.logical_result_chunk_bytes if task.result_chunk_bytes else 0
+        header_bytes = logical_header_bytes(header, missing_spec_bytes, named_chunk_bytes)
+        request_bytes = pb.TaskRequest(session=request.session, wait_seconds=request.wait_seconds).ByteSize()
+        self.ledger.add_logical(task.round, task.client_id, "up", _control(request_bytes), {})
+        self.ledger.add_logical(task.round, task.client_id, "down", {**tensors.by_part, "control": header_bytes},
+                                tensors.by_unit)
 
     async def SubmitResult(self, request_iterator: AsyncIterator[ReceivedChunk],
                            context: grpc.aio.ServicerContext) -> pb.SubmitReply:
@@ -223,6 +260,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             context.add_done_callback(cut_unless_settled)
             try:
                 check_header(result, header.tensors, self.coordinator.expected_uploads(task))
+                named_chunk_bytes = self.logical_result_chunk_bytes if task.result_chunk_bytes else 0
+                received.logical_tensors = LogicalTensors.of(
+                    header.tensors, self.coordinator.config.server.largest_result_message(named_chunk_bytes))
+                received.logical_header_bytes = first.size.control
                 async with self.uploads.staging(header.tensors) as staging:
                     largest = self.coordinator.config.server.largest_result_message(task.result_chunk_bytes)
                     tensors = await self._receive(received, first, chunks, parts, staging, largest)
@@ -314,12 +355,15 @@ async def _run_to_end(future: asyncio.Future) -> None:
 
 class Received:
     """Bytes of one result stream (and its reply), held until the result is accepted: they enter
-    the ledger together with the result, so a round's record never misses them."""
+    the ledger together with the result, so a round's record never misses them. Logically the
+    result is its header and its tensors in messages of the size a process alone is told."""
 
     def __init__(self, task: Task) -> None:
         self.task = task
         self.by_direction: dict[str, dict[str, int]] = {"up": {}, "down": {}}
         self.encodings: dict[str, dict[str, int]] = {}  # uploaded tensor bytes by encoding
+        self.logical_header_bytes = 0
+        self.logical_tensors = LogicalTensors({}, {}, {})
 
     def add(self, by_part: dict[str, int], direction: str) -> None:
         counts = self.by_direction[direction]
@@ -330,6 +374,11 @@ class Received:
         return sum(self.by_direction["up"].values())
 
     def commit(self, ledger: ByteLedger) -> None:
+        round_number, client = self.task.round, self.task.client_id
         for direction, by_part in self.by_direction.items():
-            ledger.add(self.task.round, self.task.client_id, direction, by_part)
+            ledger.add(round_number, client, direction, by_part)
         ledger.add_encodings("up", self.encodings)
+        tensors = self.logical_tensors
+        ledger.add_logical(round_number, client, "up", {**tensors.by_part, "control": self.logical_header_bytes},
+                           tensors.by_unit)
+        ledger.add_logical(round_number, client, "down", self.by_direction["down"], {})

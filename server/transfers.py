@@ -20,6 +20,13 @@ The tensor chunks themselves are encoded and serialized once per set of tensors 
 (:class:`TaskPayloads`) and shared by every task that sends the same tensors, as a round sends
 the same global model to every sampled client. With a download codec (``compression.down``) each
 version of a global tensor is encoded once, and the chunks carry the encoded payloads.
+
+Logical bytes (:mod:`fedpart.server.accounting`): what a task and its result would cost a client
+that is its own device and holds nothing. They are computed from sizes the server knows, without
+serializing anything more: :func:`stream_tensor_bytes` lays the tensors' payload lengths out into
+chunks exactly as :func:`~fedpart.common.wire.encode_chunks` cuts the tensors themselves, and
+:meth:`TaskPayloads.logical` keeps the result, with the bytes each spec adds to a header, for each
+set of tensors and versions a task names.
 """
 
 from __future__ import annotations
@@ -27,19 +34,24 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from fedpart.common.codecs import Codec, encode, seeded_generator
-from fedpart.common.wire import DTYPES, ChunkBytes, encode_chunks, encoding_bytes, measure_chunk, wire_form
+from fedpart.common.split_model import tensor_part, tensor_unit
+from fedpart.common.wire import (DTYPES, ChunkBytes, _fitting_length, _piece_bytes, encode_chunks, encoding_bytes,
+                                 measure_chunk, spec_nbytes, varint_size, wire_form)
 from fedpart.proto import fedpart_pb2 as pb
 
 Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
 
 
 MIN_RESULT_CHUNK_BYTES = 64 << 10
+_HEADER_FIELD_TAG_BYTES = 1  # TaskChunk.header is field 1: one tag byte
 
 
 def result_chunk_bytes(largest: int, waiting_upload_bytes: int, processes: int) -> int:
@@ -105,6 +117,7 @@ class TaskPayloads:
         self._encoded: OrderedDict[tuple, list[tuple[bytes, dict[str, int]]]] = OrderedDict()
         self._encoding_bytes: dict[tuple, dict[str, dict[str, int]]] = {}
         self._wire_forms: dict[str, tuple[int, pb.TensorSpec, torch.Tensor]] = {}  # name -> (version, spec, payload)
+        self._logical: OrderedDict[tuple, LogicalTensors] = OrderedDict()
 
     def wire_forms(self, specs: list[pb.TensorSpec],
                    tensors: list[torch.Tensor]) -> tuple[list[pb.TensorSpec], list[torch.Tensor]]:
@@ -148,6 +161,91 @@ class TaskPayloads:
         else:
             self._encoded.move_to_end(key)
         return encoded
+
+    def logical(self, specs: list[pb.TensorSpec]) -> LogicalTensors:
+        """Logical sizes of the tensors of ``specs`` (in their wire form) sent in a stream of
+        their own, computed once per set of names and versions."""
+        key = _key(specs)
+        sizes = self._logical.get(key)
+        if sizes is None:
+            sizes = LogicalTensors.of(specs, self.chunk_bytes, header_specs=True)
+            self._logical[key] = sizes
+            while len(self._logical) > self.keep:
+                self._logical.popitem(last=False)
+        else:
+            self._logical.move_to_end(key)
+        return sizes
+
+
+@dataclass(frozen=True)
+class LogicalTensors:
+    """Tensors sent in a stream of their own: their serialized bytes by part and by schedule unit
+    (which sum to the same total), and, for a task header, the bytes each tensor's spec adds."""
+
+    by_part: dict[str, int]
+    by_unit: dict[str, int]
+    spec_bytes: dict[str, int]  # tensor name -> bytes of its spec in a TaskHeader (empty unless asked)
+
+    @property
+    def header_spec_bytes(self) -> int:
+        """Bytes the specs of all these tensors add to a task header."""
+        return sum(self.spec_bytes.values())
+
+    @staticmethod
+    def of(specs: Sequence[pb.TensorSpec], chunk_bytes: int, header_specs: bool = False) -> LogicalTensors:
+        """Sizes of the tensors ``specs`` describe in chunks of ``chunk_bytes`` serialized bytes;
+        with ``header_specs`` also the bytes each spec adds to a task header."""
+        by_part: dict[str, int] = {}
+        by_unit: dict[str, int] = {}
+        sizes = stream_tensor_bytes(tuple(spec_nbytes(spec) for spec in specs), chunk_bytes)
+        for spec, size in zip(specs, sizes):
+            part, unit = part_and_unit(spec.name)
+            by_part[part] = by_part.get(part, 0) + size
+            by_unit[unit] = by_unit.get(unit, 0) + size
+        spec_bytes = {spec.name: pb.TaskHeader(tensors=[spec]).ByteSize() for spec in specs} if header_specs else {}
+        return LogicalTensors(by_part, by_unit, spec_bytes)
+
+
+@lru_cache(maxsize=4096)
+def part_and_unit(name: str) -> tuple[str, str]:
+    """The part and the schedule unit of a global tensor (``other`` for both outside any unit)."""
+    part = tensor_part(name)
+    return part, tensor_unit(name) or part
+
+
+@lru_cache(maxsize=256)
+def stream_tensor_bytes(payload_bytes: tuple[int, ...], chunk_bytes: int) -> tuple[int, ...]:
+    """Serialized bytes of each tensor (its pieces with their framing) in the chunk stream
+    :func:`~fedpart.common.wire.encode_chunks` makes of tensors of ``payload_bytes`` bytes at
+    ``chunk_bytes``, from the lengths alone: the same cuts, without the tensors."""
+    sizes = []
+    room = chunk_bytes
+    for index, length in enumerate(payload_bytes):
+        size = offset = 0
+        while offset < length:
+            take = _fitting_length(index, room, length - offset)
+            if take == 0:
+                if room == chunk_bytes:
+                    raise ValueError(f"chunk_bytes {chunk_bytes} cannot hold even one framed byte")
+                room = chunk_bytes
+                continue
+            framed = _piece_bytes(index, take)
+            size += framed
+            offset += take
+            room -= framed
+        sizes.append(size)
+    return tuple(sizes)
+
+
+def logical_header_bytes(header: pb.TaskHeader, missing_spec_bytes: int, result_chunk_bytes: int) -> int:
+    """Serialized size of a task's first message (a TaskChunk holding ``header`` alone) had its
+    header listed ``missing_spec_bytes`` more bytes of specs and named ``result_chunk_bytes``:
+    what a client that holds no tensor and has a process of its own would be sent."""
+    size = header.ByteSize() + missing_spec_bytes
+    if result_chunk_bytes != header.result_chunk_bytes:
+        size += (pb.TaskHeader(result_chunk_bytes=result_chunk_bytes).ByteSize()
+                 - pb.TaskHeader(result_chunk_bytes=header.result_chunk_bytes).ByteSize())
+    return _HEADER_FIELD_TAG_BYTES + varint_size(size) + size
 
 
 def _key(specs: list[pb.TensorSpec]) -> tuple:
