@@ -310,6 +310,9 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
             display.log(f"Prometheus metrics on http://{metrics.address}/metrics")
         if saved is not None:
             display.log(f"resuming run {saved.run_id} after round {saved.round}/{config.rounds}")
+            if saved.operational_changes:
+                run_dir.write_config(config)  # config.yaml says what the rest of the run runs with
+                display.log(f"changed for the rest of the run: {'; '.join(saved.operational_changes)}")
         run = ServerRun(config, coordinator, evaluator, run_dir, records, display,
                         lambda: earlier_seconds + time.monotonic() - started, server.run_ended)
         return run.to_end()

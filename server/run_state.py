@@ -60,6 +60,7 @@ class RunState:
     config: dict[str, Any] = field(default_factory=dict)
     server_optimizer: dict[str, torch.Tensor] = field(default_factory=dict)  # its named state tensors
     finished: bool = False                      # the final evaluation and summary are written
+    operational_changes: list[str] = field(default_factory=list)  # "key: old -> new" a resume changed
 
 
 def _state_dir(run_dir: str | Path) -> Path:
@@ -129,9 +130,11 @@ def read_run_state(run_dir: str | Path, config: dict[str, Any]) -> RunState:
         raise ResumeError(f"run {content['run_id']} in {run_dir} already finished (summary.json is written); "
                           "nothing to resume")
     changed = _differences(content["config"], config)
-    if changed:
-        raise ResumeError(f"{run_dir}/config.yaml differs from the config run {content['run_id']} started with "
-                          f"({', '.join(changed)}); a resumed run keeps its config")
+    defining = [key for key in changed if not is_operational(key)]
+    if defining:
+        raise ResumeError(f"the config differs from the one run {content['run_id']} started with in "
+                          f"{', '.join(defining)}; a resumed run keeps what defines its experiment (only "
+                          "server.* timeouts and limits may change)")
     try:
         tensors = load_tensors(_state_dir(run_dir) / content["tensors"])
     except (OSError, ValueError) as error:
@@ -154,8 +157,23 @@ def read_run_state(run_dir: str | Path, config: dict[str, Any]) -> RunState:
         bytes_by_client={int(c): by_part for c, by_part in content["bytes_by_client"].items()},
         seconds=content["seconds"],
         config=content["config"],
+        operational_changes=[f"{key}: {_value(content['config'], key)} -> {_value(config, key)}" for key in changed],
         server_optimizer={k[len(_OPTIMIZER):]: v for k, v in tensors.items() if k.startswith(_OPTIMIZER)},
     )
+
+
+def is_operational(key: str) -> bool:
+    """Whether a resumed run may change the dotted config ``key``: the server's timeouts and limits
+    (how long it waits, how it moves and folds bytes; the fold's sum does not depend on how many
+    workers make it) change when a run ends, never what it computes. The straggler deadline
+    decides which results a round folds, so it is not one of them."""
+    return key.startswith("server.") and key != "server.round_deadline_factor"
+
+
+def _value(config: dict[str, Any], key: str) -> Any:
+    for name in key.split("."):
+        config = config.get(name) if isinstance(config, dict) else None
+    return config
 
 
 def _differences(saved: Any, current: Any, prefix: str = "") -> list[str]:

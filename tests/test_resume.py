@@ -175,8 +175,21 @@ def test_run_state_round_trip_and_a_changed_config_is_refused(tmp_path: Path, on
     assert restored.ledger.totals(client=2) == {"down": 0, "up": 107}
 
     changed = config_from_dict(small_config(algorithm={"name": "fedftha"}, seed=1))
-    with pytest.raises(ResumeError, match=r"differs .*\(seed\)"):
+    with pytest.raises(ResumeError, match=r"differs .* in seed;"):
         read_run_state(tmp_path, changed.to_dict())
+
+
+def test_a_resume_may_change_the_servers_timeouts_and_limits_only(tmp_path: Path, one_torch_thread) -> None:
+    server = small_config()["server"]
+    config = config_from_dict(small_config())
+    write_run_state(tmp_path, Coordinator(config, log=lambda message: None).snapshot(1, 1.0))
+    patient = config_from_dict(small_config(server={**server, "round_timeout": 1200, "fold_workers": 2}))
+    assert read_run_state(tmp_path, patient.to_dict()).operational_changes == [
+        "server.fold_workers: 0 -> 2", f"server.round_timeout: {float(server['round_timeout'])} -> 1200.0"]
+    assert read_run_state(tmp_path, config.to_dict()).operational_changes == []
+    for changed in ({"server": {**server, "round_deadline_factor": 2.0}}, {"rounds": 4}):
+        with pytest.raises(ResumeError, match="keeps what defines its experiment"):
+            read_run_state(tmp_path, config_from_dict(small_config(**changed)).to_dict())
 
 
 def test_metrics_of_an_unfinished_round_are_dropped(tmp_path: Path) -> None:
