@@ -52,6 +52,7 @@ from fedpart.common.experiment import LocalData, build_run_model, check_experime
 from fedpart.common.losses import build_loss
 from fedpart.common.models.zoo import unit_forward_flops
 from fedpart.common.plans import RunOutcome, TaskInfo, TaskKind
+from fedpart.common.privacy import clip_deltas
 from fedpart.common.protocol import PROTOCOL_VERSION
 from fedpart.common.client_ids import format_id_ranges
 from fedpart.common.security import ClientSecurity
@@ -294,6 +295,8 @@ class ClientProcess:
                  f"{outcome.compute_seconds:.2f} s, loss {outcome.loss:.4f}")
         trained = {k: v.detach() for k, v in self.model.state_dict().items()}
         uploads = {n: trained[n] - self.cache[n] for n in plan.upload_deltas}
+        if self.config.privacy.dp.enabled:  # DP-FedAvg: the whole update clipped before any codec
+            uploads = clip_deltas(uploads, self.config.privacy.dp.clip_norm)[0]
         uploads.update({n: trained[n].clone() for n in plan.upload_values})  # sent while the model trains on
         uploads, kept, state = self.transfers.to_host(uploads, {n: trained[n] for n in personal}, state)
         if kept:

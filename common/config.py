@@ -8,6 +8,7 @@ component they select validates.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import typing
@@ -70,11 +71,18 @@ class AlgorithmConfig:
     objective: dict[str, Any] = field(default_factory=dict)
 
 
+SAMPLING_SCHEMES = ("fixed", "poisson")
+
+
 @dataclass
 class SamplingConfig:
-    """Per-round participation: a fraction of the clients, or (when set) an independent
-    probability per client (FedBug's setting)."""
+    """Per-round participation. ``scheme: fixed`` (default): a fraction of the clients without
+    replacement, or (when ``probability`` is set) an independent probability per client, drawn
+    again while nobody is picked (FedBug's setting). ``scheme: poisson``: each client
+    independently with probability ``fraction``, and a round may have nobody (Poisson sampling,
+    what DP-FedAvg's accounting assumes: McMahan et al., ICLR 2018)."""
 
+    scheme: str = "fixed"
     fraction: float = 1.0
     probability: float | None = None
     # Straggler remedy (cross-device practice, Bonawitz et al. 2019): sample this fraction more
@@ -219,6 +227,39 @@ class CompressionConfig:
     down: CodecConfig = field(default_factory=CodecConfig)
 
 
+DP_ACCOUNTANTS = ("rdp", "pld")
+DP_ACCOUNTING_INSTALL = 'pip install "dp-accounting>=0.4"  (or the privacy extra: pip install -e ".[privacy]")'
+
+
+@dataclass
+class DPConfig:
+    """User-level differential privacy, DP-FedAvg (McMahan et al., "Learning Differentially
+    Private Recurrent Language Models", ICLR 2018): each client's uploaded deltas are clipped to
+    ``clip_norm`` in L2 over all of them, and the server adds Gaussian noise of standard deviation
+    ``noise_multiplier * clip_norm`` to their sum and divides by the expected number of clients.
+    The budget is Google's dp-accounting (``fedpart.server.privacy``)."""
+
+    enabled: bool = False
+    clip_norm: float = 1.0
+    noise_multiplier: float = 1.0
+    delta: float | None = None            # None: 1 / clients ** 1.1
+    target_epsilon: float | None = None   # stop before a round that would take epsilon past this
+    accountant: str = "rdp"               # dp-accounting's "rdp" or "pld" (Poisson sampling only)
+    noise_seed: int | None = None         # None: a secret seed per run; set only for experiments (the
+                                          # noise of a known seed can be taken out again: no privacy)
+
+    def resolved_delta(self, clients: int) -> float:
+        """``delta``, or 1 / clients ** 1.1 where it is unset."""
+        return self.delta if self.delta is not None else 1.0 / clients ** 1.1
+
+
+@dataclass
+class PrivacyConfig:
+    """Privacy of the clients' updates (docs/privacy.md)."""
+
+    dp: DPConfig = field(default_factory=DPConfig)
+
+
 # Options of each server optimizer with their types (defaults in fedpart.server.optimizers; FedDyn's
 # step is selected by its objective term, not by name).
 SERVER_OPTIMIZER_OPTIONS: dict[str, dict[str, type]] = {
@@ -266,6 +307,7 @@ class RunConfig:
     robust: RobustConfig = field(default_factory=RobustConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -442,9 +484,16 @@ def _validate(config: RunConfig) -> None:
          "robust.first_round_bound must be a finite number >= 0 (0 = none)"),
     ]
     sampling = config.sampling
+    checks.append((sampling.scheme in SAMPLING_SCHEMES,
+                   f"sampling.scheme must be one of {', '.join(SAMPLING_SCHEMES)}, got {sampling.scheme!r}"))
     checks.append((0 < sampling.fraction <= 1, "sampling.fraction must be in (0, 1]"))
     if sampling.probability is not None:
         checks.append((0 < sampling.probability <= 1, "sampling.probability must be in (0, 1]"))
+    if sampling.scheme == "poisson":
+        checks.append((sampling.probability is None, "sampling.scheme poisson samples each client with probability "
+                       "sampling.fraction: leave sampling.probability unset"))
+        checks.append((sampling.over_selection == 0, "sampling.over_selection needs a fixed-size sample "
+                       "(sampling.scheme fixed), not sampling.scheme poisson"))
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -467,6 +516,84 @@ def _validate(config: RunConfig) -> None:
     _check_codec(config.compression.up, "compression.up")
     _check_codec(config.compression.down, "compression.down")
     _check_server_optimizer(config)
+    _check_privacy(config)
+
+
+def _check_privacy(config: RunConfig) -> None:
+    """Validate ``privacy.dp`` and refuse what cannot be private as configured: each refusal says
+    why and what to set instead (docs/privacy.md). Raises ConfigError naming the keys."""
+    dp = config.privacy.dp
+    checks = [
+        (math.isfinite(dp.clip_norm) and dp.clip_norm > 0, "privacy.dp.clip_norm must be a finite number > 0"),
+        (math.isfinite(dp.noise_multiplier) and dp.noise_multiplier >= 0,
+         "privacy.dp.noise_multiplier must be a finite number >= 0"),
+        (dp.delta is None or 0 < dp.delta < 1, "privacy.dp.delta must be in (0, 1)"),
+        (dp.target_epsilon is None or (math.isfinite(dp.target_epsilon) and dp.target_epsilon > 0),
+         "privacy.dp.target_epsilon must be a finite number > 0"),
+        (dp.accountant in DP_ACCOUNTANTS, f"privacy.dp.accountant must be one of {', '.join(DP_ACCOUNTANTS)}, "
+                                          f"got {dp.accountant!r}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if not dp.enabled:
+        return
+    for message in dp_refusals(config):
+        raise ConfigError(f"privacy.dp: {message}")
+
+
+def dp_refusals(config: RunConfig) -> list[str]:
+    """Why ``config`` cannot run with ``privacy.dp`` on (empty: it can). DP-FedAvg bounds each
+    client's influence on the released model by the clip and hides it under noise; every setting
+    below lets a client's update reach the model or the schedule some other way."""
+    from fedpart.common.algorithms import build_algorithm
+
+    sampling, robust = config.sampling, config.robust
+    refusals = []
+    if config.train.weighting != "uniform":
+        refusals.append(f"train.weighting {config.train.weighting!r} weighs a result by its self-reported sample "
+                        "count, which the clip does not bound: set train.weighting: uniform")
+    if robust.aggregator != "mean":
+        refusals.append(f"robust.aggregator {robust.aggregator!r} is not a sum, so the noise calibrated to the "
+                        "clip does not cover one client's influence on it: set robust.aggregator: mean")
+    if robust.norm_bound:
+        refusals.append("robust.norm_bound is a second bound beside privacy.dp.clip_norm, which already clips every "
+                        "delta (and its 'reject' depends on each norm): set robust.norm_bound: 0")
+    if sampling.probability is not None:
+        refusals.append("sampling.probability draws again while nobody is picked, which is not the Poisson sampling "
+                        "the accounting assumes: set sampling.scheme: poisson and sampling.fraction instead")
+    if sampling.over_selection:
+        refusals.append("sampling.over_selection folds whichever results come first: set sampling.over_selection: 0")
+    if sampling.scheme == "fixed" and config.privacy.dp.accountant == "pld":
+        refusals.append("dp-accounting's PLD accountant has no event for fixed-size sampling without replacement: "
+                        "set privacy.dp.accountant: rdp, or sampling.scheme: poisson")
+    up = config.compression.up
+    if up.codec == "topk" and up.options.get("error_feedback", True):
+        refusals.append("compression.up topk with error feedback keeps what a round did not send and adds it to a "
+                        "later upload, outside the round's clip: set compression.up.error_feedback: false")
+    if config.server_optimizer.name == "fedexp":
+        refusals.append("server_optimizer fedexp sets its step from each result's delta norm, which is not noised: "
+                        "use plain, fedavgm, fedadam or fedyogi (steps on the noised mean are post-processing)")
+    if "feddyn" in config.algorithm.objective:
+        refusals.append("algorithm.objective.feddyn brings a server step scaled by the number of results, which is "
+                        "not noised: remove the feddyn term")
+    try:
+        algorithm = build_algorithm(config.algorithm.name, config.algorithm.options, config.algorithm.objective)
+    except ValueError:
+        return refusals  # the algorithm check reports it
+    collected = algorithm.collected_parts
+    if collected:
+        refusals.append(f"algorithm {config.algorithm.name} uploads its {', '.join(collected)} values whole into a "
+                        "per-client dictionary whose mean becomes the global copy without clipping or noise")
+    return refusals
+
+
+def check_dp_accounting(config: RunConfig) -> None:
+    """Raise ConfigError when ``privacy.dp`` is on and Google's dp-accounting is not installed (the
+    server's accountant; client machines never need it)."""
+    if config.privacy.dp.enabled and importlib.util.find_spec("dp_accounting") is None:
+        raise ConfigError(f"privacy.dp needs Google's dp-accounting library on the server, which is not installed: "
+                          f"{DP_ACCOUNTING_INSTALL}")
 
 
 def _check_server_optimizer(config: RunConfig) -> None:

@@ -248,12 +248,14 @@ class Coordinator:
         started = time.monotonic()
         sampling = self.config.sampling
         sampled = sample_clients(self.config.clients, round_number, self.config.sampling_seed,
-                                 sampling.fraction, sampling.probability, sampling.over_selection)
+                                 sampling.fraction, sampling.probability, sampling.over_selection, sampling.scheme)
+        uploads = self.round_plan(round_number, 0).upload_deltas  # every client's plan of a round uploads the same
         with self._cond:
             self._round = round_number
             self._round_started = started
             self._sampled = len(sampled)
-            self._results = RoundResults(self.aggregation.new_aggregator())
+            self._results = RoundResults(self.aggregation.new_aggregator(
+                round_number, {n: self.global_state[n] for n in uploads}))
             hosts = {c: host for c in sampled if (host := self.registry.host(c)) is not None}
             server = self.config.server
             chunk_bytes = result_chunk_bytes(server.result_chunk_bytes, server.waiting_upload_bytes,
@@ -336,6 +338,8 @@ class Coordinator:
         }
         if gpu_peak:
             record["gpu_peak_bytes"] = gpu_peak
+        if self.aggregation.privacy is not None:
+            record["privacy"] = self.aggregation.privacy.round_record(round_number)
         return record
 
     def evaluate_all(self) -> dict[int, dict[str, float]]:

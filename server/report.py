@@ -201,9 +201,27 @@ def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
             **_gpu_peak(rounds),
         },
         "delivery": {"rounds": delivery_totals(rounds), "evaluation": dict(evaluation_delivery or {})},
+        **({"privacy": _privacy(config, rounds)} if config.privacy.dp.enabled else {}),
         "seconds": round(seconds, 3),
         "failures": failures,
         "per_client": per_client,
+    }
+
+
+def _privacy(config: RunConfig, rounds: list[dict]) -> dict[str, Any]:
+    """The DP budget spent (``privacy.dp``, docs/privacy.md): the epsilon reached (the last round
+    record's; null where it is infinite, without noise), at which delta, the sampling and the
+    dp-accounting accountant it was accounted for, and the mechanism's settings."""
+    dp = config.privacy.dp
+    return {
+        "epsilon": rounds[-1]["privacy"]["epsilon"] if rounds else 0.0,
+        "delta": dp.resolved_delta(config.clients),
+        "sampling": config.sampling.scheme,
+        "accountant": dp.accountant,
+        "noise_multiplier": dp.noise_multiplier,
+        "clip_norm": dp.clip_norm,
+        "target_epsilon": dp.target_epsilon,
+        "rounds": len(rounds),
     }
 
 

@@ -12,6 +12,12 @@ trimmed mean of Yin et al., ICML 2018. Norm clipping of client updates as a defe
 "Can You Really Backdoor Federated Learning?", 2019. The combined delta then goes through the
 run's server optimizer (``fedpart.server.optimizers``): the ``server_optimizer`` section, or the
 step an objective term brings (FedDyn's).
+
+With ``privacy.dp`` on (DP-FedAvg, ``fedpart.server.privacy``) the clip is the bound: screening
+clips every delta to ``privacy.dp.clip_norm`` (a client that did not clip is clipped here, and a
+lossy codec's rounding of a clipped delta too), the adaptive bound is off (it would let the other
+clients' norms decide whether a result counts), every result weighs 1, and a round's deltas are
+combined into their noised sum over the expected number of clients.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from fedpart.server.aggregation import (
     WeightedMean,
 )
 from fedpart.server.optimizers import RoundDelta, ServerOptimizer, build_server_optimizer
+from fedpart.server.privacy import DifferentialPrivacy
 from fedpart.server.run_state import ResumeError
 
 
@@ -276,8 +283,11 @@ class AggregationStep:
         section = config.server_optimizer
         self.optimizer: ServerOptimizer = build_server_optimizer(
             section.name, section.options, run_algorithm(config).server_step, config.clients)
+        self.privacy: DifferentialPrivacy | None = None
+        if config.privacy.dp.enabled:
+            self.privacy = DifferentialPrivacy(config, log)
         self.adaptive_bound: AdaptiveBound | None = None
-        if self.robust.adaptive_bound:
+        if self.robust.adaptive_bound and self.privacy is None:
             initial = build_run_model(config).state_dict()
             self.adaptive_bound = AdaptiveBound(self.robust.adaptive_bound, self.robust.first_round_bound, initial)
         self.partition_sizes: list[int] | None = None
@@ -289,9 +299,17 @@ class AggregationStep:
                 log(f"warning: the server cannot compute the partition ({error}); reported sample counts "
                     f"are capped only by robust.max_samples ({cap})")
 
-    def new_aggregator(self) -> RoundDeltas:
-        """A fresh aggregator of a round's deltas (of the configured kind)."""
-        return RoundDeltas(self.combiner(), self.optimizer.needs_result_norms, self.adaptive_bound is not None)
+    def new_aggregator(self, round_number: int = 0, uploads: Mapping[str, torch.Tensor] | None = None) -> RoundDeltas:
+        """A fresh aggregator of a round's deltas: of the configured kind, or under ``privacy.dp``
+        the noised sum of round ``round_number`` over the tensors ``uploads`` (the global tensors
+        the round's plan uploads deltas of, by name; required then)."""
+        if self.privacy is None:
+            combiner = self.combiner()
+        elif uploads is None:
+            raise ValueError("privacy.dp: the noised sum needs the tensors the round uploads")
+        else:
+            combiner = self.privacy.aggregator(round_number, uploads)
+        return RoundDeltas(combiner, self.optimizer.needs_result_norms, self.adaptive_bound is not None)
 
     def combiner(self) -> Aggregator:
         """A fresh aggregator of the configured kind."""
@@ -319,6 +337,8 @@ class AggregationStep:
                 raise ResultRefused(f"reported {num_samples} training samples; client {client_id} has none")
             samples = cap
             notes.append(f"reported {num_samples} training samples, more than the {cap} it can have; counted {cap}")
+        if self.privacy is not None:
+            return self._screen_private(deltas, samples, tuple(notes), samples != num_samples)
         clipped = False
         adaptive = self.adaptive_bound.limit(deltas) if self.adaptive_bound is not None and deltas else None
         bound = self.robust.norm_bound if deltas else 0.0
@@ -338,6 +358,18 @@ class AggregationStep:
             deltas = MeasuredDeltas(deltas, norm)
         weight = float(samples) if self.weighting == "samples" else 1.0
         return Screened(deltas, samples, weight, clipped, samples != num_samples, tuple(notes))
+
+    def _screen_private(self, deltas: dict[str, torch.Tensor], samples: int, notes: tuple[str, ...],
+                        samples_capped: bool) -> Screened:
+        """Screening under ``privacy.dp``: the deltas clipped to the clip norm (counted as clipped
+        where the result was over it by more than a codec's rounding), weight 1."""
+        if not deltas:
+            return Screened(deltas, samples, 1.0, False, samples_capped, notes)
+        try:
+            clipped, note = self.privacy.clip(deltas)
+        except ValueError as error:
+            raise ResultRefused(str(error)) from error
+        return Screened(clipped, samples, 1.0, note is not None, samples_capped, notes + ((note,) if note else ()))
 
     def new_global(self, global_state: Mapping[str, torch.Tensor], deltas: RoundDeltas,
                    heads: HeadDictionary | None) -> dict[str, torch.Tensor]:
