@@ -1,6 +1,7 @@
 """The ``fedpart`` command: ``server``, ``client``, ``run`` (all processes on this machine),
 ``certs`` (TLS certificates and client-process tokens for a run), ``report`` (HTML page, figures
-and tables from run directories) and ``compare`` (one config once per algorithm, then the report).
+and tables from run directories) and ``compare`` (one config once per algorithm, and per seed
+with ``--seeds``, then the report).
 
 Exit codes: README "Exit codes" (``fedpart.common.exit_codes``)."""
 
@@ -216,7 +217,7 @@ def _report(args: argparse.Namespace) -> int:
     from fedpart.deploy.report.build import write_report
 
     report = write_report(args.run_dirs, args.out, _link(args), args.target, args.overwrite)
-    print(f"wrote {report.page} ({len(report.figures)} figures, table.csv, table.md)")
+    print(f"wrote {report.page} ({len(report.figures)} figures, table.csv, table.md, rounds.csv)")
     for line in report.missing:
         print(f"note: {line}")
     return 0
@@ -224,12 +225,13 @@ def _report(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from fedpart.common.config import load_config
-    from fedpart.deploy.compare import compare, parse_algorithms
+    from fedpart.deploy.compare import compare, parse_algorithms, parse_seeds
 
     path = resolve_config_path(args.config)
     algorithms = parse_algorithms(args.algorithms)
+    seeds = parse_seeds(args.seeds) if args.seeds is not None else None
     out = Path(args.out or default_out_dir(f"compare-{load_config(path).name}"))
-    return compare(path, algorithms, args.set, out, _link(args), args.target)
+    return compare(path, algorithms, args.set, out, _link(args), args.target, seeds, args.vary_partition)
 
 
 def _add_link_options(parser: argparse.ArgumentParser) -> None:
@@ -351,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="HTML page, figures and tables from run directories "
                                                 "(needs: pip install 'fedpart[report]')")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (fedpart run/server --out)")
-    report.add_argument("--out", required=True, help="folder for index.html, table.csv, table.md and the PNG figures")
+    report.add_argument("--out", required=True,
+                        help="folder for index.html, table.csv, table.md, rounds.csv and the PNG figures")
     report.add_argument("--overwrite", action="store_true", help="replace the report in a non-empty --out folder")
     _add_link_options(report)
     report.set_defaults(handler=_report)
@@ -362,8 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--algorithms", required=True, help="comma-separated, e.g. fedavg,fedbabu,fedper")
     compare.add_argument("--set", action="append", default=[], metavar="[ALGORITHM:]KEY=VALUE",
                          help="override a setting for every run, or with ALGORITHM: for that algorithm's run only")
-    compare.add_argument("--out", help="folder for the runs (OUT/<algorithm>) and the report (OUT/report); "
-                                       "default runs/compare-<name>-<time>")
+    compare.add_argument("--out", help="folder for the runs (OUT/<algorithm>, with --seeds OUT/<algorithm>/seed<S>) "
+                                       "and the report (OUT/report); default runs/compare-<name>-<time>")
+    compare.add_argument("--seeds", metavar="S,S,...",
+                         help="run each algorithm once per seed, e.g. 0,1,2: seeds.init, seeds.sampling and "
+                              "seeds.training set to S over one partition; the report shows mean ± std")
+    compare.add_argument("--vary-partition", action="store_true",
+                         help="with --seeds: also set the run's seed to S, so that the partition varies too")
     _add_link_options(compare)
     compare.set_defaults(handler=_compare)
     add_export_parser(commands)

@@ -1,4 +1,4 @@
-"""``fedpart compare``: one config run once per algorithm, then the report of those runs.
+"""``fedpart compare``: one config run once per algorithm (and per seed), then the report of those runs.
 
 Every run is ``fedpart run`` (the local launcher) of the same config with the same ``--set``
 overrides; only ``algorithm.name`` differs, plus the overrides scoped to that algorithm
@@ -6,6 +6,12 @@ overrides; only ``algorithm.name`` differs, plus the overrides scoped to that al
 and evaluation protocol are the same by construction. The runs go one after another, each into
 ``OUT/<algorithm>/``; the report goes to ``OUT/report/``. Everything is validated, and every
 output directory checked to be new, before the first run starts: an earlier run is never touched.
+
+With ``seeds`` every algorithm runs once per seed S, into ``OUT/<algorithm>/seed<S>/``, with
+``seeds.init``, ``seeds.sampling`` and ``seeds.training`` set to S: the initial model, the sampled
+clients and the training randomness vary, over one partition (``seeds.partition``, or the
+config's ``seed``); ``vary_partition`` also sets ``seed`` to S, so that the partition varies too.
+The runs of one seed are the same for every algorithm; the report groups each algorithm's runs.
 """
 
 from __future__ import annotations
@@ -20,12 +26,20 @@ from fedpart.deploy.report.runs import ReportError
 REPORT_DIR = "report"
 
 
+VARIED_SEEDS = ("init", "sampling", "training")  # what --seeds varies over one partition
+
+
 @dataclass
 class PlannedRun:
     algorithm: str
     overrides: list[str]
     config: RunConfig
     out: Path
+    seed: int | None = None  # the --seeds value of this run (None: compare without --seeds)
+
+    @property
+    def label(self) -> str:
+        return self.algorithm if self.seed is None else f"{self.algorithm} seed {self.seed}"
 
 
 def parse_algorithms(text: str) -> list[str]:
@@ -37,6 +51,26 @@ def parse_algorithms(text: str) -> list[str]:
     if repeated:
         raise ConfigError(f"--algorithms names {', '.join(repeated)} twice")
     return names
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``0,1,2`` -> [0, 1, 2]; at least one, none twice, each a non-negative integer."""
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds {text!r}: comma-separated integers, e.g. --seeds 0,1,2") from None
+    if not seeds or any(seed < 0 for seed in seeds):
+        raise ConfigError(f"--seeds {text!r}: at least one non-negative integer, e.g. --seeds 0,1,2")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds {text!r} names a seed twice")
+    return seeds
+
+
+def seed_overrides(seed: int, vary_partition: bool) -> list[str]:
+    """The ``--set`` values that make a run of ``seed``: its initialisation, sampling and training
+    seeds, and with ``vary_partition`` the run's ``seed`` (the partition's, where
+    ``seeds.partition`` is unset)."""
+    return [*(f"seeds.{source}={seed}" for source in VARIED_SEEDS), *([f"seed={seed}"] if vary_partition else [])]
 
 
 def split_overrides(sets: list[str], algorithms: list[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -58,24 +92,36 @@ def split_overrides(sets: list[str], algorithms: list[str]) -> tuple[list[str], 
     return common, scoped
 
 
-def plan_runs(config_path: Path, algorithms: list[str], sets: list[str], out: Path) -> list[PlannedRun]:
-    """Every run's config, validated (algorithm options included), and its new run directory."""
+def plan_runs(config_path: Path, algorithms: list[str], sets: list[str], out: Path,
+              seeds: list[int] | None = None, vary_partition: bool = False) -> list[PlannedRun]:
+    """Every run's config, validated (algorithm options included), and its new run directory:
+    one run per algorithm, or with ``seeds`` one per algorithm and seed."""
     from fedpart.common.experiment import run_algorithm
 
+    if vary_partition and seeds is None:
+        raise ConfigError("--vary-partition varies the partition with each of --seeds: give --seeds too")
     common, scoped = split_overrides(sets, algorithms)
+    if seeds is not None:
+        seed_keys = {*(f"seeds.{source}" for source in VARIED_SEEDS),
+                     *(("seed", "seeds.partition") if vary_partition else ())}
+        clashing = [text for text in sets if text.split("=", 1)[0].split(":")[-1].strip() in seed_keys]
+        if clashing:
+            raise ConfigError(f"--set {clashing[0]}: --seeds sets the seeds of each run")
     planned = []
     for algorithm in algorithms:
-        overrides = [*common, f"algorithm.name={algorithm}", *scoped[algorithm]]
-        try:
-            config = load_config(config_path, overrides)
-            run_algorithm(config)
-        except (ConfigError, ValueError, TypeError) as error:
-            raise ConfigError(f"{algorithm}: {error} (to set an option for one algorithm only: "
-                              "--set ALGORITHM:algorithm.OPTION=VALUE)") from error
-        run_dir = out / algorithm
-        if run_dir.exists():
-            raise ConfigError(f"{run_dir} exists: compare never writes into an earlier run; choose another --out")
-        planned.append(PlannedRun(algorithm, overrides, config, run_dir))
+        for seed in seeds if seeds is not None else [None]:
+            extra = seed_overrides(seed, vary_partition) if seed is not None else []
+            overrides = [*common, f"algorithm.name={algorithm}", *scoped[algorithm], *extra]
+            try:
+                config = load_config(config_path, overrides)
+                run_algorithm(config)
+            except (ConfigError, ValueError, TypeError) as error:
+                raise ConfigError(f"{algorithm}: {error} (to set an option for one algorithm only: "
+                                  "--set ALGORITHM:algorithm.OPTION=VALUE)") from error
+            run_dir = out / algorithm if seed is None else out / algorithm / f"seed{seed}"
+            if run_dir.exists():
+                raise ConfigError(f"{run_dir} exists: compare never writes into an earlier run; choose another --out")
+            planned.append(PlannedRun(algorithm, overrides, config, run_dir, seed))
     report_dir = out / REPORT_DIR
     if report_dir.exists():
         raise ConfigError(f"{report_dir} exists: choose another --out")
@@ -83,32 +129,33 @@ def plan_runs(config_path: Path, algorithms: list[str], sets: list[str], out: Pa
 
 
 def compare(config_path: Path, algorithms: list[str], sets: list[str], out: Path, link: Link | None,
-            target: float | None) -> int:
-    """Run every algorithm, then write the report; 0 only when every run succeeded."""
+            target: float | None, seeds: list[int] | None = None, vary_partition: bool = False) -> int:
+    """Run every algorithm (once per seed with ``seeds``), then write the report; 0 only when
+    every run succeeded."""
     from fedpart.deploy.launcher import run_local
     from fedpart.deploy.report.build import require_plotting, write_report
 
     require_plotting()
-    planned = plan_runs(config_path, algorithms, sets, out)
+    planned = plan_runs(config_path, algorithms, sets, out, seeds, vary_partition)
     codes = {}
     for run in planned:
-        print(f"fedpart compare: {run.algorithm} -> {run.out}", flush=True)
-        codes[run.algorithm] = run_local(config_path, run.overrides, run.config, str(run.out))
-    failed = [a for a, code in codes.items() if code != 0]
+        print(f"fedpart compare: {run.label} -> {run.out}", flush=True)
+        codes[run.label] = run_local(config_path, run.overrides, run.config, str(run.out))
+    failed = [label for label, code in codes.items() if code != 0]
     reportable = [r for r in planned if (r.out / "config.yaml").is_file()]
     for run in planned:
         if run not in reportable:
-            print(f"fedpart compare: {run.algorithm} left no run directory to report", flush=True)
+            print(f"fedpart compare: {run.label} left no run directory to report", flush=True)
     if reportable:
         try:
             report = write_report([r.out for r in reportable], out / REPORT_DIR, link, target,
-                                  labels=[r.algorithm for r in reportable])
+                                  labels=[r.label for r in reportable])
             print(f"fedpart compare: report {report.page}", flush=True)
         except ReportError as error:
             print(f"fedpart compare: error: no report: {error}", flush=True)
             return 1
     if failed:
-        print(f"fedpart compare: error: runs failed: {', '.join(f'{a} (exit {codes[a]})' for a in failed)}",
+        print(f"fedpart compare: error: runs failed: {', '.join(f'{label} (exit {codes[label]})' for label in failed)}",
               flush=True)
         return 1
     return 0

@@ -5,6 +5,7 @@ number against the runs' summary.json and metrics.jsonl, and opened in a real he
 from __future__ import annotations
 
 import csv
+import re
 import shutil
 import statistics
 import subprocess
@@ -16,17 +17,17 @@ import pytest
 import yaml
 
 from conftest import WAIT, child_env, fedpart_command, read_metrics, read_summary, run_fedpart, \
-    small_config, write_config
+    small_config, start_server, write_config
 from fedpart.deploy import cli
-from fedpart.deploy.compare import split_overrides
+from fedpart.deploy.compare import parse_seeds, plan_runs, split_overrides
 from fedpart.deploy.report.link import (ClientRound, Link, cumulative_seconds, default_target, parse_duration,
                                         parse_rate, round_time, round_times, time_to_accuracy)
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-ALL_FIGURES = {"accuracy_rounds", "accuracy_bytes", "bytes_per_round", "compute_rounds", "personalization",
-               "link_time"}
+ALL_FIGURES = {"accuracy_rounds", "accuracy_bytes", "bytes_per_round", "bytes_units", "compute_rounds",
+               "personalization", "link_time"}
 
 
 # ------------------------------------------------------------------------------- the link model
@@ -146,9 +147,33 @@ def _fedpart(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
                           timeout=WAIT)
 
 
-def _table(report: Path) -> dict[str, dict[str, str]]:
+def _table(report: Path, kind: str = "run") -> dict[str, dict[str, str]]:
+    """table.csv's rows of one kind (``run`` or ``group``), by label."""
     with (report / "table.csv").open() as f:
-        return {row["run"]: row for row in csv.DictReader(f)}
+        return {row["run"]: row for row in csv.DictReader(f) if row["row"] == kind}
+
+
+def _round_table(report: Path) -> list[dict[str, str]]:
+    with (report / "rounds.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def _figures(*run_dirs: Path) -> set[str]:
+    """The figures a report of these complete runs with a link draws: the bytes per unit only
+    where metrics.jsonl records them."""
+    with_units = any("bytes_by_unit" in record for run in run_dirs for record in read_metrics(run))
+    return ALL_FIGURES if with_units else ALL_FIGURES - {"bytes_units"}
+
+
+def _client_bytes(entry: dict, direction: str) -> int:
+    """What the link model takes for a client: its logical bytes where recorded, else physical."""
+    return entry.get(f"logical_{direction}", entry[direction])
+
+
+def _per_round_bytes(summary: dict, direction: str) -> float:
+    """The table's bytes per round: logical where summary.json has them, else physical."""
+    counted = summary["bytes"].get("logical", summary["bytes"])
+    return counted["per_round_mean"][direction]
 
 
 def _number(text: str) -> float | None:
@@ -181,7 +206,8 @@ def test_report_of_real_runs_matches_their_numbers(runs: dict[str, Path], tmp_pa
     result = _fedpart("report", str(runs["fedavg"]), str(runs["fedper"]), "--out", str(report),
                       "--link", "10Mbit/50ms")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert {p.stem for p in report.glob("*.png")} == ALL_FIGURES
+    figures = _figures(runs["fedavg"], runs["fedper"])
+    assert {p.stem for p in report.glob("*.png")} == figures
     for png in report.glob("*.png"):
         _check_png(png)
     table = _table(report)
@@ -190,22 +216,29 @@ def test_report_of_real_runs_matches_their_numbers(runs: dict[str, Path], tmp_pa
     for name in ("fedavg", "fedper"):
         row, summary, metrics = table[name], read_summary(runs[name]), read_metrics(runs[name])
         accuracy = summary["accuracy"]
-        assert row["algorithm"] == name and row["status"] == "complete" and int(row["rounds"]) == 2
+        assert row["algorithm"] == name and row["status"] == "completed" and int(row["rounds"]) == 2
+        assert row["exit_code"] == "0" and row["exit_code_source"] == "derived" and row["failures"] == "0"
+        assert row["short_rounds"] == "0" and row["failure_list"] == ""
+        assert [int(row[f"seed_{s}"]) for s in ("partition", "init", "sampling", "training")] == [0, 0, 0, 0]
         assert _number(row["initial_acc"]) == accuracy["initial"]["mean"]
         assert _number(row["personalized_acc"]) == accuracy["personalized"]["2"]["mean"]
         assert int(row["finetune_epochs"]) == 2
         assert _number(row["global_acc"]) == accuracy.get("global", {}).get("acc")
-        assert _number(row["bytes_down_per_round"]) == summary["bytes"]["per_round_mean"]["down"]
-        assert _number(row["bytes_up_per_round"]) == summary["bytes"]["per_round_mean"]["up"]
-        assert _number(row["bytes_down_per_round"]) == statistics.fmean(r["bytes_down"] for r in metrics)
+        assert _number(row["bytes_down_per_round"]) == _per_round_bytes(summary, "down")
+        assert _number(row["bytes_up_per_round"]) == _per_round_bytes(summary, "up")
+        assert _number(row["physical_bytes_down_per_round"]) == summary["bytes"]["per_round_mean"]["down"]
+        assert _number(row["physical_bytes_up_per_round"]) == summary["bytes"]["per_round_mean"]["up"]
+        assert _number(row["physical_bytes_down_per_round"]) == statistics.fmean(r["bytes_down"] for r in metrics)
+        assert row["bytes_counted"] == ("logical" if "logical" in summary["bytes"] else "physical")
         assert _number(row["client_compute_seconds_per_round"]) == pytest.approx(
             summary["compute"]["client_seconds"] / len(metrics))
         assert _number(row["train_flops_per_round"]) == statistics.fmean(r["train_flops"] for r in metrics)
         assert _number(row["wall_seconds"]) == summary["seconds"]
         # the link time from the bytes and compute seconds in metrics.jsonl, by the model's formula
         # (server link not shared: the slowest client's download + compute + upload, + 2 RTT)
-        per_round[name] = [max(8 * c["down"] / 1e7 + c["compute_seconds"] + 8 * c["up"] / 1e7
-                               for c in r["clients"].values()) + 2 * 0.05 for r in metrics]
+        per_round[name] = [max(8 * _client_bytes(c, "down") / 1e7 + c["compute_seconds"]
+                               + 8 * _client_bytes(c, "up") / 1e7 for c in r["clients"].values()) + 2 * 0.05
+                           for r in metrics]
         assert _number(row["link_seconds_total"]) == pytest.approx(sum(per_round[name]))
         assert _number(row["link_seconds_per_round"]) == pytest.approx(statistics.fmean(per_round[name]))
     assert table["fedper"]["global_acc"] == "" and table["fedper"]["link_time_to_target"] == ""
@@ -216,10 +249,33 @@ def test_report_of_real_runs_matches_their_numbers(runs: dict[str, Path], tmp_pa
     assert _number(table["fedavg"]["link_time_to_target"]) == pytest.approx(sum(per_round["fedavg"][: reached + 1]))
     markdown = (report / "table.md").read_text()
     fedavg = read_summary(runs["fedavg"])["accuracy"]
-    assert f"| fedavg | fedavg | complete | 2 | {100 * fedavg['initial']['mean']:.2f} |" in markdown
+    assert f"| fedavg | completed | 0 | 0 | 0 | 2 | {100 * fedavg['initial']['mean']:.2f} |" in markdown
+    # one run per group: the group rows repeat the runs' numbers, with n 1 and no deviation
+    groups = _table(report, "group")
+    assert set(groups) == {"fedavg", "fedper"}
+    assert groups["fedavg"]["n"] == "1" and groups["fedavg"]["initial_acc"] == table["fedavg"]["initial_acc"]
+    assert groups["fedavg"]["initial_acc_std"] == "" and groups["fedavg"]["initial_acc_n"] == "1"
+    # rounds.csv: every round of both runs, as metrics.jsonl has it
+    rounds = _round_table(report)
+    assert [(r["run"], int(r["round"])) for r in rounds] == [(n, i) for n in ("fedavg", "fedper") for i in (1, 2)]
+    for row, record in zip(rounds, read_metrics(runs["fedavg"]) + read_metrics(runs["fedper"])):
+        assert int(row["sampled"]) == len(record["sampled"]) and int(row["completed"]) == len(record["completed"])
+        assert float(row["train_loss"]) == record["train_loss"]
+        assert int(row["physical_down"]) == record["bytes_down"] and int(row["physical_up"]) == record["bytes_up"]
+        assert _number(row["global_acc"]) == record.get("global", {}).get("acc")
+        assert float(row["train_flops"]) == record["train_flops"]
+        for part, counts in record["bytes_by_part"].items():
+            assert int(row[f"physical_{part}_down"]) == counts["down"] and int(row[f"physical_{part}_up"]) == counts["up"]
+        if "logical" in record:
+            assert int(row["logical_down"]) == record["logical"]["down"] and row["bytes_counted"] == "logical"
+            for part, counts in record["logical"]["by_part"].items():
+                assert int(row[f"logical_{part}_up"]) == counts["up"]
+        for unit, counts in record.get("bytes_by_unit", {}).items():
+            assert int(row[f"unit_{unit}_down"]) == counts["down"]
     page = (report / "index.html").read_text()
     assert "no accuracy per round: fedper keeps parts of the model on the clients" in page
-    assert page.count("data:image/png;base64,") == len(ALL_FIGURES)
+    assert "Failures" not in page  # nothing failed
+    assert page.count("data:image/png;base64,") == len(figures)
     assert "http://" not in page and "https://" not in page  # nothing to fetch
 
 
@@ -251,17 +307,23 @@ def test_report_of_an_interrupted_run(runs: dict[str, Path], tmp_path: Path) -> 
     assert result.returncode == 0, result.stdout + result.stderr
     row = _table(report)["fedavg"]
     first = read_metrics(runs["fedavg"])[0]
-    assert row["status"] == "incomplete" and int(row["rounds"]) == 1
-    assert _number(row["bytes_down_per_round"]) == first["bytes_down"]
+    assert row["status"] == "interrupted" and int(row["rounds"]) == 1
+    assert row["exit_code"] == "" and row["exit_code_source"] == "unknown"
+    assert _number(row["physical_bytes_down_per_round"]) == first["bytes_down"]
+    assert _number(row["bytes_down_per_round"]) == first.get("logical", {}).get("down", first["bytes_down"])
     # a target of 1% is reached in round 1: the time to target is round 1's modelled time
     assert first["global"]["acc"] >= 0.01
-    slowest = max(8 * c["down"] / 1e6 + c["compute_seconds"] + 8 * c["up"] / 1e6 for c in first["clients"].values())
+    slowest = max(8 * _client_bytes(c, "down") / 1e6 + c["compute_seconds"] + 8 * _client_bytes(c, "up") / 1e6
+                  for c in first["clients"].values())
     assert _number(row["link_time_to_target"]) == pytest.approx(slowest + 2 * 0.02)
     assert row["initial_acc"] == row["personalized_acc"] == row["wall_seconds"] == ""
     # what the rounds support is drawn; personalization needs the final evaluation
-    assert {p.stem for p in report.glob("*.png")} == ALL_FIGURES - {"personalization"}
+    assert {p.stem for p in report.glob("*.png")} == _figures(runs["fedavg"]) - {"personalization"}  # fedavg's first round
     page = (report / "index.html").read_text()
-    assert "incomplete: no summary.json, the run stopped after round 1 of 2" in page
+    assert "interrupted: no summary.json (the server was stopped before it could write one); the run stopped " \
+           "after round 1 of 2" in page
+    assert '<h2 class="failed">Failures: 1 of 1 run</h2>' in page
+    assert "fedavg: interrupted after round 1 of 2" in page
     assert "figure &#x27;Personalization&#x27; not drawn" in page
 
 
@@ -303,13 +365,130 @@ def test_report_page_in_a_headless_browser(runs: dict[str, Path], tmp_path: Path
         finally:
             browser.close()
     assert problems == []
-    assert len(images) == len(ALL_FIGURES)
+    assert len(images) == len(_figures(runs["fedavg"], runs["fedper"]))
     assert all(width > 0 for _, width in images), images
     _check_png(screenshot)
 
 
-def test_compare_runs_each_algorithm_on_the_same_clients_and_reports(tmp_path: Path) -> None:
+SHORT_ROUND_RGB = (255, 0, 0)  # the red x of a round that folded fewer clients than sampled
+
+
+def _red_pixels(path: Path) -> int:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return sum(count for count, rgb in image.convert("RGB").getcolors(maxcolors=1 << 24) if rgb == SHORT_ROUND_RGB)
+
+
+def test_a_run_that_lost_a_client_process_is_reported_as_failed(tmp_path: Path, processes) -> None:
+    """A real run whose second client process is stopped (SIGTERM) after round 1 and started again
+    later: the rounds in between fold 2 of 4 sampled clients, the server exits 3 and summary.json
+    lists the failure. The report says so on the page, in table.csv and rounds.csv, and marks the
+    short rounds on the per-round figures."""
+    config = small_config(rounds=4, evaluate={"finetune_epochs": [1], "batch_size": 50, "global_every": 1},
+                          server={"round_timeout": 120, "join_timeout": 120, "heartbeat_timeout": 30})
+    config_path = write_config(tmp_path / "config.yaml", config)
+    out = tmp_path / "run"
+    server, reader, address = start_server(processes, config_path, out)
+
+    def client(index: int, ids: str) -> subprocess.Popen:
+        with (tmp_path / f"client_{index}.log").open("a") as log:
+            return processes.start(fedpart_command("client", "--server", address, "--clients", ids, "--threads", "1",
+                                                   "--state-dir", str(tmp_path / f"state_{index}")),
+                                   stdout=log, stderr=subprocess.STDOUT)
+
+    first, second = client(0, "0-1"), client(1, "2-3")
+    reader.wait_for(r"round\s+1/4", timeout=WAIT)
+    second.terminate()
+    reader.wait_for(r"left: terminated", timeout=WAIT)
+    restarted = client(1, "2-3")
+    output = reader.rest(timeout=WAIT)
+    assert server.wait(timeout=WAIT) == 3, output
+    assert first.wait(timeout=WAIT) == 0 and restarted.wait(timeout=WAIT) == 0
+    summary, metrics = read_summary(out), read_metrics(out)
+    assert summary["status"] == "completed" and summary["failures"], summary["failures"]
+    short = [(r["round"], len(r["completed"]), len(r["sampled"])) for r in metrics
+             if len(r["completed"]) < len(r["sampled"])]
+    assert short and short[0][0] == 2, short  # the process left before round 2 could fold its clients
+
+    report = tmp_path / "report"
+    result = _fedpart("report", str(out), "--out", str(report), "--link", "10Mbit/50ms")
+    assert result.returncode == 0, result.stdout + result.stderr
+    row = _table(report)["fedavg"]
+    missing = sum(1 for c in summary["per_client"] if c["test_samples"] is None)
+    assert row["status"] == "completed with failures"
+    assert row["exit_code"] == "3" and row["exit_code_source"] == "derived"
+    assert int(row["failures"]) == len(summary["failures"]) + missing
+    assert all(failure in row["failure_list"] for failure in summary["failures"])
+    assert int(row["short_rounds"]) == len(short)
+    assert row["short_round_list"] == "; ".join(f"{n}: {done}/{sampled}" for n, done, sampled in short)
+    assert _table(report, "group")["fedavg"]["status"] == "1 completed with failures"
+    rounds = _round_table(report)
+    assert [(int(r["round"]), int(r["completed"]), int(r["sampled"])) for r in rounds] == \
+        [(m["round"], len(m["completed"]), len(m["sampled"])) for m in metrics]
+
+    page = (report / "index.html").read_text()
+    assert '<h2 class="failed">Failures: 1 of 1 run</h2>' in page
+    assert "fedavg: the server exited 3 (derived)" in page
+    assert "completed with failures, exit 3 (derived from summary.json)" in page
+    for failure in summary["failures"]:
+        assert f"fedavg: {failure}" in page
+    for number, done, sampled in short:
+        assert f"fedavg: round {number} folded {done} of {sampled} sampled clients" in page
+    assert f"{len(short)} round{'s' if len(short) > 1 else ''} folded fewer clients than sampled" in page
+    per_round = {"accuracy_rounds", "accuracy_bytes", "bytes_per_round", "compute_rounds", "link_time"} | (
+        {"bytes_units"} & {p.stem for p in report.glob("*.png")})
+    for name in per_round:  # every per-round figure marks them, and says so
+        caption = page.split(f'<figure id="{name}">')[1].split("</figure>")[0]
+        assert "A red x marks a round that folded fewer clients than it sampled" in caption, name
+        assert _red_pixels(report / f"{name}.png") > 0, name
+    assert f"| fedavg | completed with failures | 3 | {row['failures']} | {len(short)} | 4 |" in \
+        (report / "table.md").read_text()
+
+
+def test_a_report_of_runs_that_folded_every_client_marks_no_round(runs: dict[str, Path], tmp_path: Path) -> None:
+    report = tmp_path / "report"
+    result = _fedpart("report", str(runs["fedavg"]), "--out", str(report))
+    assert result.returncode == 0, result.stdout + result.stderr
+    for png in report.glob("*.png"):
+        assert _red_pixels(png) == 0, png
+    assert "red x" not in (report / "index.html").read_text()
+
+
+def test_compare_plans_one_run_per_algorithm_and_seed(tmp_path: Path) -> None:
     config = write_config(tmp_path / "compare.yaml", _config())
+    out = tmp_path / "compare"
+    plain = plan_runs(config, ["fedavg", "fedbabu"], [], out)
+    assert [(r.out, r.seed, r.label) for r in plain] == [(out / "fedavg", None, "fedavg"),
+                                                       (out / "fedbabu", None, "fedbabu")]
+    assert [r.config.resolved_seeds() for r in plain] == [dict.fromkeys(("partition", "init", "sampling", "training"), 0)] * 2
+    seeded = plan_runs(config, ["fedavg", "fedbabu"], ["seed=7"], out, seeds=[0, 3])
+    assert [(r.out, r.label) for r in seeded] == [(out / a / f"seed{s}", f"{a} seed {s}")
+                                                  for a in ("fedavg", "fedbabu") for s in (0, 3)]
+    # one partition (the config's seed), everything else from --seeds
+    assert [r.config.resolved_seeds() for r in seeded] == [{"partition": 7, "init": s, "sampling": s, "training": s}
+                                                           for _ in range(2) for s in (0, 3)]
+    varied = plan_runs(config, ["fedavg"], [], out, seeds=[2], vary_partition=True)
+    assert varied[0].config.resolved_seeds() == dict.fromkeys(("partition", "init", "sampling", "training"), 2)
+    assert not out.exists()  # planning writes nothing
+    for args, message in (((["seeds.init=1"], out, [0]), "--seeds sets the seeds"),
+                          ((["fedavg:seeds.training=1"], out, [0]), "--seeds sets the seeds"),
+                          ((["seed=1"], out, [0], True), "--seeds sets the seeds"),
+                          (([], out, None, True), "give --seeds too")):
+        with pytest.raises(ValueError, match=message):
+            plan_runs(config, ["fedavg"], *args)
+    assert parse_seeds("0, 1,2") == [0, 1, 2]
+    for bad in ("", "1,1", "a", "-1"):
+        with pytest.raises(ValueError, match="--seeds"):
+            parse_seeds(bad)
+
+
+def test_compare_runs_each_algorithm_per_seed_and_reports_mean_and_std(tmp_path: Path) -> None:
+    """fedavg and fedprox, seeds 0 and 1, over one partition, with evaluate.global_every 0 (the
+    quickstart's): the same sampled clients for both algorithms in a seed, another initial model
+    per seed, one group per algorithm with mean ± std, and the accuracy-vs-bytes figure drawn from
+    the final global models."""
+    config = write_config(tmp_path / "compare.yaml", _config(sampling={"fraction": 0.5}))
     out = tmp_path / "compare"
     # an option of one algorithm only, scoped: fedavg has no mu
     result = _fedpart("compare", str(config), "--algorithms", "fedavg,fedprox", "--set", "algorithm.mu=0.05",
@@ -319,21 +498,54 @@ def test_compare_runs_each_algorithm_on_the_same_clients_and_reports(tmp_path: P
     assert not out.exists()
 
     result = _fedpart("compare", str(config), "--algorithms", "fedavg,fedprox", "--set", "fedprox:algorithm.mu=0.05",
-                      "--set", "train.lr=0.04", "--out", str(out), "--link", "10Mbit/50ms", cwd=tmp_path)
+                      "--set", "train.lr=0.04", "--set", "evaluate.global_every=0", "--seeds", "0,1",
+                      "--out", str(out), "--link", "10Mbit/50ms", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    fedavg, fedprox = read_metrics(out / "fedavg"), read_metrics(out / "fedprox")
-    assert [r["sampled"] for r in fedavg] == [r["sampled"] for r in fedprox]
-    for name, mu in (("fedavg", None), ("fedprox", 0.05)):
-        resolved = yaml.safe_load((out / name / "config.yaml").read_text())
+    dirs = {(a, s): out / a / f"seed{s}" for a in ("fedavg", "fedprox") for s in (0, 1)}
+    for (name, seed), run_dir in dirs.items():
+        resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
         assert resolved["algorithm"]["name"] == name and resolved["train"]["lr"] == 0.04
-        assert resolved["algorithm"]["options"].get("mu") == mu
-        assert read_summary(out / name)["algorithm"] == name
-    table = _table(out / "report")
-    assert set(table) == {"fedavg", "fedprox"}
-    assert _number(table["fedprox"]["initial_acc"]) == read_summary(out / "fedprox")["accuracy"]["initial"]["mean"]
-    assert (out / "report" / "link_time.png").is_file()
+        assert resolved["algorithm"]["options"].get("mu") == (0.05 if name == "fedprox" else None)
+        assert read_summary(run_dir)["seeds"] == {"partition": 0, "init": seed, "sampling": seed, "training": seed}
+    for seed in (0, 1):
+        assert [r["sampled"] for r in read_metrics(dirs["fedavg", seed])] == \
+            [r["sampled"] for r in read_metrics(dirs["fedprox", seed])]
+    # one partition: every client holds as many samples in both seeds; another initial model per seed
+    samples = {s: [c["train_samples"] for c in read_summary(dirs["fedavg", s])["per_client"]] for s in (0, 1)}
+    assert samples[0] == samples[1]
+    initial = "checkpoints/round_0000.safetensors"
+    assert (dirs["fedavg", 0] / initial).read_bytes() != (dirs["fedavg", 1] / initial).read_bytes()
 
-    before = (out / "fedavg" / "summary.json").read_bytes()
-    result = _fedpart("compare", str(config), "--algorithms", "fedavg", "--out", str(out))
+    report = out / "report"
+    runs_table, groups = _table(report), _table(report, "group")
+    assert set(runs_table) == {f"{a} seed {s}" for a in ("fedavg", "fedprox") for s in (0, 1)}
+    assert set(groups) == {"fedavg", "fedprox"}
+    for name in ("fedavg", "fedprox"):
+        group = groups[name]
+        assert group["n"] == "2" and group["status"] == "2 completed"
+        assert group["seed_partition"] == "0" and group["seed_init"] == ""  # shared, and varied
+        for key, values in (("initial_acc", [read_summary(dirs[name, s])["accuracy"]["initial"]["mean"] for s in (0, 1)]),
+                            ("global_acc", [read_summary(dirs[name, s])["accuracy"]["global"]["acc"] for s in (0, 1)])):
+            assert _number(group[key]) == pytest.approx(statistics.fmean(values))
+            assert _number(group[f"{key}_std"]) == pytest.approx(statistics.stdev(values))
+            assert group[f"{key}_n"] == "2"
+            assert [_number(runs_table[f"{name} seed {s}"][key]) for s in (0, 1)] == values
+    markdown = (report / "table.md").read_text()
+    fedavg = groups["fedavg"]
+    assert (f"{100 * _number(fedavg['initial_acc']):.2f} ± {100 * _number(fedavg['initial_acc_std']):.2f} (2)"
+            in markdown)
+    assert "Runs of the groups above, one row each:" in markdown
+    assert len(_round_table(report)) == 4 * 2
+    # no accuracy per round (global_every 0): the accuracy-vs-bytes figure has the final global models
+    assert (report / "accuracy_bytes.png").is_file() and (report / "link_time.png").is_file()
+    page = (report / "index.html").read_text()
+    assert "A run without accuracy per round (evaluate.global_every 0) is one filled point" in page
+    assert "No run has accuracy per round, so there are no curves." in page
+    assert re.search(r"<h3>Training loss per round</h3>.*?<figcaption>Per round: the sample-weighted training loss "
+                     r"of the round&#x27;s clients\.", page, re.S)
+    assert "(left)" not in page.split('id="accuracy_rounds"')[1].split("</figure>")[0]
+
+    before = (dirs["fedavg", 0] / "summary.json").read_bytes()
+    result = _fedpart("compare", str(config), "--algorithms", "fedavg", "--seeds", "0", "--out", str(out))
     assert result.returncode == 2 and "never writes into an earlier run" in result.stderr
-    assert (out / "fedavg" / "summary.json").read_bytes() == before
+    assert (dirs["fedavg", 0] / "summary.json").read_bytes() == before

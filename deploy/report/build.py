@@ -1,5 +1,5 @@
 """``fedpart report``: run directories in, a report folder out (``index.html``, ``table.csv``,
-``table.md`` and one PNG per figure). Needs the ``report`` extra (matplotlib)."""
+``table.md``, ``rounds.csv`` and one PNG per figure). Needs the ``report`` extra (matplotlib)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedpart.deploy.report.link import Link, default_target, process_bytes
+from fedpart.deploy.report.link import Link, default_target, process_bytes, uses_logical_bytes
 from fedpart.deploy.report.runs import ReportError, Run, read_runs
-from fedpart.deploy.report.tables import run_row, to_csv, to_markdown
+from fedpart.deploy.report.tables import rounds_csv, table_rows, to_csv, to_markdown
 
 PAGE = "index.html"
-TABLES = ("table.csv", "table.md")
+TABLES = ("table.csv", "table.md", "rounds.csv")
 MISSING_EXTRA = "fedpart report needs matplotlib: pip install 'fedpart[report]'"
 
 
@@ -47,7 +47,7 @@ class Report:
     out: Path
     page: Path
     figures: list[Path]
-    rows: list[dict]
+    rows: list[dict]  # table.csv's: each group's row, then its runs' rows
     missing: list[str]  # figures not drawn, and why
     target: float | None
 
@@ -59,6 +59,11 @@ def _link_notes(runs: Sequence[Run], link: Link, target: float | None, target_gi
              "adds round trips x RTT; clients run in parallel and the round lasts as long as the slowest"
              + ("; the transfers of a direction share the server's link fairly." if link.server is not None else "."),
              "Not modelled: the server's aggregation time, and sampled clients that did not complete."]
+    physical = [run.label for run in runs if run.has_client_entries() and not uses_logical_bytes(run.rounds)]
+    notes.append("Bytes: each client's logical bytes (what it would send and receive as its own device)"
+                 + (f"; physical bytes for {', '.join(physical)}, whose metrics.jsonl has no logical bytes (a "
+                    "process hosting several clients downloads a changed tensor once, for its first client)"
+                    if physical else "") + ".")
     if target is None:
         notes.append("No time to accuracy: no run has accuracy per round.")
     else:
@@ -100,9 +105,10 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path, link: Link | N
     target_given = target is not None
     if target is None and link is not None:
         target = default_target([[a for _, a in run.global_accuracy()] for run in runs])
-    rows = [run_row(run, link, target) for run in runs]
+    rows = table_rows(runs, link, target)
     (out / "table.csv").write_text(to_csv(rows, link))
     (out / "table.md").write_text(to_markdown(rows, link))
+    (out / "rounds.csv").write_text(rounds_csv(runs))
     figures, written, missing = [], [], []
     for plot in all_plots(runs, link, target):
         if plot.figure is None:

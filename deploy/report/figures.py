@@ -2,21 +2,26 @@
 
 Each figure is drawn from the runs' plain records; a figure that no run has data for is not drawn
 and says why (:class:`Plot` with ``figure`` None), and a run missing from a figure is named in the
-page's notes (:func:`fedpart.deploy.report.runs.read_run`).
+page's notes (:func:`fedpart.deploy.report.runs.read_run`). Runs that differ only in their seeds
+form a group (:attr:`Run.group`): a group of several runs is drawn as its mean per round with a band
+of one standard deviation, a group of one run as that run. Rounds that folded fewer clients than
+sampled (in any run of a group) are marked with a red x on every per-round curve. Bytes are logical
+(each sampled client as its own device) where every run records them, else physical, and every
+caption says which.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
-from fedpart.deploy.report.link import Link, cumulative_seconds, round_times
-from fedpart.deploy.report.runs import Run
+from fedpart.deploy.report.link import Link, cumulative_seconds, round_times, uses_logical_bytes
+from fedpart.deploy.report.runs import Run, group_runs, round_bytes, round_bytes_by_part
 
 WIDTH = 11.0       # inches; at DPI this is the page's figure width in pixels
 PANEL_HEIGHT = 3.4
@@ -28,10 +33,14 @@ PART_COLORS = {"body": "#4c72b0", "head": "#dd8452", "other": "#8c8c8c", "contro
 EXTRA_PART_COLORS = ["#c44e52", "#8172b3", "#937860", "#da8bc3"]
 _LINE_STYLES = ["-", "--", ":", "-."]
 _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "h"]  # hollow, so that equal curves stay visible
-_BYTES = {"up": ("bytes_up",), "down": ("bytes_down",), "total": ("bytes_up", "bytes_down")}
+_DIRECTIONS = {"up": ("up",), "down": ("down",), "total": ("up", "down")}
+SHORT_ROUND_STYLE = {"linestyle": "none", "marker": "x", "color": "#ff0000", "markersize": 9, "markeredgewidth": 2,
+                     "zorder": 4}
+SHORT_ROUND_LABEL = "round that folded fewer clients than sampled"
+BAND_ALPHA = 0.2
 # The file name (without .png) of every figure a report can have, in page order.
-FIGURE_NAMES = ("accuracy_rounds", "accuracy_bytes", "bytes_per_round", "compute_rounds", "personalization",
-                "link_time")
+FIGURE_NAMES = ("accuracy_rounds", "accuracy_bytes", "bytes_per_round", "bytes_units", "compute_rounds",
+                "personalization", "link_time")
 
 
 @dataclass
@@ -49,10 +58,97 @@ class Plot:
 
 
 def _styles(runs: Sequence[Run]) -> dict[str, dict[str, Any]]:
-    """A colour, a hollow marker (and, past ten runs, a line style) per run, the same in every figure."""
-    return {run.label: {"color": f"C{i % 10}", "marker": _MARKERS[i % len(_MARKERS)], "markersize": 5,
-                        "markerfacecolor": "none", "linestyle": _LINE_STYLES[(i // 10) % len(_LINE_STYLES)]}
-            for i, run in enumerate(runs)}
+    """A colour, a hollow marker (and, past ten groups, a line style) per group, the same in every figure."""
+    return {group: {"color": f"C{i % 10}", "marker": _MARKERS[i % len(_MARKERS)], "markersize": 5,
+                    "markerfacecolor": "none", "linestyle": _LINE_STYLES[(i // 10) % len(_LINE_STYLES)]}
+            for i, group in enumerate(group_runs(runs))}
+
+
+def _group_label(members: Sequence[Run]) -> str:
+    name = members[0].group
+    return name if len(members) == 1 else f"{name} (mean ± std of {len(members)} runs)"
+
+
+def _logical(runs: Sequence[Run]) -> bool:
+    """Bytes are logical in the figures when every run with rounds records them."""
+    with_rounds = [r for r in runs if r.rounds]
+    return bool(with_rounds) and all(r.has_logical_bytes() for r in with_rounds)
+
+
+def _bytes_kind(logical: bool) -> str:
+    return ("logical bytes (each sampled client as its own device)" if logical else
+            "physical bytes (what crossed each process's connection; not every run records logical bytes)")
+
+
+Series = Callable[[Run], dict[int, float]]  # a run's value per round (rounds without one left out)
+
+
+@dataclass
+class Curve:
+    """A group's curve: per round, the mean x and y over the runs that have the round, the
+    standard deviation of y (0 for one run) and whether a run of the group folded fewer clients
+    than sampled in it."""
+
+    x: list[float]
+    y: list[float]
+    std: list[float]
+    short: list[bool]
+
+
+def _curve(members: Sequence[Run], y_of: Series, x_of: Series | None = None, per_round: bool = True) -> Curve | None:
+    ys = [y_of(run) for run in members]
+    xs = [x_of(run) if x_of is not None else {n: float(n) for n in y} for run, y in zip(members, ys)]
+    short = {number for run in members for number, _, _ in run.short_rounds()} if per_round else set()
+    rounds = sorted({n for y, x in zip(ys, xs) for n in y if n in x})
+    if not rounds:
+        return None
+    curve = Curve([], [], [], [])
+    for number in rounds:
+        values = [(x[number], y[number]) for x, y in zip(xs, ys) if number in y and number in x]
+        curve.x.append(statistics.fmean(v for v, _ in values))
+        curve.y.append(statistics.fmean(v for _, v in values))
+        curve.std.append(statistics.stdev(v for _, v in values) if len(values) > 1 else 0.0)
+        curve.short.append(number in short)
+    return curve
+
+
+def _draw(ax: Any, runs: Sequence[Run], shown: Sequence[Run], y_of: Series, x_of: Series | None = None,
+          per_round: bool = True) -> list[str]:
+    """The curve of every group of ``shown`` (mean, band, short rounds marked where the keys of
+    ``y_of`` are rounds) on ``ax``, styled as in every figure of ``runs``; the groups drawn."""
+    styles, drawn = _styles(runs), []
+    for group, members in group_runs(shown).items():
+        curve = _curve(members, y_of, x_of, per_round)
+        if curve is None:
+            continue
+        drawn.append(group)
+        ax.plot(curve.x, curve.y, label=_group_label(members), **styles[group])
+        if len(members) > 1:
+            ax.fill_between(curve.x, [m - s for m, s in zip(curve.y, curve.std)],
+                            [m + s for m, s in zip(curve.y, curve.std)], color=styles[group]["color"],
+                            alpha=BAND_ALPHA, linewidth=0)
+        marked = [(x, y) for x, y, short in zip(curve.x, curve.y, curve.short) if short]
+        if marked:
+            ax.plot(*zip(*marked), label=SHORT_ROUND_LABEL, **SHORT_ROUND_STYLE)
+    return drawn
+
+
+def _short_note(runs: Sequence[Run]) -> str:
+    return (" A red x marks a round that folded fewer clients than it sampled (in any run of a group)."
+            if any(run.short_rounds() for run in runs) else "")
+
+
+def _band_note(runs: Sequence[Run]) -> str:
+    return (" Groups of several runs (seeds): their mean per round, the band one standard deviation either side."
+            if any(len(m) > 1 for m in group_runs(runs).values()) else "")
+
+
+def _global_accuracy(run: Run) -> dict[int, float]:
+    return dict(run.global_accuracy())
+
+
+def _train_loss(run: Run) -> dict[int, float]:
+    return {rec["round"]: rec["train_loss"] for rec in run.rounds if rec["train_loss"] is not None}
 
 
 def _figure(panels: int, rows: int = 1, height: float = PANEL_HEIGHT, **kwargs: Any) -> tuple[Figure, Any]:
@@ -82,56 +178,82 @@ def _percent_axis(ax: Any) -> None:
 
 
 def accuracy_per_round(runs: Sequence[Run]) -> Plot:
-    plot = Plot("accuracy_rounds", "Accuracy and training loss per round",
-                "Global model on the server's test set every evaluate.global_every rounds (left) and the "
-                "sample-weighted training loss of the round's clients (right).")
     with_accuracy = [r for r in runs if r.global_accuracy()]
-    with_loss = [r for r in runs if any(rec["train_loss"] is not None for rec in r.rounds)]
-    if not with_accuracy and not with_loss:
+    with_loss = [r for r in runs if _train_loss(r)]
+    panels = [(name, shown) for name, shown in (("acc", with_accuracy), ("loss", with_loss)) if shown]
+    title = {"acc": "accuracy", "loss": "training loss"}
+    plot = Plot("accuracy_rounds", " and ".join(title[n] for n, _ in panels).capitalize() + " per round"
+                if panels else "Accuracy and training loss per round", "")
+    if not panels:
         plot.missing = "no run has rounds with an accuracy or a training loss"
         return plot
-    styles = _styles(runs)
-    panels = [p for p, runs_with in (("acc", with_accuracy), ("loss", with_loss)) if runs_with]
+    describe = {"acc": "the global model's accuracy on the server's test set every evaluate.global_every rounds",
+                "loss": "the sample-weighted training loss of the round's clients"}
+    where = [" (left)", " (right)"] if len(panels) == 2 else [""]
+    plot.caption = ("Per round: " + " and ".join(describe[n] + w for (n, _), w in zip(panels, where)) + "."
+                    + ("" if with_accuracy else " No run has accuracy per round (see the notes).")
+                    + _band_note(runs) + _short_note(runs))
     figure, axes = _figure(len(panels))
-    for ax, panel in zip(axes[0], panels):
+    for ax, (panel, shown) in zip(axes[0], panels):
         if panel == "acc":
-            for run in with_accuracy:
-                rounds, accuracy = zip(*run.global_accuracy())
-                ax.plot(rounds, accuracy, label=run.label, **styles[run.label])
+            _draw(ax, runs, shown, _global_accuracy)
             ax.set_ylabel("global test accuracy")
             _percent_axis(ax)
         else:
-            for run in with_loss:
-                points = [(rec["round"], rec["train_loss"]) for rec in run.rounds if rec["train_loss"] is not None]
-                ax.plot(*zip(*points), label=run.label, **styles[run.label])
+            _draw(ax, runs, shown, _train_loss)
             ax.set_ylabel("training loss")
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
     _legend(figure, axes[0])
     plot.figure = figure
-    if not with_accuracy:
-        plot.caption += " No run has accuracy per round (see the notes)."
     return plot
 
 
+def _cumulative_bytes(direction: str, logical: bool) -> Series:
+    """A run's bytes so far (MB) at the end of each round, in ``direction`` (up, down, total)."""
+    def series(run: Run) -> dict[int, float]:
+        total, out = 0, {}
+        for rec in run.rounds:
+            total += sum(round_bytes(rec, d, logical) for d in _DIRECTIONS[direction])
+            out[rec["round"]] = total / 1e6
+        return out
+    return series
+
+
 def accuracy_per_byte(runs: Sequence[Run]) -> Plot:
+    logical = _logical(runs)
     plot = Plot("accuracy_bytes", "Accuracy vs bytes communicated",
-                "Global test accuracy against the bytes sent so far (cumulative, all clients), uploaded, "
-                "downloaded and in total: the communication-efficiency curve.")
-    with_accuracy = [r for r in runs if r.global_accuracy()]
-    if not with_accuracy:
-        plot.missing = "no run has accuracy per round (set evaluate.global_every)"
+                f"Global test accuracy against the {_bytes_kind(logical)} sent so far over the training rounds "
+                "(cumulative, all clients), uploaded, downloaded and in total: the communication-efficiency curve.")
+    per_round = [r for r in runs if r.global_accuracy()]
+    final_only = [r for r in runs if not r.global_accuracy() and r.final_global_accuracy() is not None]
+    if not per_round and not final_only:
+        plot.missing = ("no run has a global test accuracy (per round: set evaluate.global_every; after the last "
+                        "round: a finished run whose server tests a complete global model)")
         return plot
+    if final_only:
+        plot.caption += (" A run without accuracy per round (evaluate.global_every 0) is one filled point: its final "
+                         "global model against the bytes of all its rounds" +
+                         (" (a group of several runs: the mean, with a bar of one standard deviation)."
+                          if any(len(m) > 1 for m in group_runs(final_only).values()) else "."))
+    if not per_round:
+        plot.caption += " No run has accuracy per round, so there are no curves."
+    plot.caption += _band_note(per_round) + _short_note(per_round)
     styles = _styles(runs)
     figure, axes = _figure(3, sharey=True)
     for ax, direction in zip(axes[0], ("up", "down", "total")):
-        for run in with_accuracy:
-            sent = itertools.accumulate(sum(rec[key] for key in _BYTES[direction]) for rec in run.rounds)
-            points = [(total / 1e6, rec["global"]["acc"]) for total, rec in zip(sent, run.rounds)
-                      if "acc" in rec.get("global", {})]
-            ax.plot(*zip(*points), label=run.label, **styles[run.label])
-        ax.set_xlabel(f"MB {'sent' if direction == 'total' else direction + 'loaded'}, cumulative")
+        _draw(ax, runs, per_round, _global_accuracy, _cumulative_bytes(direction, logical))
+        for group, members in group_runs(final_only).items():
+            sent = [_cumulative_bytes(direction, logical)(run) for run in members]
+            x = [s[max(s)] if s else 0.0 for s in sent]
+            y = [run.final_global_accuracy() for run in members]
+            style = {**styles[group], "markerfacecolor": styles[group]["color"], "markersize": 8}
+            ax.errorbar([statistics.fmean(x)], [statistics.fmean(y)],
+                        yerr=[statistics.stdev(y)] if len(y) > 1 else None, capsize=4,
+                        label=f"{_group_label(members)}, final global model", **style)
+        ax.set_xlabel(f"MB {'sent' if direction == 'total' else direction + 'loaded'}, cumulative "
+                      f"({'logical' if logical else 'physical'})")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("global test accuracy")
     _percent_axis(axes[0][0])
@@ -140,45 +262,98 @@ def accuracy_per_byte(runs: Sequence[Run]) -> Plot:
     return plot
 
 
-def _parts(runs: Sequence[Run]) -> list[str]:
+def _parts(runs: Sequence[Run], logical: bool) -> list[str]:
     """Model parts that carried bytes in any run, in the ledger's order (control last)."""
     seen: list[str] = []
     for run in runs:
         for rec in run.rounds:
-            for part, counts in rec["bytes_by_part"].items():
+            for part, counts in round_bytes_by_part(rec, logical).items():
                 if part not in seen and (counts["down"] or counts["up"]):
                     seen.append(part)
     return [p for p in seen if p != "control"] + (["control"] if "control" in seen else [])
 
 
-def bytes_per_round(runs: Sequence[Run]) -> Plot:
-    plot = Plot("bytes_per_round", "Bytes per round by part and direction",
-                "Serialized bytes of each round, stacked by model part (tensor bytes of body, head and other "
-                "parts; control: headers, plans, metrics, polls), downloads left, uploads right.")
-    shown = [r for r in runs if r.rounds]
-    if not shown:
-        plot.missing = "no run has rounds"
-        return plot
-    parts = _parts(shown)
-    extra = iter(EXTRA_PART_COLORS * 4)
-    colors = {p: PART_COLORS.get(p) or next(extra) for p in parts}
-    figure, axes = _figure(2, rows=len(shown), height=2.4, sharex=True, sharey="col")
-    for row, run in zip(axes, shown):
-        rounds = [rec["round"] for rec in run.rounds]
+def _round_means(members: Sequence[Run], value: Callable[[dict], float]) -> dict[int, float]:
+    """Per round, the mean of ``value`` over the group's runs that have the round."""
+    by_round: dict[int, list[float]] = {}
+    for run in members:
+        for rec in run.rounds:
+            by_round.setdefault(rec["round"], []).append(value(rec))
+    return {number: statistics.fmean(values) for number, values in sorted(by_round.items())}
+
+
+def _stacked_rows(runs: Sequence[Run], plot: Plot, keys: Sequence[str], colors: dict[str, str],
+                  share: Callable[[dict, str, str], float], physical_total: bool) -> None:
+    """One row of two panels (downloads, uploads) per group, bars stacked by ``keys`` (``share``:
+    a round record's kB of a key in a direction), the group's mean per round; with
+    ``physical_total`` a black dash at each round's physical total; short rounds marked."""
+    groups = group_runs([r for r in runs if r.rounds])
+    figure, axes = _figure(2, rows=len(groups), height=2.4, sharex=True, sharey="col")
+    for row, members in zip(axes, groups.values()):
+        short = {number for run in members for number, _, _ in run.short_rounds()}
         for ax, direction in zip(row, ("down", "up")):
-            bottom = [0.0] * len(rounds)
-            for part in parts:
-                values = [rec["bytes_by_part"].get(part, {}).get(direction, 0) / 1e3 for rec in run.rounds]
-                ax.bar(rounds, values, bottom=bottom, width=0.8, color=colors[part], label=part)
-                bottom = [b + v for b, v in zip(bottom, values)]
-            ax.set_title(f"{run.label}: {direction}", fontsize="medium", loc="left")
+            bottom: dict[int, float] = {}
+            for key in keys:
+                means = _round_means(members, lambda rec: share(rec, key, direction))
+                ax.bar(list(means), list(means.values()), bottom=[bottom.get(n, 0.0) for n in means], width=0.8,
+                       color=colors[key], label=key)
+                for number, value in means.items():
+                    bottom[number] = bottom.get(number, 0.0) + value
+            if physical_total:
+                physical = _round_means(members, lambda rec: rec[f"bytes_{direction}"] / 1e3)
+                ax.plot(list(physical), list(physical.values()), linestyle="none", marker="_", markersize=12,
+                        markeredgewidth=2, color="black", label="physical total (what crossed the connections)")
+            marked = [(n, bottom.get(n, 0.0)) for n in sorted(short)]
+            if marked:
+                ax.plot(*zip(*marked), label=SHORT_ROUND_LABEL, **SHORT_ROUND_STYLE)
+            ax.set_title(f"{_group_label(members)}: {direction}", fontsize="medium", loc="left")
             ax.set_ylabel("kB")
             ax.grid(axis="y", alpha=0.3)
             ax.xaxis.get_major_locator().set_params(integer=True)
     for ax in axes[-1]:
         ax.set_xlabel("round")
-    _legend(figure, axes[0])
+    _legend(figure, [ax for row in axes for ax in row])
     plot.figure = figure
+
+
+def bytes_per_round(runs: Sequence[Run]) -> Plot:
+    logical = _logical(runs)
+    plot = Plot("bytes_per_round", "Bytes per round by part and direction",
+                f"The {_bytes_kind(logical)} of each round, stacked by model part (tensor bytes of body, head and "
+                "other parts; control: headers, plans, metrics, polls), downloads left, uploads right"
+                + ("; the black dash is the round's physical total, what crossed the connections (a process "
+                   "hosting several clients downloads a changed tensor once)." if logical else ".")
+                + (" A group of several runs: the mean per round." if any(len(m) > 1 for m in group_runs(runs).values())
+                   else "") + _short_note(runs))
+    if not any(r.rounds for r in runs):
+        plot.missing = "no run has rounds"
+        return plot
+    parts = _parts(runs, logical)
+    extra = iter(EXTRA_PART_COLORS * 4)
+    colors = {p: PART_COLORS.get(p) or next(extra) for p in parts}
+    _stacked_rows(runs, plot, parts, colors,
+                  lambda rec, part, d: round_bytes_by_part(rec, logical).get(part, {}).get(d, 0) / 1e3, logical)
+    return plot
+
+
+def bytes_per_unit(runs: Sequence[Run]) -> Plot:
+    shown = [r for r in runs if r.rounds and all("bytes_by_unit" in rec for rec in r.rounds)]
+    plot = Plot("bytes_units", "Bytes per body unit and round",
+                "Logical tensor bytes of each schedule unit (the body's units, e.g. conv1, conv2, fc1, and the head) per round, "
+                "stacked, downloads left, uploads right: which units a freeze or expansion schedule sends"
+                + (" (a group of several runs: the mean per round)." if any(len(m) > 1 for m in
+                                                                            group_runs(shown).values()) else ".")
+                + _short_note(shown))
+    if not shown:
+        plot.missing = "no run records bytes per body unit (bytes_by_unit in metrics.jsonl)"
+        return plot
+    units: list[str] = []
+    for run in shown:
+        for rec in run.rounds:
+            units += [u for u in rec["bytes_by_unit"] if u not in units]
+    colors = {unit: f"C{i % 10}" for i, unit in enumerate(units)}
+    _stacked_rows(shown, plot, units, colors,
+                  lambda rec, unit, d: rec["bytes_by_unit"].get(unit, {}).get(d, 0) / 1e3, False)
     return plot
 
 
@@ -186,19 +361,16 @@ def compute_per_round(runs: Sequence[Run]) -> Plot:
     plot = Plot("compute_rounds", "Trainable parameters and training FLOPs per round",
                 "Trainable parameters per client (sample-weighted over the round's clients) and the training "
                 "FLOPs of the round, all clients (forward plus the backward actually run): what a freeze "
-                "schedule saves.")
+                "schedule saves." + _band_note(runs) + _short_note(runs))
     shown = [r for r in runs if r.rounds]
     if not shown:
         plot.missing = "no run has rounds"
         return plot
-    styles = _styles(runs)
     figure, axes = _figure(2)
     for ax, key, label in zip(axes[0], ("trainable_parameters", "train_flops"),
                               ("trainable parameters per client", "training FLOPs, all clients")):
-        for run in shown:
-            points = [(rec["round"], rec[key]) for rec in run.rounds if rec[key] is not None]
-            if points:
-                ax.plot(*zip(*points), label=run.label, **styles[run.label])
+        _draw(ax, runs, shown, lambda run, key=key: {rec["round"]: rec[key] for rec in run.rounds
+                                                    if rec[key] is not None})
         ax.set_xlabel("round")
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
@@ -208,6 +380,14 @@ def compute_per_round(runs: Sequence[Run]) -> Plot:
     _legend(figure, axes[0])
     plot.figure = figure
     return plot
+
+
+def _sweep(run: Run) -> dict[int, float]:
+    """Mean client accuracy after each number of fine-tune epochs (0: initial)."""
+    accuracy = run.summary["accuracy"]
+    points = {0: accuracy["initial"]["mean"]}
+    points.update({int(e): s["mean"] for e, s in accuracy["personalized"].items() if s["mean"] is not None})
+    return points
 
 
 def personalization(runs: Sequence[Run]) -> Plot:
@@ -220,32 +400,33 @@ def personalization(runs: Sequence[Run]) -> Plot:
     if not shown:
         plot.missing = "no finished run reported client accuracies (the final evaluation is in summary.json)"
         return plot
+    groups = group_runs(shown)
+    if any(len(m) > 1 for m in groups.values()):
+        plot.caption += (" A group of several runs: left, the mean over its runs with a band of one standard "
+                         "deviation; right, the clients of all its runs.")
     styles = _styles(runs)
     figure, axes = _figure(2)
     sweep, spread = axes[0]
-    for run in shown:
-        accuracy = run.summary["accuracy"]
-        points = {0: accuracy["initial"]["mean"]}
-        points.update({int(e): s["mean"] for e, s in accuracy["personalized"].items() if s["mean"] is not None})
-        epochs = sorted(points)
-        sweep.plot(epochs, [points[e] for e in epochs], label=run.label, **styles[run.label])
+    _draw(sweep, runs, shown, _sweep, per_round=False)
     sweep.set_xlabel("fine-tune epochs (tau_f)")
     sweep.set_ylabel("mean client accuracy")
     sweep.xaxis.get_major_locator().set_params(integer=True)
     sweep.grid(alpha=0.3)
     _percent_axis(sweep)
     positions, data, colors, ticks = [], [], [], []
-    for index, run in enumerate(shown):
-        clients = run.summary["per_client"]
-        epochs = max(run.summary["accuracy"]["personalized"], key=int, default=None)
-        initial = [c["initial"] for c in clients if c["initial"] is not None]
-        final = [c["personalized"][epochs] for c in clients
-                 if epochs is not None and c["personalized"].get(epochs) is not None]
+    for index, (group, members) in enumerate(groups.items()):
+        initial, final = [], []
+        epochs = max(members[0].summary["accuracy"]["personalized"], key=int, default=None)
+        for run in members:
+            clients = run.summary["per_client"]
+            initial += [c["initial"] for c in clients if c["initial"] is not None]
+            final += [c["personalized"][epochs] for c in clients
+                      if epochs is not None and c["personalized"].get(epochs) is not None]
         for offset, values, kind in ((-0.2, initial, "initial"), (0.2, final, f"{epochs} ep")):
             if values:
                 positions.append(index + offset)
                 data.append(values)
-                colors.append(styles[run.label]["color"])
+                colors.append(styles[group]["color"])
                 ticks.append((index + offset, kind))
     boxes = spread.boxplot(data, positions=positions, widths=0.32, patch_artist=True, showfliers=False)
     for box, color, (offset, kind) in zip(boxes["boxes"], colors, ticks):
@@ -255,14 +436,14 @@ def personalization(runs: Sequence[Run]) -> Plot:
         median.set_color("black")
     for position, values, color in zip(positions, data, colors):
         spread.scatter([position] * len(values), values, s=9, color=color, zorder=3, edgecolors="none")
-    crowded = len(shown) > CROWDED_RUNS  # then the colours (legend) name the runs
+    crowded = len(groups) > CROWDED_RUNS  # then the colours (legend) name the groups
     spread.set_xticks([p for p, _ in ticks], [k for _, k in ticks], fontsize="x-small" if crowded else "small",
                       rotation=90 if crowded else 0)
-    for index, run in enumerate(shown if not crowded else []):
-        spread.annotate(run.label, (index, 0), xycoords=("data", "axes fraction"), xytext=(0, -28),
+    for index, group in enumerate(groups if not crowded else []):
+        spread.annotate(group, (index, 0), xycoords=("data", "axes fraction"), xytext=(0, -28),
                         textcoords="offset points", ha="center", va="top", fontsize="small")
     spread.set_ylabel("client accuracy")
-    spread.set_xlim(-0.6, len(shown) - 0.4)
+    spread.set_xlim(-0.6, len(groups) - 0.4)
     spread.grid(axis="y", alpha=0.3)
     _percent_axis(spread)
     _legend(figure, [sweep])
@@ -270,24 +451,37 @@ def personalization(runs: Sequence[Run]) -> Plot:
     return plot
 
 
+def _link_times(link: Link) -> tuple[Series, Series]:
+    """A run's modelled time so far and of each round, from its logical bytes where recorded."""
+    def times(run: Run) -> list:
+        return round_times(link, run.rounds, logical=uses_logical_bytes(run.rounds))
+
+    def so_far(run: Run) -> dict[int, float]:
+        return {rec["round"]: s for rec, s in zip(run.rounds, cumulative_seconds(times(run)))}
+
+    def per_round(run: Run) -> dict[int, float]:
+        return {rec["round"]: t.seconds for rec, t in zip(run.rounds, times(run)) if t is not None}
+    return so_far, per_round
+
+
 def time_on_link(runs: Sequence[Run], link: Link, target: float | None) -> Plot:
-    plot = Plot("link_time", "Time on the link",
-                f"Modelled time ({link.describe()}): global test accuracy against the modelled time so far "
-                "(left; the dotted line is the target) and the modelled time of each round (right).")
     shown = [r for r in runs if r.has_client_entries()]
+    logical = bool(shown) and all(uses_logical_bytes(r.rounds) for r in shown)
+    with_accuracy = [r for r in shown if r.global_accuracy()]
+    plot = Plot("link_time", "Time on the link",
+                f"Modelled time ({link.describe()}) from each client's {_bytes_kind(logical)}: "
+                + ("global test accuracy against the modelled time so far (left; the dotted line is the target) "
+                   "and the modelled time of each round (right)." if with_accuracy else
+                   "the modelled time of each round (no run has accuracy per round).")
+                + _band_note(shown) + _short_note(shown))
     if not shown:
         plot.missing = "no run has per-client bytes and compute seconds in metrics.jsonl"
         return plot
-    styles = _styles(runs)
-    with_accuracy = [r for r in shown if r.global_accuracy()]
+    so_far, per_round = _link_times(link)
     figure, axes = _figure(2 if with_accuracy else 1)
     if with_accuracy:
         ax = axes[0][0]
-        for run in with_accuracy:
-            cumulative = cumulative_seconds(round_times(link, run.rounds))
-            points = [(s, rec["global"]["acc"]) for s, rec in zip(cumulative, run.rounds)
-                      if "acc" in rec.get("global", {})]
-            ax.plot(*zip(*points), label=run.label, **styles[run.label])
+        _draw(ax, runs, with_accuracy, _global_accuracy, so_far)
         if target is not None:
             ax.axhline(target, color="black", linestyle=":", linewidth=1)
         ax.set_xlabel("modelled time, s")
@@ -295,11 +489,7 @@ def time_on_link(runs: Sequence[Run], link: Link, target: float | None) -> Plot:
         ax.grid(alpha=0.3)
         _percent_axis(ax)
     ax = axes[0][-1]
-    for run in shown:
-        points = [(rec["round"], t.seconds) for rec, t in zip(run.rounds, round_times(link, run.rounds))
-                  if t is not None]
-        if points:
-            ax.plot(*zip(*points), label=run.label, **styles[run.label])
+    _draw(ax, runs, shown, per_round)
     ax.set_xlabel("round")
     ax.set_ylabel("modelled round time, s")
     ax.set_ylim(bottom=0)
@@ -312,8 +502,8 @@ def time_on_link(runs: Sequence[Run], link: Link, target: float | None) -> Plot:
 
 def all_plots(runs: Sequence[Run], link: Link | None, target: float | None) -> list[Plot]:
     """Every figure of the report, in page order."""
-    plots = [accuracy_per_round(runs), accuracy_per_byte(runs), bytes_per_round(runs), compute_per_round(runs),
-             personalization(runs)]
+    plots = [accuracy_per_round(runs), accuracy_per_byte(runs), bytes_per_round(runs), bytes_per_unit(runs),
+             compute_per_round(runs), personalization(runs)]
     if link is not None:
         plots.append(time_on_link(runs, link, target))
     return plots

@@ -13,6 +13,11 @@ The model, per round, over the round's clients that completed (those with measur
   ``min(client rate, S / n)`` each; uploads join as their clients finish training;
 - the round takes as long as its slowest client. Server-side work (aggregation) is not modelled.
 
+A client's bytes are its logical bytes where the round record has them (``logical_down`` /
+``logical_up``: every tensor and control message the client needs, as if it were its own device),
+else the physical ones (what crossed its process's connection: a process hosting several clients
+downloads a changed tensor once, for its first client).
+
 Process-level control bytes (joins, heartbeats, idle polls: client -1 of the byte ledger) are
 left out: they belong to no client's critical path, as processes send them while their clients
 train; the report states how many bytes that is. Sampled clients that did not complete (their
@@ -184,11 +189,25 @@ def round_time(link: Link, clients: Mapping[int, ClientRound]) -> RoundTime | No
                      latency=latency)
 
 
-def completed_clients(record: Mapping[str, Any]) -> dict[int, ClientRound]:
-    """The round record's clients that completed, with their bytes and compute seconds."""
+def completed_clients(record: Mapping[str, Any], logical: bool = True) -> dict[int, ClientRound]:
+    """The round record's clients that completed, with their bytes (logical where ``logical`` and
+    recorded, else physical) and compute seconds."""
     entries = record.get("clients", {})
-    return {int(c): ClientRound(e["down"], e["up"], e["compute_seconds"])
+    return {int(c): ClientRound(_client_bytes(e, "down", logical), _client_bytes(e, "up", logical),
+                                e["compute_seconds"])
             for c, e in entries.items() if e.get("compute_seconds") is not None}
+
+
+def _client_bytes(entry: Mapping[str, Any], direction: str, logical: bool) -> int:
+    if logical and f"logical_{direction}" in entry:
+        return entry[f"logical_{direction}"]
+    return entry[direction]
+
+
+def uses_logical_bytes(records: Sequence[Mapping[str, Any]]) -> bool:
+    """Every client entry of every round record has logical bytes (the model then uses them)."""
+    return bool(records) and all("logical_down" in e and "logical_up" in e
+                                 for r in records for e in r.get("clients", {}).values())
 
 
 def process_bytes(record: Mapping[str, Any]) -> int:
@@ -197,9 +216,11 @@ def process_bytes(record: Mapping[str, Any]) -> int:
     return record["bytes_down"] + record["bytes_up"] - sum(e["down"] + e["up"] for e in entries)
 
 
-def round_times(link: Link, records: Sequence[Mapping[str, Any]]) -> list[RoundTime | None]:
-    """The modelled time of every round record (None for a round with no completed client)."""
-    return [round_time(link, completed_clients(r)) for r in records]
+def round_times(link: Link, records: Sequence[Mapping[str, Any]],
+                logical: bool = True) -> list[RoundTime | None]:
+    """The modelled time of every round record (None for a round with no completed client), from
+    logical bytes where ``logical`` and recorded, else physical ones."""
+    return [round_time(link, completed_clients(r, logical)) for r in records]
 
 
 def cumulative_seconds(times: Sequence[RoundTime | None]) -> list[float]:

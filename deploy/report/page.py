@@ -10,7 +10,7 @@ from typing import Any
 
 from fedpart.deploy.report.link import Link
 from fedpart.deploy.report.runs import Run
-from fedpart.deploy.report.tables import cells, columns
+from fedpart.deploy.report.tables import cells, columns, readable_rows
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 2rem auto;
@@ -20,44 +20,74 @@ table { border-collapse: collapse; font-size: 0.85rem; margin: 0.6rem 0; }
 th, td { border: 1px solid #ddd; padding: 0.25rem 0.5rem; text-align: left; vertical-align: top; }
 th { background: #f4f4f4; } td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .wide { overflow-x: auto; } figure { margin: 1.2rem 0; } figure img { max-width: 100%; height: auto; }
-figcaption { font-size: 0.9rem; color: #444; } .incomplete { color: #a33; font-weight: 600; }
+figcaption { font-size: 0.9rem; color: #444; } .failed { color: #a33; font-weight: 600; }
 .muted { color: #666; } code { background: #f4f4f4; padding: 0 0.2rem; }
 """
-RUNS_TABLE_KEYS = {"algorithm", "status"}  # comparison columns the runs table shows
-
-
 def _e(value: Any) -> str:
     return html.escape(str(value))
+
+
+def _status(run: Run) -> str:
+    """How the run ended and the server's exit code, red where anything went wrong."""
+    code, source = run.exit_code_and_source()
+    text = run.state + (f", exit {code}" + (" (derived from summary.json)" if source == "derived" else "")
+                        if code is not None else ", exit code unknown")
+    return f'<span class="failed">{_e(text)}</span>' if run.failed else _e(text)
 
 
 def _runs_table(runs: Sequence[Run]) -> str:
     rows = []
     for run in runs:
-        source = run.summary if run.summary is not None else {}
+        source = run.summary_file or {}
         config = run.config
         model = source.get("model") or config.get("model", {}).get("name", "?")
         dataset = source.get("dataset") or config.get("data", {}).get("dataset", "?")
         clients = source.get("clients") or config.get("clients", "?")
-        status = ("complete" if run.complete
-                  else '<span class="incomplete">incomplete</span>')
+        seeds = ", ".join(f"{k} {v}" for k, v in run.seeds.items())
+        failures = len(run.failures) + run.missing_evaluations
+        short = len(run.short_rounds())
         rows.append(f"<tr><td>{_e(run.label)}</td><td><code>{_e(run.path)}</code></td><td>{_e(run.algorithm)}</td>"
-                    f"<td>{_e(model)}</td><td>{_e(dataset)}</td><td class=num>{_e(clients)}</td>"
-                    f"<td class=num>{len(run.rounds)} / {_e(run.configured_rounds or '?')}</td><td>{status}</td></tr>")
-    return ("<table><tr><th>run</th><th>directory</th><th>algorithm</th><th>model</th><th>dataset</th>"
-            "<th>clients</th><th>rounds</th><th>status</th></tr>" + "".join(rows) + "</table>")
+                    f"<td>{_e(model)}</td><td>{_e(dataset)}</td><td class=num>{_e(clients)}</td><td>{_e(seeds)}</td>"
+                    f"<td class=num>{len(run.rounds)} / {_e(run.configured_rounds or '?')}</td><td>{_status(run)}</td>"
+                    f"<td class=num>{_failed_cell(failures)}</td><td class=num>{_failed_cell(short)}</td></tr>")
+    return ('<div class="wide"><table><tr><th>run</th><th>directory</th><th>algorithm</th><th>model</th>'
+            "<th>dataset</th><th>clients</th><th>seeds</th><th>rounds</th><th>status</th><th>failures</th>"
+            "<th>rounds short of clients</th></tr>" + "".join(rows) + "</table></div>")
+
+
+def _failed_cell(count: int) -> str:
+    return f'<span class="failed">{count}</span>' if count else "0"
+
+
+def _failures(runs: Sequence[Run]) -> list[str]:
+    """One line per failure of every run: summary.json's list, evaluations missing, how the run
+    ended, rounds that folded fewer clients than sampled."""
+    lines = []
+    for run in runs:
+        code, source = run.exit_code_and_source()
+        if not run.complete:
+            lines.append(f"{run.label}: {run.state}" + (f" (exit {code}, {source})" if code is not None else "")
+                         + f" after round {len(run.rounds)} of {run.configured_rounds or '?'}")
+        elif code:
+            lines.append(f"{run.label}: the server exited {code} ({source})")
+        lines += [f"{run.label}: {failure}" for failure in run.failures]
+        if run.missing_evaluations:
+            lines.append(f"{run.label}: {run.missing_evaluations} clients reported no final evaluation")
+        lines += [f"{run.label}: round {number} folded {done} of {sampled} sampled clients"
+                  for number, done, sampled in run.short_rounds()]
+    return lines
 
 
 def _comparison(rows: Sequence[Mapping[str, Any]], link: Link | None) -> str:
-    """The comparison table, less the columns the runs table above already shows."""
-    shown = [i for i, c in enumerate(columns(link)) if c.key not in RUNS_TABLE_KEYS]
-    cols = [columns(link)[i] for i in shown]
+    """A table of ``rows`` in the comparison's columns."""
+    cols = columns(link)
     head = "".join(f"<th>{_e(c.title)}</th>" for c in cols)
     body = []
     for row in rows:
         texts = cells(dict(row), link)
         body.append("<tr>" + "".join(
-            f"<td{' class=num' if isinstance(row[c.key], (int, float)) else ''}>{_e(texts[i])}</td>"
-            for i, c in zip(shown, cols)) + "</tr>")
+            f"<td{' class=num' if isinstance(row.get(c.key), (int, float)) else ''}>{_e(text)}</td>"
+            for c, text in zip(cols, texts)) + "</tr>")
     return f'<div class="wide"><table><tr>{head}</tr>{"".join(body)}</table></div>'
 
 
@@ -70,6 +100,8 @@ def render(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], figures: Sequ
     """The page. ``figures`` are (file name, title, caption, PNG bytes); ``link_notes`` describe
     the link model as applied (None: no link was given)."""
     notes = [f"{run.label}: {note}" for run in runs for note in run.notes] + list(missing_figures)
+    failures = _failures(runs)
+    comparison, seeded = readable_rows(rows)
     parts = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -80,16 +112,26 @@ def render(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], figures: Sequ
         "<h1>fedpart report</h1>",
         f'<p class="muted">{len(runs)} run{"s" if len(runs) != 1 else ""}; the numbers come from each run '
         "directory's <code>summary.json</code> and <code>metrics.jsonl</code>.</p>",
-        "<h2>Runs</h2>", _runs_table(runs),
     ]
+    if failures:
+        failed = sum(1 for run in runs if run.failed or run.short_rounds())
+        parts += [f'<h2 class="failed">Failures: {failed} of {len(runs)} run{"s" if len(runs) != 1 else ""}</h2>',
+                  _list(failures)]
+    parts += ["<h2>Runs</h2>", _runs_table(runs)]
     if notes:
         parts += ["<h2>What is missing</h2>", _list(notes)]
-    parts += ["<h2>Comparison</h2>", _comparison(rows, link),
+    parts += ["<h2>Comparison</h2>", _comparison(comparison, link),
               '<p class="muted">Accuracy: mean over clients on their own test splits (initial: the final '
               "global model with the client's personal parts; personalized: after the longest fine-tuning), "
               "and the global model on the server's test set. Bytes per round: mean over the training rounds, "
-              "all clients. The same numbers at full precision: <code>table.csv</code>, "
-              "<code>table.md</code>.</p>"]
+              "all clients; logical (each sampled client as its own device) where the run records them, else "
+              "physical (see the notes), and the physical bytes (what crossed the connections) beside them. "
+              "A group of runs that differ only in their seeds: mean ± sample standard deviation (runs with "
+              "the number). The same numbers at full precision, with one row per run and per group: "
+              "<code>table.csv</code>, <code>table.md</code>; every round of every run: "
+              "<code>rounds.csv</code>.</p>"]
+    if seeded:
+        parts += ["<h3>Runs of each group</h3>", _comparison(seeded, link)]
     if link_notes is not None:
         parts += ["<h2>Time on a link</h2>", _list(link_notes)]
     elif runs:

@@ -1,6 +1,11 @@
-"""The comparison table: one row per run, its numbers taken from ``summary.json`` (accuracy,
-bytes per round, wall time) and ``metrics.jsonl`` (compute per round), plus the modelled time on a
-link when one is given. Written as CSV (full precision, for scripts) and Markdown (rounded)."""
+"""The comparison table and the per-round table.
+
+The comparison: one row per run, its numbers taken from ``summary.json`` (accuracy, bytes per
+round, wall time, status, failures) and ``metrics.jsonl`` (compute per round, rounds that folded
+fewer clients than sampled), plus the modelled time on a link when one is given; and one row per
+group of runs that differ only in their seeds, with the mean, standard deviation and count of
+each number. Written as CSV (full precision, for scripts) and Markdown (rounded). The per-round
+table (``rounds.csv``): one row per run and round, from ``metrics.jsonl``."""
 
 from __future__ import annotations
 
@@ -11,8 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fedpart.deploy.report.link import Link, cumulative_seconds, round_times, time_to_accuracy
-from fedpart.deploy.report.runs import Run
+from fedpart.deploy.report.link import (Link, cumulative_seconds, round_times, time_to_accuracy,
+                                        uses_logical_bytes)
+from fedpart.deploy.report.runs import SEED_SOURCES, Run, group_runs, round_bytes
 
 
 @dataclass(frozen=True)
@@ -48,43 +54,87 @@ def _flops(value: float) -> str:
     return f"{value:.3g}"
 
 
-COLUMNS = [
+IDENTITY_COLUMNS = [
+    Column("row", "row", _text),  # run: one run; group: the runs of one group, mean (and _std, _n)
+    Column("group", "group", _text),
     Column("run", "run", _text),
     Column("algorithm", "algorithm", _text),
+    *(Column(f"seed_{source}", f"{source} seed", _text) for source in SEED_SOURCES),
     Column("status", "status", _text),
+    Column("exit_code", "exit code", _text),
+    Column("exit_code_source", "exit code from", _text),
+    Column("failures", "failures", _text),
+    Column("failure_list", "failure list", _text),
+    Column("short_rounds", "short rounds", _text),
+    Column("short_round_list", "short rounds (completed of sampled)", _text),
     Column("rounds", "rounds", _text),
+    Column("bytes_counted", "bytes", _text),
+]
+# Numbers a group averages: the run rows hold the run's value, the group rows the mean over the
+# group's runs that have one, with KEY_std (sample standard deviation, two runs or more) and KEY_n.
+NUMBER_COLUMNS = [
     Column("initial_acc", "initial acc %", _percent),
     Column("personalized_acc", "personalized acc %", _percent),
-    Column("finetune_epochs", "fine-tune epochs", _text),
     Column("global_acc", "global acc %", _percent),
     Column("bytes_down_per_round", "down / round", _bytes),
     Column("bytes_up_per_round", "up / round", _bytes),
+    Column("physical_bytes_down_per_round", "physical down / round", _bytes),
+    Column("physical_bytes_up_per_round", "physical up / round", _bytes),
     Column("client_compute_seconds_per_round", "client compute / round", _seconds),
     Column("train_flops_per_round", "train FLOPs / round", _flops),
     Column("wall_seconds", "wall time", _seconds),
 ]
+FINETUNE_COLUMN = Column("finetune_epochs", "fine-tune epochs", _text)
 LINK_COLUMNS = [
     Column("link_seconds_per_round", "link time / round", _seconds),
     Column("link_seconds_total", "link time, all rounds", _seconds),
     Column("link_time_to_target", "link time to target", _seconds),
 ]
+# The columns of the readable table (Markdown, HTML): the CSV has them all.
+SHOWN_KEYS = ("run", "status", "exit_code", "failures", "short_rounds", "rounds", "initial_acc",
+              "personalized_acc", "finetune_epochs", "global_acc", "bytes_down_per_round", "bytes_up_per_round",
+              "physical_bytes_down_per_round", "physical_bytes_up_per_round", "client_compute_seconds_per_round",
+              "train_flops_per_round", "wall_seconds", *(c.key for c in LINK_COLUMNS))
 
 
 def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _per_round_mean(run: Run, direction: str, logical: bool) -> float | None:
+    """Bytes per training round in ``direction``: summary.json's mean where the run completed,
+    else the mean of its round records."""
+    summary = run.summary
+    if summary is not None:
+        if not logical:
+            return summary["bytes"]["per_round_mean"][direction]
+        if "logical" in summary["bytes"]:
+            return summary["bytes"]["logical"]["per_round_mean"][direction]
+    return _mean([round_bytes(r, direction, logical) for r in run.rounds])
+
+
 def run_row(run: Run, link: Link | None = None, target: float | None = None) -> dict[str, Any]:
     """The table row of one run: plain numbers (None where the run has no such number)."""
     summary, rounds = run.summary, run.rounds
+    logical = run.has_logical_bytes()
+    code, code_source = run.exit_code_and_source()
+    short = run.short_rounds()
     row: dict[str, Any] = {
-        "run": run.label,
-        "algorithm": run.algorithm,
-        "status": "complete" if run.complete else "incomplete",
+        "row": "run", "group": run.group, "run": run.label, "algorithm": run.algorithm,
+        **{f"seed_{source}": seed for source, seed in run.seeds.items()},
+        "status": run.state, "exit_code": code, "exit_code_source": code_source,
+        "failures": len(run.failures) + run.missing_evaluations,
+        "failure_list": "; ".join(run.failures + ([f"{run.missing_evaluations} clients without a final evaluation"]
+                                                  if run.missing_evaluations else [])) or None,
+        "short_rounds": len(short),
+        "short_round_list": "; ".join(f"{number}: {done}/{sampled}" for number, done, sampled in short) or None,
         "rounds": len(rounds),
+        "bytes_counted": "logical" if logical else "physical",
         "initial_acc": None, "personalized_acc": None, "finetune_epochs": None, "global_acc": None,
-        "bytes_down_per_round": _mean([r["bytes_down"] for r in rounds]),
-        "bytes_up_per_round": _mean([r["bytes_up"] for r in rounds]),
+        "bytes_down_per_round": _per_round_mean(run, "down", logical),
+        "bytes_up_per_round": _per_round_mean(run, "up", logical),
+        "physical_bytes_down_per_round": _per_round_mean(run, "down", False),
+        "physical_bytes_up_per_round": _per_round_mean(run, "up", False),
         "client_compute_seconds_per_round": _mean([r["client_compute_seconds"] for r in rounds]),
         "train_flops_per_round": _mean([r["train_flops"] for r in rounds]),
         "wall_seconds": None,
@@ -98,13 +148,11 @@ def run_row(run: Run, link: Link | None = None, target: float | None = None) -> 
                 row["personalized_acc"] = accuracy["personalized"][epochs]["mean"]
                 row["finetune_epochs"] = int(epochs)
             row["global_acc"] = run.final_global_accuracy()
-        row["bytes_down_per_round"] = summary["bytes"]["per_round_mean"]["down"]
-        row["bytes_up_per_round"] = summary["bytes"]["per_round_mean"]["up"]
         row["wall_seconds"] = summary["seconds"]
     if link is not None:
         row.update(dict.fromkeys(c.key for c in LINK_COLUMNS))
         if run.has_client_entries():
-            times = round_times(link, rounds)
+            times = round_times(link, rounds, logical=uses_logical_bytes(rounds))
             cumulative = cumulative_seconds(times)
             row["link_seconds_per_round"] = _mean([t.seconds for t in times if t is not None])
             row["link_seconds_total"] = cumulative[-1]
@@ -113,30 +161,172 @@ def run_row(run: Run, link: Link | None = None, target: float | None = None) -> 
     return row
 
 
-def columns(link: Link | None) -> list[Column]:
-    return COLUMNS + (LINK_COLUMNS if link is not None else [])
+def _status_counts(statuses: Sequence[str]) -> str:
+    counts = {status: statuses.count(status) for status in dict.fromkeys(statuses)}
+    return ", ".join(f"{count} {status}" for status, count in counts.items())
+
+
+def group_row(name: str, rows: Sequence[dict[str, Any]], link: Link | None) -> dict[str, Any]:
+    """The row of a group: each number's mean, sample standard deviation (two runs or more) and
+    count over the group's runs that have it; what all runs share, once."""
+    row: dict[str, Any] = {"row": "group", "group": name, "run": name, "n": len(rows)}
+    for key in ("algorithm", *(f"seed_{s}" for s in SEED_SOURCES), "exit_code", "exit_code_source", "rounds",
+                "bytes_counted", "finetune_epochs"):
+        values = {r[key] for r in rows}
+        row[key] = values.pop() if len(values) == 1 else None
+    row["status"] = _status_counts([r["status"] for r in rows])
+    if row["exit_code"] is None:
+        row["exit_code_source"] = None
+    row["failures"] = sum(r["failures"] for r in rows)
+    row["short_rounds"] = sum(r["short_rounds"] for r in rows)
+    for key in ("failure_list", "short_round_list"):
+        row[key] = "; ".join(f"{r['run']}: {r[key]}" for r in rows if r[key]) or None
+    for column in number_columns(link):
+        values = [r[column.key] for r in rows if r[column.key] is not None]
+        row[column.key] = _mean(values)
+        row[f"{column.key}_std"] = statistics.stdev(values) if len(values) > 1 else None
+        row[f"{column.key}_n"] = len(values)
+    return row
+
+
+def table_rows(runs: Sequence[Run], link: Link | None = None, target: float | None = None) -> list[dict[str, Any]]:
+    """Each group's row followed by the rows of its runs, groups in the order of their first run."""
+    rows = []
+    for name, members in group_runs(runs).items():
+        members_rows = [run_row(run, link, target) for run in members]
+        rows.append(group_row(name, members_rows, link))
+        rows += members_rows
+    return rows
+
+
+def number_columns(link: Link | None) -> list[Column]:
+    return NUMBER_COLUMNS + (LINK_COLUMNS if link is not None else [])
+
+
+def csv_keys(link: Link | None) -> list[str]:
+    keys = [c.key for c in IDENTITY_COLUMNS] + ["n", FINETUNE_COLUMN.key]
+    for column in number_columns(link):
+        keys += [column.key, f"{column.key}_std", f"{column.key}_n"]
+    return keys
 
 
 def to_csv(rows: Sequence[dict[str, Any]], link: Link | None) -> str:
     """Full-precision CSV (floats as Python writes them, so they read back exactly; empty = none)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    keys = [c.key for c in columns(link)]
+    keys = csv_keys(link)
     writer.writerow(keys)
     for row in rows:
-        writer.writerow(["" if row[k] is None else row[k] for k in keys])
+        writer.writerow(["" if row.get(k) is None else row[k] for k in keys])
     return out.getvalue()
 
 
+def columns(link: Link | None) -> list[Column]:
+    """The columns of the readable table, in order."""
+    every = {c.key: c for c in [*IDENTITY_COLUMNS, FINETUNE_COLUMN, *number_columns(link)]}
+    return [every[key] for key in SHOWN_KEYS if key in every]
+
+
+def cell(row: dict[str, Any], column: Column) -> str:
+    """The rounded, readable cell ("-" where there is no number); a group's number of two runs or
+    more as ``mean ± std (n)``."""
+    value = row.get(column.key)
+    if value is None:
+        return "-"
+    std = row.get(f"{column.key}_std")
+    if row["row"] == "group" and row["n"] > 1 and f"{column.key}_n" in row:
+        spread = f" ± {column.show(std)}" if std is not None else ""
+        return f"{column.show(value)}{spread} ({row[f'{column.key}_n']})"
+    return column.show(value)
+
+
 def cells(row: dict[str, Any], link: Link | None) -> list[str]:
-    """The rounded, readable cells of one row ("-" where there is no number)."""
-    return ["-" if row[c.key] is None else c.show(row[c.key]) for c in columns(link)]
+    return [cell(row, c) for c in columns(link)]
+
+
+def readable_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of the comparison (a group's row; a group of one run: the run's row) and, where a
+    group has several runs, the rows of those runs (else empty)."""
+    groups = [r for r in rows if r["row"] == "group"]
+    single = {r["group"] for r in groups if r["n"] == 1}
+    comparison = [r for r in rows if (r["row"] == "group") != (r["group"] in single)]
+    return comparison, [r for r in rows if r["row"] == "run" and r["group"] not in single]
+
+
+def _markdown_table(rows: Sequence[dict[str, Any]], link: Link | None) -> list[str]:
+    cols = columns(link)
+    text = {"run", "status"}
+    lines = ["| " + " | ".join(c.title for c in cols) + " |",
+             "|" + "|".join("---" if c.key in text else "---:" for c in cols) + "|"]
+    lines += ["| " + " | ".join(t.replace("|", "\\|") for t in cells(dict(row), link)) + " |" for row in rows]
+    return lines
 
 
 def to_markdown(rows: Sequence[dict[str, Any]], link: Link | None) -> str:
-    cols = columns(link)
-    numeric = {"rounds", "finetune_epochs"} | {c.key for c in cols if c.show is not _text}
-    lines = ["| " + " | ".join(c.title for c in cols) + " |",
-             "|" + "|".join("---:" if c.key in numeric else "---" for c in cols) + "|"]
-    lines += ["| " + " | ".join(text.replace("|", "\\|") for text in cells(row, link)) + " |" for row in rows]
+    """The comparison (groups of several runs as mean ± std (n)) and, where a group has several
+    runs, a table of those runs."""
+    comparison, seeded = readable_rows(rows)
+    lines = _markdown_table(comparison, link)
+    if seeded:
+        lines += ["", "Runs of the groups above, one row each:", "", *_markdown_table(seeded, link)]
     return "\n".join(lines) + "\n"
+
+
+ROUND_KEYS = ("run", "group", "algorithm", *(f"seed_{s}" for s in SEED_SOURCES), "round", "sampled", "completed",
+              "train_loss", "lr", "global_acc", "global_loss", "seconds", "train_flops",
+              "client_compute_seconds", "bytes_counted", "physical_down", "physical_up", "logical_down", "logical_up")
+
+
+def _per_part_keys(runs: Sequence[Run]) -> list[str]:
+    """Columns of bytes per model part (physical, logical) and per body unit (logical)."""
+    parts: dict[str, None] = {}
+    units: dict[str, None] = {}
+    for run in runs:
+        for record in run.rounds:
+            parts.update(dict.fromkeys(record.get("bytes_by_part", {})))
+            parts.update(dict.fromkeys(record.get("logical", {}).get("by_part", {})))
+            units.update(dict.fromkeys(record.get("bytes_by_unit", {})))
+    keys = [f"{kind}_{part}_{d}" for kind in ("physical", "logical") for part in parts for d in ("down", "up")]
+    return keys + [f"unit_{unit}_{d}" for unit in units for d in ("down", "up")]
+
+
+def round_rows(runs: Sequence[Run]) -> tuple[list[str], list[dict[str, Any]]]:
+    """The header and rows of ``rounds.csv``: one row per run and round (empty: not recorded)."""
+    keys = [*ROUND_KEYS, *_per_part_keys(runs)]
+    rows = []
+    for run in runs:
+        for record in run.rounds:
+            logical = record.get("logical", {})
+            row: dict[str, Any] = {
+                "run": run.label, "group": run.group, "algorithm": run.algorithm,
+                **{f"seed_{source}": seed for source, seed in run.seeds.items()},
+                "round": record["round"], "sampled": len(record.get("sampled", [])),
+                "completed": len(record.get("completed", [])),
+                "train_loss": record.get("train_loss"), "lr": record.get("lr"),
+                "global_acc": record.get("global", {}).get("acc"), "global_loss": record.get("global", {}).get("loss"),
+                "seconds": record.get("seconds"), "train_flops": record.get("train_flops"),
+                "client_compute_seconds": record.get("client_compute_seconds"),
+                "bytes_counted": "logical" if logical else "physical",
+                "physical_down": record.get("bytes_down"), "physical_up": record.get("bytes_up"),
+                "logical_down": logical.get("down"), "logical_up": logical.get("up"),
+            }
+            for kind, by_part in (("physical", record.get("bytes_by_part", {})), ("logical", logical.get("by_part", {}))):
+                for part, counts in by_part.items():
+                    for direction in ("down", "up"):
+                        row[f"{kind}_{part}_{direction}"] = counts.get(direction)
+            for unit, counts in record.get("bytes_by_unit", {}).items():
+                for direction in ("down", "up"):
+                    row[f"unit_{unit}_{direction}"] = counts.get(direction)
+            rows.append(row)
+    return keys, rows
+
+
+def rounds_csv(runs: Sequence[Run]) -> str:
+    """``rounds.csv``: full precision, empty where a round did not record the number."""
+    keys, rows = round_rows(runs)
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(keys)
+    for row in rows:
+        writer.writerow(["" if row.get(k) is None else row[k] for k in keys])
+    return out.getvalue()
