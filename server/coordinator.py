@@ -109,6 +109,18 @@ class Coordinator:
         """The round in progress (or last run); ``rounds + 1`` during the final evaluation."""
         return self._round
 
+    @property
+    def last_round(self) -> int:
+        """The last round the run trains: ``rounds``, or fewer where ``privacy.dp.target_epsilon``
+        would be exceeded by a later round (docs/privacy.md)."""
+        privacy = self.aggregation.privacy
+        return privacy.rounds if privacy is not None else self.config.rounds
+
+    def stop_note(self) -> str | None:
+        """Why the run trains fewer than ``rounds`` rounds (None: it trains them all)."""
+        privacy = self.aggregation.privacy
+        return privacy.stop_note() if privacy is not None else None
+
     def join(self, request: JoinInfo, principal: Principal | None = None) -> str:
         """Register a client process with the registry (see :meth:`ProcessRegistry.join`) and
         note which personal parts its clients still hold; returns its session."""

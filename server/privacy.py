@@ -87,6 +87,8 @@ class PrivacyBudget:
         """Epsilon at ``delta`` after ``rounds`` rounds (0 before any; infinite without noise)."""
         if rounds <= 0:
             return 0.0
+        if not self.noise_multiplier:
+            return math.inf
         if rounds not in self._epsilons:
             accountant = self.new_accountant()
             accountant.compose(self.round_event(), rounds)
@@ -185,8 +187,26 @@ class DifferentialPrivacy:
         if integers:
             raise ConfigError(f"privacy.dp: the model aggregates tensors that are not floating point "
                               f"({', '.join(integers[:3])}), which Gaussian noise cannot be added to")
-        rounds = config.rounds
-        self.rounds = rounds if dp.target_epsilon is None else self.budget.rounds_within(dp.target_epsilon, rounds)
+        self.rounds = config.rounds  # the last round to run: fewer where privacy.dp.target_epsilon says so
+        if dp.target_epsilon is not None:
+            self.rounds = self.budget.rounds_within(dp.target_epsilon, config.rounds)
+            if not self.rounds:
+                raise ConfigError(f"privacy.dp.target_epsilon {dp.target_epsilon:g} is below the epsilon of a single "
+                                  f"round ({self.budget.epsilon(1):.4g} at delta {self.budget.delta:.3g}): raise it, "
+                                  "or privacy.dp.noise_multiplier")
+            if self.rounds < config.rounds:
+                log(f"privacy.dp.target_epsilon {dp.target_epsilon:g} allows {self.rounds} of the {config.rounds} "
+                    f"rounds (epsilon {self.budget.epsilon(self.rounds):.4g}; round {self.rounds + 1} would take it "
+                    f"to {self.budget.epsilon(self.rounds + 1):.4g}): the run stops after round {self.rounds}")
+
+    def stop_note(self) -> str | None:
+        """Why the run stops before ``config.rounds`` (None: it does not)."""
+        dp = self.config.privacy.dp
+        if self.rounds == self.config.rounds:
+            return None
+        return (f"stopped after round {self.rounds} of {self.config.rounds}: round {self.rounds + 1} would take "
+                f"epsilon to {self.budget.epsilon(self.rounds + 1):.4g}, past privacy.dp.target_epsilon "
+                f"{dp.target_epsilon:g}")
 
     def round_generator(self, round_number: int) -> torch.Generator:
         """The noise source of one round: a function of the run's noise seed and the round only, so a
