@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from matplotlib.figure import Figure
-from matplotlib.ticker import EngFormatter
+from matplotlib.ticker import EngFormatter, PercentFormatter
 
 from fedpart.deploy.report.link import Link, cumulative_seconds, round_times, uses_logical_bytes
 from fedpart.deploy.report.runs import Run, group_runs, round_bytes, round_bytes_by_part
@@ -28,7 +28,7 @@ PANEL_HEIGHT = 3.4
 DPI = 100
 LEGEND_ROW_INCHES = 0.25
 LEGEND_CHAR_PIXELS = 7  # a generous width of one character of the legend's default font at DPI
-CROWDED_RUNS = 5  # more runs than this: the distribution panel names runs by colour only
+CROWDED_RUNS = 5  # more groups than this: the distribution panel names groups by colour only
 PART_COLORS = {"body": "#4c72b0", "head": "#dd8452", "other": "#8c8c8c", "control": "#55a868"}
 EXTRA_PART_COLORS = ["#c44e52", "#8172b3", "#937860", "#da8bc3"]
 _LINE_STYLES = ["-", "--", ":", "-."]
@@ -174,7 +174,8 @@ def _legend(figure: Figure, axes: Sequence[Any]) -> None:
 
 
 def _percent_axis(ax: Any) -> None:
-    ax.yaxis.set_major_formatter(lambda value, _: f"{100 * value:.0f}%")
+    """Fractions on the y axis as percentages, with as many decimals as the axis's range needs."""
+    ax.yaxis.set_major_formatter(PercentFormatter(xmax=1.0))
 
 
 def accuracy_per_round(runs: Sequence[Run]) -> Plot:
@@ -254,6 +255,7 @@ def accuracy_per_byte(runs: Sequence[Run]) -> Plot:
                         label=f"{_group_label(members)}, final global model", **style)
         ax.set_xlabel(f"MB {'sent' if direction == 'total' else direction + 'loaded'}, cumulative "
                       f"({'logical' if logical else 'physical'})")
+        ax.ticklabel_format(axis="x", useOffset=False)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("global test accuracy")
     _percent_axis(axes[0][0])
