@@ -5,6 +5,7 @@ number against the runs' summary.json and metrics.jsonl, and opened in a real he
 from __future__ import annotations
 
 import csv
+import json
 import re
 import shutil
 import statistics
@@ -325,6 +326,43 @@ def test_report_of_an_interrupted_run(runs: dict[str, Path], tmp_path: Path) -> 
     assert '<h2 class="failed">Failures: 1 of 1 run</h2>' in page
     assert "fedavg: interrupted after round 1 of 2" in page
     assert "figure &#x27;Personalization&#x27; not drawn" in page
+
+
+def test_a_run_without_logical_bytes_is_reported_with_physical_ones_and_says_so(runs: dict[str, Path],
+                                                                               tmp_path: Path) -> None:
+    """FedAvg's run directory as fedpart wrote it before it counted logical bytes (no ``logical``,
+    ``bytes_by_unit`` or per-client ``logical_down`` / ``logical_up``): the table, the figures and
+    the link model fall back to physical bytes, and the page says so."""
+    older = tmp_path / "older"
+    shutil.copytree(runs["fedavg"], older)
+    records = read_metrics(older)
+    for record in records:
+        record.pop("logical", None)
+        record.pop("bytes_by_unit", None)
+        for entry in record["clients"].values():
+            entry.pop("logical_down", None)
+            entry.pop("logical_up", None)
+    (older / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = read_summary(older)
+    summary["bytes"].pop("logical", None)
+    (older / "summary.json").write_text(json.dumps(summary))
+    report = tmp_path / "report"
+    result = _fedpart("report", str(older), "--out", str(report), "--link", "10Mbit/50ms")
+    assert result.returncode == 0, result.stdout + result.stderr
+    row = _table(report)["fedavg"]
+    assert row["bytes_counted"] == "physical"
+    assert _number(row["bytes_down_per_round"]) == _number(row["physical_bytes_down_per_round"]) == \
+        summary["bytes"]["per_round_mean"]["down"]
+    slowest = [max(8 * c["down"] / 1e7 + c["compute_seconds"] + 8 * c["up"] / 1e7 for c in r["clients"].values())
+               + 2 * 0.05 for r in records]
+    assert _number(row["link_seconds_total"]) == pytest.approx(sum(slowest))
+    assert {r["bytes_counted"] for r in _round_table(report)} == {"physical"}
+    assert not (report / "bytes_units.png").exists()
+    page = (report / "index.html").read_text()
+    assert "fedavg: metrics.jsonl has no logical bytes" in page
+    assert "physical bytes for fedavg, whose metrics.jsonl has no logical bytes" in page
+    caption = page.split('<figure id="accuracy_bytes">')[1].split("</figure>")[0]
+    assert "physical bytes (what crossed each process&#x27;s connection" in caption
 
 
 def test_report_without_matplotlib_names_the_extra(runs: dict[str, Path], tmp_path: Path,
