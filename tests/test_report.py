@@ -23,6 +23,7 @@ from fedpart.deploy import cli
 from fedpart.deploy.compare import parse_seeds, plan_runs, split_overrides
 from fedpart.deploy.report.link import (ClientRound, Link, cumulative_seconds, default_target, parse_duration,
                                         parse_rate, round_time, round_times, time_to_accuracy)
+from fedpart.deploy.report.runs import read_runs
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -363,6 +364,26 @@ def test_a_run_without_logical_bytes_is_reported_with_physical_ones_and_says_so(
     assert "physical bytes for fedavg, whose metrics.jsonl has no logical bytes" in page
     caption = page.split('<figure id="accuracy_bytes">')[1].split("</figure>")[0]
     assert "physical bytes (what crossed each process&#x27;s connection" in caption
+
+
+def test_runs_that_differ_only_in_their_seeds_form_one_group(runs: dict[str, Path], tmp_path: Path) -> None:
+    """A copy of FedAvg's run directory marked as another initialisation seed joins its group; a
+    run with the same seeds as another (the interrupted copy) is no seed of the same experiment, so
+    then every run is its own group, named by directory."""
+    other_seed = tmp_path / "other-seed"
+    shutil.copytree(runs["fedavg"], other_seed)
+    config = yaml.safe_load((other_seed / "config.yaml").read_text())
+    config["seeds"] = {**config.get("seeds", {}), "init": 1}
+    (other_seed / "config.yaml").write_text(yaml.safe_dump(config))
+    summary = read_summary(other_seed)
+    summary["seeds"] = {**summary["seeds"], "init": 1}
+    (other_seed / "summary.json").write_text(json.dumps(summary))
+    grouped = read_runs([runs["fedavg"], other_seed, runs["fedper"]])
+    assert [(r.group, r.label) for r in grouped] == [("fedavg", "fedavg seed 0"), ("fedavg", "fedavg seed 1"),
+                                                     ("fedper", "fedper")]
+    apart = read_runs([runs["fedavg"], other_seed, runs["interrupted"]])
+    assert [(r.group, r.label) for r in apart] == [(f"fedavg ({name})", f"fedavg ({name})")
+                                                   for name in ("fedavg", "other-seed", "interrupted")]
 
 
 def test_report_without_matplotlib_names_the_extra(runs: dict[str, Path], tmp_path: Path,

@@ -255,12 +255,18 @@ def group_runs(runs: Sequence[Run]) -> dict[str, list[Run]]:
 
 
 def _label(runs: list[Run], labelled: bool) -> None:
-    """Give every run its group and, unless ``labelled``, its label: runs that differ only in
-    their seeds form one group named after their algorithm (by directory where two groups share
-    an algorithm), each run named by its seeds."""
-    members: dict[str, list[Run]] = {}
+    """Give every run its group and, unless ``labelled``, its label: runs whose configs differ only
+    in their seeds, each with other seeds, form one group named after their algorithm (by
+    directory where two groups share an algorithm), each run named by its seeds."""
+    by_config: dict[str, list[Run]] = {}
     for run in runs:
-        members.setdefault(_group_key(run), []).append(run)
+        by_config.setdefault(_group_key(run), []).append(run)
+    members: dict[str, list[Run]] = {}
+    for key, group in by_config.items():
+        if len({tuple(run.seeds.values()) for run in group}) == len(group):
+            members[key] = group
+        else:  # runs with the same seeds are not seeds of one experiment: each its own group
+            members.update({f"{key} {run.path}": [run] for run in group})
     algorithms = [group[0].algorithm for group in members.values()]
     for group in members.values():
         first = group[0]
