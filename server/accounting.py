@@ -42,9 +42,9 @@ class ByteLedger:
         self._encodings: dict[tuple[str, str], dict[str, int]] = {}  # (direction, encoding) -> wire / raw
         self._parts: list[str] = list(PARTS)
         self._units: list[str] = list(units)
-        self._logical_by_round: dict[tuple[int | None, str, str], int] = defaultdict(int)  # round None: overall
+        self._logical_by_round: dict[tuple[int, str, str], int] = defaultdict(int)
         self._logical_by_client: dict[tuple[int, int, str], int] = defaultdict(int)
-        self._logical_by_unit: dict[tuple[int | None, str, str], int] = defaultdict(int)  # round None: overall
+        self._logical_by_unit: dict[tuple[int, str, str], int] = defaultdict(int)
 
     def add(self, round_number: int, client: int, direction: str, by_part: Mapping[str, int]) -> None:
         with self._lock:
@@ -67,14 +67,12 @@ class ByteLedger:
                     if part not in self._parts:
                         self._parts.append(part)
                     self._logical_by_round[(round_number, direction, part)] += count
-                    self._logical_by_round[(None, direction, part)] += count
                     self._logical_by_client[(round_number, client, direction)] += count
             for unit, count in by_unit.items():
                 if count:
                     if unit not in self._units:
                         self._units.append(unit)
                     self._logical_by_unit[(round_number, direction, unit)] += count
-                    self._logical_by_unit[(None, direction, unit)] += count
 
     def add_encodings(self, direction: str, counts: Mapping[str, Mapping[str, int]]) -> None:
         """Add ``{encoding: {"wire": n, "raw": m}}`` (serialized tensor bytes, decoded bytes)."""
@@ -116,10 +114,9 @@ class ByteLedger:
 
     def logical(self, round_number: int | None = None) -> dict:
         """``{"down": n, "up": n, "by_part": {part: {"down": n, "up": n}}}`` of one round (of
-        every round this ledger counted when None)."""
+        every round this ledger counted when None: a sum over them, for the rare caller)."""
         with self._lock:
-            by_part = {p: {d: self._logical_by_round.get((round_number, d, p), 0) for d in DIRECTIONS}
-                       for p in self._parts}
+            by_part = _split(self._logical_by_round, self._parts, round_number)
         return {**{d: sum(counts[d] for counts in by_part.values()) for d in DIRECTIONS}, "by_part": by_part}
 
     def logical_totals(self, round_number: int, client: int) -> dict[str, int]:
@@ -129,6 +126,18 @@ class ByteLedger:
 
     def by_unit(self, round_number: int | None = None) -> dict[str, dict[str, int]]:
         """``{unit: {"down": n, "up": n}}``: logical tensor bytes by schedule unit, in the model's
-        order, of one round (of every round this ledger counted when None)."""
+        order, of one round (of every round this ledger counted when None: a sum over them)."""
         with self._lock:
-            return {u: {d: self._logical_by_unit.get((round_number, d, u), 0) for d in DIRECTIONS} for u in self._units}
+            return _split(self._logical_by_unit, self._units, round_number)
+
+
+def _split(counts: Mapping[tuple[int, str, str], int], keys: Sequence[str],
+           round_number: int | None) -> dict[str, dict[str, int]]:
+    """``{key: {"down": n, "up": n}}`` from counts by (round, direction, key): one round's by
+    lookup, or (``round_number`` None) the sum over every round."""
+    if round_number is not None:
+        return {k: {d: counts.get((round_number, d, k), 0) for d in DIRECTIONS} for k in keys}
+    split = {k: {d: 0 for d in DIRECTIONS} for k in keys}
+    for (_, direction, key), count in counts.items():
+        split[key][direction] += count
+    return split

@@ -148,6 +148,15 @@ class Coordinator:
             specs = named_specs(state, self.versions)
         return specs, list(state.values())
 
+    def named_versions(self, task: Task) -> tuple[tuple[str, int], ...]:
+        """Names and versions of every global tensor ``task`` names, whatever its process holds
+        (what its logical bytes count), in the order of :meth:`task_tensors`."""
+        names = self.shared_names
+        if task.personal_init:
+            names = names + [n for n in self.personal_names if tensor_part(n) in task.personal_init]
+        versions = self.versions
+        return tuple((n, versions[n]) for n in names)
+
     def expected_uploads(self, task: Task) -> list[TensorSpec]:
         """Specs (names, dtypes, shapes) of the tensors a result of ``task`` must carry."""
         return named_specs({n: self.global_state[n] for n in task.uploads()})

@@ -186,15 +186,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _task_chunks(self, task: Task, request: pb.TaskRequest) -> Iterator[pb.TaskChunk | bytes]:
         """The header alone, then the shared, serialized chunks of the tensors the process lacks."""
-        named_specs, named_tensors = self.payloads.wire_forms(*self.coordinator.task_tensors(task, {}))
-        held = request.held_versions
-        stale = [index for index, spec in enumerate(named_specs) if held.get(spec.name, -1) < spec.version]
-        specs = [named_specs[index] for index in stale]
-        tensors = [named_tensors[index] for index in stale]
+        specs, tensors = self.payloads.wire_forms(*self.coordinator.task_tensors(task, request.held_versions))
         first = pb.TaskChunk(header=task_header(task, specs))
         self.ledger.add(task.round, task.client_id, "down", _control(first.ByteSize()))
         if self._first_stream(task):
-            self._count_logical_task(task, request, first.header, named_specs, specs)
+            self._count_logical_task(task, request, first.header, specs)
         yield first
         chunks = self.payloads.chunks(specs, tensors, [tensor_part(spec.name) for spec in specs])
         encodings = self.payloads.encoding_bytes(specs)  # before a yield lets another task evict them
@@ -215,11 +211,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return True
 
     def _count_logical_task(self, task: Task, request: pb.TaskRequest, header: pb.TaskHeader,
-                            named_specs: list[pb.TensorSpec], sent_specs: list[pb.TensorSpec]) -> None:
+                            sent_specs: list[pb.TensorSpec]) -> None:
         """A task's logical bytes: its request without the process's held versions and tasks, its
-        first message listing every tensor it names (``named_specs``; ``header`` lists
-        ``sent_specs``) and naming the message size of a process alone, and every named tensor."""
-        tensors = self.payloads.logical(named_specs)
+        first message listing every tensor it names (``header`` lists ``sent_specs``) and naming
+        the message size of a process alone, and every named tensor."""
+        tensors = self.payloads.logical(self.coordinator.named_versions(task),
+                                        lambda: self.payloads.wire_forms(*self.coordinator.task_tensors(task, {}))[0])
         missing_spec_bytes = tensors.header_spec_bytes - sum(tensors.spec_bytes[spec.name] for spec in sent_specs)
         named_chunk_bytes = self.logical_result_chunk_bytes if task.result_chunk_bytes else 0
         header_bytes = logical_header_bytes(header, missing_spec_bytes, named_chunk_bytes)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -162,13 +162,15 @@ class TaskPayloads:
             self._encoded.move_to_end(key)
         return encoded
 
-    def logical(self, specs: list[pb.TensorSpec]) -> LogicalTensors:
-        """Logical sizes of the tensors of ``specs`` (in their wire form) sent in a stream of
-        their own, computed once per set of names and versions."""
-        key = _key(specs)
+    def logical(self, named: tuple[tuple[str, int], ...],
+                wire_specs: Callable[[], list[pb.TensorSpec]]) -> LogicalTensors:
+        """Logical sizes of the tensors ``named`` (names and versions) sent in a stream of their
+        own, computed once per set of names and versions from ``wire_specs()``, their specs in
+        wire form in the same order."""
+        key = named
         sizes = self._logical.get(key)
         if sizes is None:
-            sizes = LogicalTensors.of(specs, self.chunk_bytes, header_specs=True)
+            sizes = LogicalTensors.of(wire_specs(), self.chunk_bytes, header_specs=True)
             self._logical[key] = sizes
             while len(self._logical) > self.keep:
                 self._logical.popitem(last=False)
