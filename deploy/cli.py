@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from importlib import resources
+from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,21 +82,25 @@ def _fail(args: argparse.Namespace, error: BaseException, code: int = 2) -> int:
 
 
 def resume_config(args: argparse.Namespace) -> RunConfig:
-    """The config of the run ``--resume RUN_DIR`` continues: RUN_DIR/config.yaml, unchanged."""
+    """The config of the run ``--resume RUN_DIR`` continues: RUN_DIR/config.yaml, with ``--set``
+    changing only the server's timeouts and limits (:func:`~fedpart.server.run_state.is_operational`)."""
     from fedpart.common.config import ConfigError, load_config
+    from fedpart.server.run_state import is_operational
 
     if args.overwrite:
         raise ConfigError("--resume continues the run in RUN_DIR; --overwrite would replace it")
     if args.config is not None:
         raise ConfigError(f"--resume takes the config from {args.resume}/config.yaml; give no CONFIG ({args.config})")
-    if args.set:
-        raise ConfigError(f"--resume continues the run as it was configured; --set {args.set[0]} would change it")
+    defining = [text for text in args.set if not is_operational(text.split("=", 1)[0].strip())]
+    if defining:
+        raise ConfigError(f"--resume continues the run as it was configured; --set {defining[0]} would change it "
+                          "(a resume may change server.* timeouts and limits only)")
     if args.out is not None and Path(args.out).resolve() != Path(args.resume).resolve():
         raise ConfigError(f"--resume writes into {args.resume} itself; --out {args.out} names another directory")
     path = Path(args.resume) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"--resume {args.resume}: not a run directory (no config.yaml)")
-    return load_config(path)
+    return load_config(path, args.set)
 
 
 def _client(args: argparse.Namespace) -> int:
@@ -249,9 +254,31 @@ def _add_link_options(parser: argparse.ArgumentParser) -> None:
                       help="accuracy for time to accuracy, e.g. 0.9 or 90%% (default: the highest every run reaches)")
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Help that names each option's default, where it has one its own help does not state."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and default not in (None, False, [], argparse.SUPPRESS)
+                and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _subcommand_parser(**kwargs: object) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(formatter_class=HelpWithDefaults, **kwargs)
+
+
+DESCRIPTION = ("Multi-process federated learning over gRPC for partial-parameter (body/head) algorithms: "
+               "run a coordinator (server) and client processes across machines, or all of them here (run); "
+               "make their certificates (certs); report and compare runs; export personalized models.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedpart", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="fedpart", description=DESCRIPTION, formatter_class=HelpWithDefaults)
+    parser.add_argument("--version", action="version", version=f"fedpart {version('fedpart')}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_subcommand_parser)
 
     server = commands.add_parser("server", help="run the coordinator")
     server.add_argument("config", nargs="?", help="config file or bundled config name (not with --resume)")

@@ -50,6 +50,7 @@ from fedpart.server.report import (
     format_table,
 )
 from fedpart.server.run_state import mark_finished, read_run_state, write_run_state
+from fedpart.server.sampling import round_target
 from fedpart.server.service import CoordinatorService, add_to_server
 
 # How long the server keeps answering after the run so that every process hears DONE.
@@ -361,7 +362,7 @@ class ServerRun:
         self.coordinator.finish(RunOutcome.ABORTED if ended_early else RunOutcome.COMPLETED)
         self.run_ended()
         if ended_early:
-            self._write_what_is_known(*ended_early)
+            self._write_what_is_known(*ended_early, code)
         self.coordinator.registry.wait_until_released(SHUTDOWN_GRACE_SECONDS)
         return code
 
@@ -382,21 +383,47 @@ class ServerRun:
         self.display.log("evaluating and personalising on every client ...")
         evaluations = coordinator.evaluate_all()
         global_metrics = self.evaluator.evaluate(coordinator.global_state) if self.evaluator is not None else None
+        missing = config.clients - len(evaluations)
+        failures = self._failures()
+        if missing:
+            failures.append(f"{missing} of {config.clients} clients did not report an evaluation")
+            self.display.log(f"error: {failures[-1]}")
+        code = ExitCode.FAILURES if failures else ExitCode.COMPLETED
         summary = build_summary(config, coordinator.model, self.records, evaluations, global_metrics,
-                                coordinator.ledger, coordinator.failures, self.seconds(),
+                                coordinator.ledger, failures, self.seconds(),
                                 evaluation_delivery=coordinator.board.delivery_counts(config.rounds + 1).as_dict())
-        self.run_dir.write_summary(summary)
+        self.run_dir.write_summary({**summary, "exit_code": int(code)})
         mark_finished(self.run_dir.path)
         self.display.print(format_table(summary))
-        missing = config.clients - len(evaluations)
-        if missing:
-            self.display.log(f"error: {missing} clients did not report an evaluation")
-        return ExitCode.COMPLETED if not summary["failures"] and not missing else ExitCode.FAILURES
+        return code
 
-    def _write_what_is_known(self, status: str, note: str) -> None:
+    def _failures(self) -> list[str]:
+        """What went wrong so far: the coordinator's failures (refused results, processes that
+        left, tensors that came out non-finite) and every round that folded fewer clients than it
+        needed (a process that went silent and came back is in no other list)."""
+        return [*self.coordinator.failures, *short_rounds(self.records, self.config)]
+
+    def _write_what_is_known(self, status: str, note: str, code: int) -> None:
         """summary.json of a run that ended early, marked ``status`` (the run state of the last
         completed round stays for ``--resume``)."""
         summary = build_summary(self.config, self.coordinator.model, self.records, {}, None, self.coordinator.ledger,
-                                self.coordinator.failures, self.seconds(), status=status, note=note)
-        self.run_dir.write_summary(summary)
+                                self._failures(), self.seconds(), status=status, note=note)
+        self.run_dir.write_summary({**summary, "exit_code": int(code)})
         self.display.log(f"run {status}: {note}; wrote {self.run_dir.path / 'summary.json'}")
+
+
+def short_rounds(records: list[dict], config: RunConfig) -> list[str]:
+    """A line for each round in which clients it needed sent no result (every client it sampled,
+    or with ``sampling.over_selection`` the clients a round waits for); results it refused are
+    failures of their own already."""
+    over_selection = config.sampling.over_selection
+    lines = []
+    for record in records:
+        needed = len(record["sampled"])
+        if over_selection and config.sampling.probability is None:
+            needed = min(needed, round_target(config.clients, config.sampling.fraction))
+        answered = len(record["completed"]) + record.get("robust", {}).get("rejected", 0)
+        if answered < needed:
+            lines.append(f"round {record['round']}: {needed - answered} of the {needed} clients it needed sent "
+                         f"no result (folded {len(record['completed'])})")
+    return lines

@@ -44,7 +44,7 @@ from fedpart.common.limits import client_threads
 from fedpart.common.client_ids import parse_id_ranges
 from fedpart.common.security import Principal, SecurityError
 from fedpart.deploy.certs import write_run_credentials
-from fedpart.server.main import check_credentials_host_run
+from fedpart.server.main import check_credentials_host_run, short_rounds
 from fedpart.server.report import RunDirectory, check_new_run_dir
 
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "  # the start of every log line
@@ -418,6 +418,7 @@ def test_an_interrupted_server_tells_its_clients_writes_what_it_knows_and_resume
     summary = read_summary(out)
     done = len(read_metrics(out))
     assert summary["status"] == "interrupted" and summary["rounds_completed"] == done and 3 <= done < 20
+    assert summary["exit_code"] == 130
     assert f"fedpart server --resume {out}" in summary["note"]
     assert summary["bytes"]["up"] > 0 and summary["accuracy"]["initial"]["clients"] == 0
 
@@ -433,7 +434,7 @@ def test_an_interrupted_server_tells_its_clients_writes_what_it_knows_and_resume
     assert resumed.wait(timeout=WAIT) == 0, output
     assert all(client.wait(timeout=WAIT) == 0 for client in clients)
     summary = read_summary(out)
-    assert summary["status"] == "completed" and summary["rounds_completed"] == 20
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 20 and summary["exit_code"] == 0
     assert [m["round"] for m in read_metrics(out)] == list(range(1, 21))
     assert summary["accuracy"]["initial"]["clients"] == 2
 
@@ -454,7 +455,7 @@ def test_a_server_that_gives_up_exits_4_and_its_clients_5(tmp_path: Path, proces
     log = client.communicate(timeout=WAIT)[0]
     assert client.returncode == 5, log
     summary = read_summary(out)
-    assert summary["status"] == "failed" and summary["rounds_completed"] == 0
+    assert summary["status"] == "failed" and summary["rounds_completed"] == 0 and summary["exit_code"] == 4
     assert "gave up: after 20 s clients 2-3" in summary["note"]
 
 
@@ -572,3 +573,31 @@ def test_progress_lines_round_trip_and_other_lines_are_not_progress() -> None:
     assert RunProgress.parse(stamp("round    3/20  clients 4/10")) is None
     assert RunProgress.parse("fedpart-progress {broken") is None
     assert re.match(STAMP + "hello$", stamp("hello"))
+
+
+def test_a_round_whose_clients_sent_no_result_is_a_failure() -> None:
+    """A process that went silent and came back is in no other list: the rounds it missed are
+    failures (exit code 3), not results refused (failures of their own) nor over-selected
+    clients a round did not wait for."""
+    config = config_from_dict(small_config(clients=4))
+    records = [{"round": 1, "sampled": [0, 1, 2, 3], "completed": [0, 1, 2, 3]},
+               {"round": 2, "sampled": [0, 1, 2, 3], "completed": [0, 1], "robust": {"rejected": 0}},
+               {"round": 3, "sampled": [0, 1, 2, 3], "completed": [0, 1, 2], "robust": {"rejected": 1}}]
+    assert short_rounds(records, config) == ["round 2: 2 of the 4 clients it needed sent no result (folded 2)"]
+    over = config_from_dict(small_config(clients=4, sampling={"fraction": 0.5, "over_selection": 0.5}))
+    assert short_rounds([{"round": 1, "sampled": [0, 1, 3], "completed": [1, 3]}], over) == []
+    assert short_rounds([{"round": 1, "sampled": [0, 1, 3], "completed": [3]}], over) == [
+        "round 1: 1 of the 2 clients it needed sent no result (folded 1)"]
+
+
+def test_version_python_m_and_defaults_in_help() -> None:
+    from importlib.metadata import version
+
+    result = subprocess.run([sys.executable, "-m", "fedpart", "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"fedpart {version('fedpart')}", result.stderr
+    server_help = subprocess.run([sys.executable, "-m", "fedpart", "server", "--help"], capture_output=True,
+                                 text=True, timeout=60).stdout
+    assert "(default: 127.0.0.1:50051)" in " ".join(server_help.split())
+    top_help = subprocess.run([sys.executable, "-m", "fedpart", "--help"], capture_output=True, text=True,
+                              timeout=60).stdout
+    assert "``" not in top_help and "export" in top_help

@@ -28,9 +28,10 @@ from conftest import (
     write_config,
 )
 from fedpart.client.session import Backoff
-from fedpart.common.config import config_from_dict
+from fedpart.common.config import ConfigError, config_from_dict
 from fedpart.common.plans import HostedClient, JoinInfo, ResultInfo, TaskKind
 from fedpart.common.protocol import PROTOCOL_VERSION
+from fedpart.deploy.cli import build_parser, resume_config
 from fedpart.deploy.cli import main as cli_main
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.aggregation import WeightedMean
@@ -155,6 +156,15 @@ def test_resume_refuses_what_it_cannot_continue_and_changes_nothing(tmp_path: Pa
         assert cli_main(["server", "--resume", *args]) == 2
         assert message in capsys.readouterr().err, args
     assert sorted(p.name for p in config_only.iterdir()) == ["config.yaml"]
+
+
+def test_resume_set_may_change_the_servers_limits_only(tmp_path: Path) -> None:
+    write_config(tmp_path / "config.yaml", small_config())
+    args = build_parser().parse_args(["server", "--resume", str(tmp_path), "--set", "server.round_timeout=1200"])
+    assert resume_config(args).server.round_timeout == 1200
+    refused = build_parser().parse_args(["server", "--resume", str(tmp_path), "--set", "server.round_deadline_factor=2"])
+    with pytest.raises(ConfigError, match="would change it"):
+        resume_config(refused)
 
 
 def test_run_state_round_trip_and_a_changed_config_is_refused(tmp_path: Path, one_torch_thread) -> None:

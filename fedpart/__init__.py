@@ -1,0 +1,7 @@
+"""fedpart: multi-process federated learning over gRPC for partial-parameter (body/head) algorithms.
+
+The package's parts live in folders of the repository mapped into this namespace
+(pyproject.toml): ``fedpart.proto`` (the wire protocol), ``fedpart.common`` (what server and
+client share), ``fedpart.server``, ``fedpart.client``, ``fedpart.api`` (the public plugin surface
+and the loader of exported models) and ``fedpart.deploy`` (the command line, the launcher, reports).
+``python -m fedpart`` is the ``fedpart`` command."""
