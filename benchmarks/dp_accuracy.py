@@ -106,7 +106,7 @@ def table(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithms", default="fedavg,fedbabu")
-    parser.add_argument("--noise", default="0,0.5,1,2", help="noise multipliers, comma-separated")
+    parser.add_argument("--noise", default="0,0.5,1,2,4,8", help="noise multipliers, comma-separated")
     parser.add_argument("--clients", type=int, default=1000)
     parser.add_argument("--fraction", type=float, default=0.1, help="Poisson sampling probability q")
     parser.add_argument("--rounds", type=int, default=40)
