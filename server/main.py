@@ -370,14 +370,15 @@ class ServerRun:
         config, coordinator = self.config, self.coordinator
         self.display.log(f"waiting for {config.clients} clients to be hosted ...")
         coordinator.registry.wait_for_clients()
-        for round_number in range(len(self.records) + 1, config.rounds + 1):
+        for round_number in range(len(self.records) + 1, coordinator.last_round + 1):
             record = coordinator.run_round(round_number)
             every = config.evaluate.global_every
             if self.evaluator is not None and every and round_number % every == 0:
                 record["global"] = self.evaluator.evaluate(coordinator.global_state)
             self.records.append(record)
             self.run_dir.append_round(record)
-            self.run_dir.checkpoint(round_number, coordinator.global_state, last=round_number == config.rounds)
+            self.run_dir.checkpoint(round_number, coordinator.global_state,
+                                    last=round_number == coordinator.last_round)
             write_run_state(self.run_dir.path, coordinator.snapshot(round_number, self.seconds()))
             self.display.log(format_round(record, config.rounds))
         self.display.log("evaluating and personalising on every client ...")
@@ -390,7 +391,7 @@ class ServerRun:
             self.display.log(f"error: {failures[-1]}")
         code = ExitCode.FAILURES if failures else ExitCode.COMPLETED
         summary = build_summary(config, coordinator.model, self.records, evaluations, global_metrics,
-                                coordinator.ledger, failures, self.seconds(),
+                                coordinator.ledger, failures, self.seconds(), note=coordinator.stop_note(),
                                 evaluation_delivery=coordinator.board.delivery_counts(config.rounds + 1).as_dict())
         self.run_dir.write_summary({**summary, "exit_code": int(code)})
         mark_finished(self.run_dir.path)

@@ -303,3 +303,22 @@ def test_noise_is_really_added_and_fixed_sampling_is_accounted_as_such(tmp_path)
     assert summary["privacy"]["sampling"] == "fixed"
     assert accuracy[0.0] > 0.6, accuracy
     assert accuracy[z] < accuracy[0.0] - 0.3, accuracy
+
+
+def test_target_epsilon_stops_the_run_before_the_round_that_would_pass_it(tmp_path):
+    """The server runs the rounds up to Coordinator.last_round and the summary says why it stopped."""
+    rounds, clients, q, z = 6, 4, 0.5, 2.0
+    relation, event = _poisson(q, z)
+    delta = 1 / clients ** 1.1
+    target = float(_library_epsilon(relation, event, 2, delta) + _library_epsilon(relation, event, 3, delta)) / 2
+    config = _dp_config({"noise_multiplier": z, "target_epsilon": target}, rounds=rounds, clients=clients,
+                        sampling={"scheme": "poisson", "fraction": q})
+    done, out = run_fedpart(config, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [record["round"] for record in read_metrics(out)] == [1, 2]
+    summary = read_summary(out)
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 2
+    assert summary["privacy"]["epsilon"] == _library_epsilon(relation, event, 2, delta) <= target
+    assert "stopped after round 2 of 6: round 3 would take epsilon to" in summary["note"]
+    assert summary["accuracy"]["initial"]["clients"] == clients  # the final evaluation ran
+    assert (out / "checkpoints" / "round_0002.safetensors").is_file()
