@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from fedpart.common.algorithms import Algorithm, RoundContext, build_algorithm, has_global_model
 from fedpart.common.checkpoint import load_tensors
-from fedpart.common.config import ConfigError, RunConfig
+from fedpart.common.config import ConfigError, RunConfig, check_dp_accounting
 from fedpart.common.data.datasets import class_counts, missing_dataset_files
 from fedpart.common.data.partition import check_partition
 from fedpart.common.importing import import_callable
@@ -76,12 +76,15 @@ def check_experiment(config: RunConfig, clients_data: LocalData | None = None, s
     - ``clients_data``: the clients' data is on this machine under that root (``fedpart run``, a
       ``fedpart client`` with its data root): every file of the dataset is there;
     - ``server_data``: the server's own needs: with ``evaluate.global_test`` on and an algorithm
-      whose server holds a whole model, the test split under ``data.root``.
+      whose server holds a whole model, the test split under ``data.root``; with ``privacy.dp``,
+      the accountant's library.
     """
     try:
         dataset_dims(config)
     except ValueError as error:
         raise ConfigError(str(error)) from error
+    if server_data:
+        check_dp_accounting(config)
     try:
         algorithm = run_algorithm(config)
     except (ValueError, TypeError) as error:
