@@ -25,7 +25,7 @@ from, in two steps:
   not hold that its personal head assigns to its own classes, and the global model's weakest
   classes with how many clients hold each.
 
-Commands (README "Results", FedFTHA study)::
+Commands (docs/results.md, FedFTHA study)::
 
     python benchmarks/fedftha_heads.py run --settings base,tau_head0,shards5,every_client \\
         --seeds 0,1 --out-root runs/fedftha_heads

@@ -11,7 +11,7 @@ differences (same seed = same partition, initial model and sampled clients):
 - *not reproduced*: its mean over seeds has the opposite sign (or is zero);
 - *inconclusive*: the mean has the claimed sign but some seed disagrees.
 
-Studies (``python benchmarks/reproduce.py STUDY [STUDY ...]``; README "Results" has the tables):
+Studies (``python benchmarks/reproduce.py STUDY [STUDY ...]``; docs/results.md has the tables):
 
 - ``fedbabu`` (Oh et al., ICLR 2022): FedAvg, FedBABU, FedPer, LG-FedAvg, FedRep under 2-shard
   heterogeneity for local epochs tau in {1, 4, 10} with the paper's optimizer (SGD lr 0.1 momentum
@@ -813,7 +813,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-root", type=Path, default=default_data_root(), help="holds MNIST/raw/*.gz")
     parser.add_argument("--out-root", type=Path, help="run directories go here (default: a new temporary folder)")
     parser.add_argument("--json", type=Path, help="write every run's numbers and the tables to this file")
-    parser.add_argument("--markdown", type=Path, help="write the studies' sections (README 'Results') to this file")
+    parser.add_argument("--markdown", type=Path, help="write the studies' sections (docs/results.md) to this file")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     parser.add_argument("--collect", action="store_true",
                         help="run nothing: tabulate the run directories an earlier invocation left under --out-root")

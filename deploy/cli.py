@@ -3,7 +3,7 @@
 and tables from run directories) and ``compare`` (one config once per algorithm, and per seed
 with ``--seeds``, then the report).
 
-Exit codes: README "Exit codes" (``fedpart.common.exit_codes``)."""
+Exit codes: docs/operating-a-run.md, "Exit codes" (``fedpart.common.exit_codes``)."""
 
 from __future__ import annotations
 
@@ -240,7 +240,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _add_link_options(parser: argparse.ArgumentParser) -> None:
-    link = parser.add_argument_group('time on a link (README "Time on a link")')
+    link = parser.add_argument_group('time on a link (docs/reports.md, "Time on a link")')
     link.add_argument("--link", metavar="RATE/RTT", help="every client's link, both directions, e.g. 10Mbit/50ms")
     link.add_argument("--uplink", metavar="RATE", help="client upload rate (bit, kbit, Mbit, Gbit per second)")
     link.add_argument("--downlink", metavar="RATE", help="client download rate")

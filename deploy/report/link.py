@@ -1,5 +1,5 @@
 """Time on a link: the exact bytes of each round turned into the time the round would take on a
-given network, and the time each run needs to reach an accuracy (README "Time on a link").
+given network, and the time each run needs to reach an accuracy (docs/reports.md, "Time on a link").
 
 The model, per round, over the round's clients that completed (those with measured compute):
 

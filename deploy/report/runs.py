@@ -1,5 +1,5 @@
 """Run directories read into plain records: the resolved config, the round records of
-``metrics.jsonl`` and, for a finished run, ``summary.json`` (README "Output"). Nothing here imports
+``metrics.jsonl`` and, for a finished run, ``summary.json`` (docs/output.md). Nothing here imports
 torch; a report reads run directories on any machine."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class ReportError(ValueError):
 
 
 SEED_SOURCES = ("partition", "init", "sampling", "training")
-# What summary.json's status and note say about how the server exited (README "Exit codes"), for
+# What summary.json's status and note say about how the server exited (docs/operating-a-run.md, "Exit codes"), for
 # summaries that do not record the code itself.
 SIGNAL_EXIT_CODES = {"interrupted": 130, "terminated": 143}
 GAVE_UP_EXIT_CODE, ERROR_EXIT_CODE, FAILURES_EXIT_CODE = 4, 1, 3
