@@ -44,7 +44,7 @@ def _runs_table(runs: Sequence[Run]) -> str:
         dataset = source.get("dataset") or config.get("data", {}).get("dataset", "?")
         clients = source.get("clients") or config.get("clients", "?")
         seeds = ", ".join(f"{k} {v}" for k, v in run.seeds.items())
-        failures = len(run.failures) + run.missing_evaluations
+        failures = len(run.failures) + run.unlisted_missing_evaluations
         short = len(run.short_rounds())
         rows.append(f"<tr><td>{_e(run.label)}</td><td><code>{_e(run.path)}</code></td><td>{_e(run.algorithm)}</td>"
                     f"<td>{_e(model)}</td><td>{_e(dataset)}</td><td class=num>{_e(clients)}</td><td>{_e(seeds)}</td>"
@@ -71,10 +71,11 @@ def _failures(runs: Sequence[Run]) -> list[str]:
         elif code:
             lines.append(f"{run.label}: the server exited {code} ({source})")
         lines += [f"{run.label}: {failure}" for failure in run.failures]
-        if run.missing_evaluations:
-            lines.append(f"{run.label}: {run.missing_evaluations} clients reported no final evaluation")
-        lines += [f"{run.label}: round {number} folded {done} of {sampled} sampled clients"
-                  for number, done, sampled in run.short_rounds()]
+        if run.unlisted_missing_evaluations:
+            lines.append(f"{run.label}: {run.unlisted_missing_evaluations} clients reported no final evaluation")
+        if not run.lists_its_shortfalls:
+            lines += [f"{run.label}: round {number} folded {done} of {sampled} sampled clients"
+                      for number, done, sampled in run.short_rounds()]
     return lines
 
 

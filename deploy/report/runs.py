@@ -66,6 +66,18 @@ class Run:
         return sum(1 for client in self.summary.get("per_client", []) if client.get("test_samples") is None)
 
     @property
+    def unlisted_missing_evaluations(self) -> int:
+        """Missing evaluations that summary.json's failures do not list already: a server that
+        records its exit code lists them there itself, with its rounds that lacked results."""
+        return 0 if self.lists_its_shortfalls else self.missing_evaluations
+
+    @property
+    def lists_its_shortfalls(self) -> bool:
+        """summary.json's failures name the rounds whose clients sent no result and the clients
+        without a final evaluation (a server that records its exit code writes them)."""
+        return isinstance((self.summary_file or {}).get("exit_code"), int)
+
+    @property
     def failed(self) -> bool:
         """Anything went wrong: the run did not complete, or it completed with failures."""
         recorded = (self.summary_file or {}).get("exit_code")

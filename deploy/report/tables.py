@@ -123,9 +123,9 @@ def run_row(run: Run, link: Link | None = None, target: float | None = None) -> 
         "row": "run", "group": run.group, "run": run.label, "algorithm": run.algorithm,
         **{f"seed_{source}": seed for source, seed in run.seeds.items()},
         "status": run.state, "exit_code": code, "exit_code_source": code_source,
-        "failures": len(run.failures) + run.missing_evaluations,
-        "failure_list": "; ".join(run.failures + ([f"{run.missing_evaluations} clients without a final evaluation"]
-                                                  if run.missing_evaluations else [])) or None,
+        "failures": len(run.failures) + run.unlisted_missing_evaluations,
+        "failure_list": "; ".join(run.failures + ([f"{run.unlisted_missing_evaluations} clients without a final "
+                                                   "evaluation"] if run.unlisted_missing_evaluations else [])) or None,
         "short_rounds": len(short),
         "short_round_list": "; ".join(f"{number}: {done}/{sampled}" for number, done, sampled in short) or None,
         "rounds": len(rounds),
