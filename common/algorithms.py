@@ -219,6 +219,7 @@ def _proximal(mu: float) -> ObjectiveSpec:
 
 
 def _fedavg(o: Options) -> Algorithm:
+    """FedAvg (McMahan et al., AISTATS 2017): the whole model federated."""
     return Algorithm("fedavg", _roles(Role.GLOBAL, Role.GLOBAL), train_everything)
 
 
@@ -234,6 +235,7 @@ def _fedprox(o: Options) -> Algorithm:
 
 
 def _fedprox_babu(o: Options) -> Algorithm:
+    """FedBABU with FedProx's proximal term on the body (``mu``)."""
     return Algorithm("fedprox_babu", _roles(Role.GLOBAL, Role.FIXED), train_body,
                      objective=_proximal(o.get("mu", 0.01)))
 
@@ -249,6 +251,8 @@ def _fedbug(o: Options) -> Algorithm:
 
 def _layer_expansion(order: str) -> Callable[[Options], Algorithm]:
     def build(o: Options) -> Algorithm:
+        """Sequential layer expansion (Jang & Choi, 2024): body units unfrozen at ``unfreeze_rounds``
+        under a fixed head, shallow first (vanilla) or deep first (anti)."""
         rounds = o.get("unfreeze_rounds", [0, 100, 200], list)
         if not all(isinstance(r, int) and r >= 0 for r in rounds) or rounds != sorted(rounds):
             raise ValueError("algorithm.unfreeze_rounds must be increasing non-negative round indices")
@@ -263,6 +267,7 @@ def _fedper(o: Options) -> Algorithm:
 
 
 def _fedrep(o: Options) -> Algorithm:
+    """FedRep (Collins et al., ICML 2021): shared body, personal head trained first each round."""
     head_epochs = o.get("head_epochs", 10, int)
     body_epochs = o.get("body_epochs", 1, int)
     return Algorithm("fedrep", _roles(Role.GLOBAL, Role.PERSONAL), head_then_body(head_epochs, body_epochs))
@@ -274,12 +279,14 @@ def _lg_fedavg(o: Options) -> Algorithm:
 
 
 def _fedftha(o: Options) -> Algorithm:
+    """FedFTHA: fine-tuned personal heads, aggregated by the server into a global head (FedHA)."""
     sync_epochs = o.get("tau_sync", 5, int)
     head_epochs = o.get("tau_head", 5, int)
     return Algorithm("fedftha", _roles(Role.GLOBAL, Role.COLLECTED), all_then_head(sync_epochs, head_epochs))
 
 
 def _local_only(o: Options) -> Algorithm:
+    """Local-only training: every part personal, nothing shared after the start."""
     return Algorithm("local_only", _roles(Role.PERSONAL, Role.PERSONAL), train_everything)
 
 

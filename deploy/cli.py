@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from importlib import resources
@@ -218,6 +219,37 @@ def parse_target(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not an accuracy (0.9 or 90%)") from None
 
 
+def bundled_configs() -> dict[str, str]:
+    """Each bundled config's name and the first line of its header comment."""
+    found = {}
+    for entry in sorted(resources.files("fedpart.configs").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            found[entry.name.removesuffix(".yaml")] = first_sentence(
+                " ".join(line.lstrip("# ") for line in entry.read_text().splitlines() if line.startswith("#")))
+    return found
+
+
+def first_sentence(text: str) -> str:
+    """``text`` up to its first full stop (not the one of "et al."), without reST markup."""
+    text = " ".join(text.replace("``", "").split())
+    end = re.search(r"(?<! al)\. ", text)
+    return text if end is None else text[:end.start() + 1]
+
+
+def _configs(args: argparse.Namespace) -> int:
+    for name, description in bundled_configs().items():
+        print(f"{name:<32} {description}")
+    return 0
+
+
+def _algorithms(args: argparse.Namespace) -> int:
+    from fedpart.common.algorithms import ALGORITHMS
+
+    for name, factory in ALGORITHMS.items():
+        print(f"{name:<26} {first_sentence(factory.__doc__ or '')}".rstrip())
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from fedpart.deploy.report.build import write_report
 
@@ -402,6 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_link_options(compare)
     compare.set_defaults(handler=_compare)
     add_export_parser(commands)
+    commands.add_parser("configs", help="list the bundled configs (name them instead of a file)").set_defaults(
+        handler=_configs)
+    commands.add_parser("algorithms", help="list the algorithms (algorithm.name)").set_defaults(handler=_algorithms)
     verbose_help = (f"show gRPC's own log lines (handshake failures, ...) on stderr, for this command and the "
                     f"processes it starts (or set {VERBOSE_ENV}=1); by default gRPC stays quiet")
     parser.add_argument("--verbose", action="store_true", help=verbose_help)

@@ -601,3 +601,18 @@ def test_version_python_m_and_defaults_in_help() -> None:
     top_help = subprocess.run([sys.executable, "-m", "fedpart", "--help"], capture_output=True, text=True,
                               timeout=60).stdout
     assert "``" not in top_help and "export" in top_help
+
+
+def test_the_bundled_configs_and_the_algorithms_are_listed_from_the_code() -> None:
+    from fedpart.common.algorithms import ALGORITHMS
+
+    configs = subprocess.run([sys.executable, "-m", "fedpart", "configs"], capture_output=True, text=True, timeout=60)
+    assert configs.returncode == 0, configs.stderr
+    listed = [line.split()[0] for line in configs.stdout.splitlines()]
+    assert listed == sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert all(len(line.split()) > 3 for line in configs.stdout.splitlines())  # each with its description
+    algorithms = subprocess.run([sys.executable, "-m", "fedpart", "algorithms"], capture_output=True, text=True,
+                                timeout=120)
+    assert algorithms.returncode == 0, algorithms.stderr
+    rows = [line.split(maxsplit=1) for line in algorithms.stdout.splitlines()]
+    assert [row[0] for row in rows] == list(ALGORITHMS) and all(len(row) == 2 for row in rows)
