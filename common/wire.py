@@ -138,7 +138,7 @@ def varint_size(value: int) -> int:
     return size
 
 
-def piece_bytes(index: int, length: int) -> int:
+def _piece_bytes(index: int, length: int) -> int:
     """Bytes a piece of ``length`` data bytes for tensor ``index`` adds to its chunk message."""
     body = 1 + varint_size(length) + length
     if index:
@@ -155,41 +155,33 @@ def chunk_pieces(chunk) -> list[tuple[int, bytes]]:
 def _fitting_length(index: int, room: int, wanted: int) -> int:
     """The most data bytes (up to ``wanted``) whose framed piece fits into ``room`` bytes."""
     length = min(wanted, room)
-    while length > 0 and piece_bytes(index, length) > room:
-        length -= max(1, piece_bytes(index, length) - room)
+    while length > 0 and _piece_bytes(index, length) > room:
+        length -= max(1, _piece_bytes(index, length) - room)
     return max(length, 0)
 
 
-def piece_cuts(lengths: Iterable[int], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[list[tuple[int, int, int]]]:
-    """Cut payloads of ``lengths`` bytes into ``(tensor index, offset, length)`` pieces, grouped
-    so that the pieces of one chunk take at most ``chunk_bytes`` serialized bytes (framing
-    included): the layout of every chunk stream, and of the sizes counted without one."""
-    group: list[tuple[int, int, int]] = []
+def iter_piece_groups(tensors: Iterable[torch.Tensor],
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[list[tuple[int, memoryview]]]:
+    """Cut the tensors' bytes into ``(tensor index, byte view)`` pieces, grouped so that the
+    pieces of one chunk take at most ``chunk_bytes`` serialized bytes (framing included)."""
+    group: list[tuple[int, memoryview]] = []
     room = chunk_bytes
-    for index, length in enumerate(lengths):
+    for index, tensor in enumerate(tensors):
+        view = _byte_view(tensor)
         offset = 0
-        while offset < length:
-            take = _fitting_length(index, room, length - offset)
+        while offset < len(view):
+            take = _fitting_length(index, room, len(view) - offset)
             if take == 0:
                 if not group:
                     raise ValueError(f"chunk_bytes {chunk_bytes} cannot hold even one framed byte")
                 yield group
                 group, room = [], chunk_bytes
                 continue
-            group.append((index, offset, take))
+            group.append((index, view[offset:offset + take]))
             offset += take
-            room -= piece_bytes(index, take)
+            room -= _piece_bytes(index, take)
     if group:
         yield group
-
-
-def iter_piece_groups(tensors: Iterable[torch.Tensor],
-                      chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[list[tuple[int, memoryview]]]:
-    """Cut the tensors' bytes into ``(tensor index, byte view)`` pieces as :func:`piece_cuts`
-    lays them out."""
-    views = [_byte_view(tensor) for tensor in tensors]
-    for group in piece_cuts([len(view) for view in views], chunk_bytes):
-        yield [(index, views[index][offset:offset + length]) for index, offset, length in group]
 
 
 def encode_chunks(chunk_type: type, header, tensors: Iterable[torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator:
@@ -341,7 +333,7 @@ def read_chunk(header_type: type, data: bytes) -> ReceivedChunk:
         return ReceivedChunk(None, [], ChunkBytes(end, {}), f"not a chunk message: {error}")
     by_tensor: dict[int, int] = {}
     for index, piece in pieces:
-        by_tensor[index] = by_tensor.get(index, 0) + piece_bytes(index, len(piece))
+        by_tensor[index] = by_tensor.get(index, 0) + _piece_bytes(index, len(piece))
     return ReceivedChunk(header, pieces, ChunkBytes(end, by_tensor))
 
 
@@ -350,7 +342,7 @@ def measure_chunk(chunk, pieces: Sequence[tuple[int, bytes]] | None = None) -> C
     and body) to its tensor; ``pieces`` are the chunk's :func:`chunk_pieces` when already read."""
     by_tensor: dict[int, int] = {}
     for index, data in chunk_pieces(chunk) if pieces is None else pieces:
-        by_tensor[index] = by_tensor.get(index, 0) + piece_bytes(index, len(data))
+        by_tensor[index] = by_tensor.get(index, 0) + _piece_bytes(index, len(data))
     return ChunkBytes(total=chunk.ByteSize(), by_tensor=by_tensor)
 
 
@@ -401,7 +393,7 @@ class TensorAssembler:
                 self._buffers[index] = memoryview(bytearray(self._expected[index]))
             self._buffers[index][start:end] = data
             self._filled[index] = end
-            self._wire[index] += piece_bytes(index, end - start)
+            self._wire[index] += _piece_bytes(index, end - start)
 
     def encoding_bytes(self) -> dict[str, dict[str, int]]:
         """Serialized and decoded bytes by encoding of the pieces added so far."""

@@ -43,8 +43,8 @@ import torch
 
 from fedpart.common.codecs import Codec, encode, seeded_generator
 from fedpart.common.split_model import tensor_part, tensor_unit
-from fedpart.common.wire import (DTYPES, ChunkBytes, encode_chunks, encoding_bytes,
-                                 measure_chunk, piece_bytes, piece_cuts, spec_nbytes, varint_size, wire_form)
+from fedpart.common.wire import (DTYPES, ChunkBytes, _fitting_length, _piece_bytes, encode_chunks, encoding_bytes,
+                                 measure_chunk, spec_nbytes, varint_size, wire_form)
 from fedpart.proto import fedpart_pb2 as pb
 
 Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
@@ -219,12 +219,23 @@ def part_and_unit(name: str) -> tuple[str, str]:
 def stream_tensor_bytes(payload_bytes: tuple[int, ...], chunk_bytes: int) -> tuple[int, ...]:
     """Serialized bytes of each tensor (its pieces with their framing) in the chunk stream
     :func:`~fedpart.common.wire.encode_chunks` makes of tensors of ``payload_bytes`` bytes at
-    ``chunk_bytes``, from the lengths alone: the same cuts (:func:`~fedpart.common.wire.piece_cuts`),
-    without the tensors."""
-    sizes = [0] * len(payload_bytes)
-    for group in piece_cuts(payload_bytes, chunk_bytes):
-        for index, _, length in group:
-            sizes[index] += piece_bytes(index, length)
+    ``chunk_bytes``, from the lengths alone: the same cuts, without the tensors."""
+    sizes = []
+    room = chunk_bytes
+    for index, length in enumerate(payload_bytes):
+        size = offset = 0
+        while offset < length:
+            take = _fitting_length(index, room, length - offset)
+            if take == 0:
+                if room == chunk_bytes:
+                    raise ValueError(f"chunk_bytes {chunk_bytes} cannot hold even one framed byte")
+                room = chunk_bytes
+                continue
+            framed = _piece_bytes(index, take)
+            size += framed
+            offset += take
+            room -= framed
+        sizes.append(size)
     return tuple(sizes)
 
 
