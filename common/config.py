@@ -255,9 +255,20 @@ class DPConfig:
 
 @dataclass
 class PrivacyConfig:
-    """Privacy of the clients' updates (docs/privacy.md)."""
+    """Privacy of the clients' updates (docs/privacy.md).
+
+    ``secure_aggregation`` masks every shared upload so that the server learns only the round's sum
+    (Bonawitz et al., CCS 2017; with ``secure_aggregation_neighbours`` set, the SecAgg+ graph of
+    Bell et al., CCS 2020): each element is clipped to ``secure_aggregation_bound`` and quantized
+    into the ring of 2**32 (``fedpart.common.secagg``)."""
 
     dp: DPConfig = field(default_factory=DPConfig)
+    secure_aggregation: bool = False
+    secure_aggregation_threshold: int | None = None   # shares that rebuild a secret; None: a majority
+                                                      # of the neighbourhood (the client and its neighbours)
+    secure_aggregation_neighbours: int | None = None  # SecAgg+ neighbours per client; None: every other
+                                                      # sampled client (SecAgg)
+    secure_aggregation_bound: float = 1.0             # each uploaded element is clipped to +-bound
 
 
 # Options of each server optimizer with their types (defaults in fedpart.server.optimizers; FedDyn's
