@@ -172,7 +172,7 @@ def run_row(variant: str, codec: str, overrides: list[str], out: Path, timeout: 
     """``fedpart run`` for one variant and codec (bounded wait, stopped by PID), then its numbers."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / f"{out.name}.log"  # beside the run directory: fedpart run wants a new one
-    command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(CONFIG), "--out", str(out)]
+    command = [sys.executable, "-m", "fedpart", "run", str(CONFIG), "--out", str(out)]
     command += [a for o in overrides + row_overrides(variant, codec) for a in ("--set", o)]
     code, wall = run_bounded(command, log_path, timeout, cwd=REPO)
     if code != 0:
@@ -295,8 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.codecs = _names(args.codecs, CODECS, "--codecs", parser)
     args.finetune_epochs = [int(e) for e in args.finetune_epochs.split(",") if e.strip()]
     if args.report:  # refused now rather than after the runs
-        from fedpart.deploy.report.build import require_plotting
-        from fedpart.deploy.report.runs import ReportError
+        from fedpart.report.build import require_plotting
+        from fedpart.report.runs import ReportError
 
         try:
             require_plotting()
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": [asdict(r) for r in results],
         }, indent=1))
     if args.report:
-        from fedpart.deploy.report.build import write_report
+        from fedpart.report.build import write_report
 
         reported = [r for r in results if (Path(r.out) / "config.yaml").is_file()]
         if reported:

@@ -74,7 +74,7 @@ def measure(args: argparse.Namespace, work: Path, algorithm: str, noise: float) 
     config_path.write_text(yaml.safe_dump(run_config(args, algorithm, noise)))
     out = work / f"{algorithm}-z{noise:g}"
     log_path = work / f"{algorithm}-z{noise:g}.log"
-    command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(config_path), "--out", str(out)]
+    command = [sys.executable, "-m", "fedpart", "run", str(config_path), "--out", str(out)]
     code, seconds = run_bounded(command, log_path, args.timeout, cwd=REPO)
     if code != 0:
         return Row(algorithm, noise, seconds, error=failure(code, args.timeout, log_path))

@@ -158,7 +158,7 @@ def run_fedpart(config: dict, devices: list[str], work_dir: Path, name: str) -> 
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     out = work_dir / name
     log = work_dir / f"{name}.log"
-    command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(path), "--out", str(out),
+    command = [sys.executable, "-m", "fedpart", "run", str(path), "--out", str(out),
                "--devices", ",".join(devices)]
     with log.open("w") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)

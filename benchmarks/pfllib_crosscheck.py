@@ -287,7 +287,7 @@ def run_fedpart(algorithm: str, seed: int, setting: Setting, run_dir: Path, time
         return
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = run_dir.parent / f"{run_dir.name}.log"
-    command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(CONFIG), "--out", str(run_dir), "--overwrite"]
+    command = [sys.executable, "-m", "fedpart", "run", str(CONFIG), "--out", str(run_dir), "--overwrite"]
     command += [a for o in fedpart_overrides(algorithm, seed, setting) for a in ("--set", o)]
     code, _ = run_bounded(command, log_path, timeout, cwd=REPO)
     if code != 0:

@@ -59,7 +59,7 @@ import yaml
 
 from fedpart.common.config import apply_overrides
 from fedpart.deploy.launcher import failure, run_bounded
-from fedpart.deploy.report.runs import ReportError, Run, read_run
+from fedpart.report.runs import ReportError, Run, read_run
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ("full", "tiny")
@@ -438,7 +438,7 @@ def run_one(study: Study, cell: Cell, variant: Variant, seed: int, out: Path, se
     config_path = out.parent / f"{out.name}.yaml"
     config_path.write_text(yaml.safe_dump(apply_overrides({}, [_setting(k, v) for k, v in settings.items()]),
                                           sort_keys=False))
-    command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(config_path), "--out", str(out)]
+    command = [sys.executable, "-m", "fedpart", "run", str(config_path), "--out", str(out)]
     log_path = out.parent / f"{out.name}.log"
     code, wall = run_bounded(command, log_path, timeout, cwd=REPO)
     record = Record(study.name, cell.key, variant.label, seed, str(out), command, wall)

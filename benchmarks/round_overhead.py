@@ -366,7 +366,7 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
     config_path.write_text(yaml.safe_dump(fedpart_config(rounds, processes, data_root), sort_keys=False))
     out = work / "run"
     log_path = work / "fedpart.log"
-    command = [sys.executable, "-m", "fedpart.deploy.cli", "run", str(config_path), "--out", str(out)]
+    command = [sys.executable, "-m", "fedpart", "run", str(config_path), "--out", str(out)]
     with log_path.open("w") as log, ForeignCpu() as foreign:
         # Its own process group (to stop it as a whole) but not its own session: with autogroup
         # scheduling a new session would get its own share of the CPU next to other users' load,

@@ -40,7 +40,7 @@ from fedpart.deploy.certs import write_run_credentials
 from fedpart.deploy.relay import RelayThread
 
 REPO = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "fedpart.deploy.cli"]
+CLI = [sys.executable, "-m", "fedpart"]
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 DIRECTIONS = ("down", "up")
 

@@ -67,7 +67,7 @@ def client_processes(config: RunConfig, devices: str | None) -> tuple[list[tuple
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fedpart.deploy.cli", *args]
+    return [sys.executable, "-m", "fedpart", *args]
 
 
 def _pump(stream, sink: queue.Queue) -> None:

@@ -3,5 +3,7 @@
 The package's parts live in folders of the repository mapped into this namespace
 (pyproject.toml): ``fedpart.proto`` (the wire protocol), ``fedpart.common`` (what server and
 client share), ``fedpart.server``, ``fedpart.client``, ``fedpart.api`` (the public plugin surface
-and the loader of exported models) and ``fedpart.deploy`` (the command line, the launcher, reports).
+and the loader of exported models), ``fedpart.deploy`` (the local launcher, the run credentials
+and the fault relay, beside the images, compose files and manifests), ``fedpart.report`` (reports
+over run directories) and ``fedpart.cli`` (the ``fedpart`` command).
 ``python -m fedpart`` is the ``fedpart`` command."""

@@ -2,6 +2,6 @@
 
 import sys
 
-from fedpart.deploy.cli import main
+from fedpart.cli.main import main
 
 sys.exit(main())

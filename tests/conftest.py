@@ -70,7 +70,7 @@ def child_env() -> dict[str, str]:
 
 
 def fedpart_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fedpart.deploy.cli", *args]
+    return [sys.executable, "-m", "fedpart", *args]
 
 
 class Processes:

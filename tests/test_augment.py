@@ -15,7 +15,7 @@ from fedpart.common.config import ConfigError, config_from_dict, load_config
 from fedpart.common.data.augment import PADDING, CropFlip, build_augment, crop_flip
 from fedpart.common.models.zoo import build_model, unit_forward_flops
 from fedpart.common.plans import Phase, TrainPlan
-from fedpart.deploy.cli import resolve_config_path
+from fedpart.cli.main import resolve_config_path
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

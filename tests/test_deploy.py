@@ -19,7 +19,7 @@ import yaml
 
 from fedpart.common.config import load_config
 from fedpart.common.limits import CpuBudget, client_threads
-from fedpart.deploy.cli import build_parser, resolve_config_path
+from fedpart.cli.main import build_parser, resolve_config_path
 from fedpart.common.client_ids import split_clients
 from fedpart.server.health import RUN_SERVICE
 

@@ -371,7 +371,7 @@ import sys
 from concurrent import futures
 from pathlib import Path
 
-from fedpart.deploy.cli import main
+from fedpart.cli.main import main
 
 out, options = Path(sys.argv[1]), sys.argv[2:]
 assert "grpc" not in sys.modules

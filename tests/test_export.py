@@ -20,7 +20,7 @@ from conftest import REPO, WAIT, child_env, fedpart_command, read_summary, run_f
 from fedpart.api import build_algorithm, build_model, load_model, read_export_metadata
 from fedpart.api.exported import EXPORT_FORMAT, write_exported_model
 from fedpart.client.store import ClientStore
-from fedpart.deploy.export import MANIFEST, ExportError, add_export_parser, run_export
+from fedpart.cli.export import MANIFEST, ExportError, add_export_parser, run_export
 
 ROUNDS = 2
 

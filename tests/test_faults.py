@@ -25,7 +25,7 @@ from fedpart.common.client_ids import split_clients
 from fedpart.deploy.relay import FaultPlan, RelayCounts, RelayThread
 
 ROUNDS = 8
-CLI = [sys.executable, "-m", "fedpart.deploy.cli"]
+CLI = [sys.executable, "-m", "fedpart"]
 # What a fault may cost the run, stated: a reset costs the calls on the connection and one
 # reconnection (backoff from 0.5 s); a black hole costs the keepalive bound, 10 + 20 s, first.
 RESET_BOUND_SECONDS = 60.0

@@ -1,7 +1,8 @@
 """The import graph between the project's folders (docs/architecture.md, Layout): every import,
 at module level or inside a function, goes down the layers (proto < common < server, client <
-api < deploy < the package root), server and client never import each other, and no two modules import each other
-through any chain (no cycle)."""
+api < deploy, report < cli < the package root), two folders of one layer never import each other
+(server and client, deploy and report), and no two modules import each other through any chain
+(no cycle)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # each folder's layer: a module imports its own folder and lower layers (api, the public plugin
-# surface, re-exports what plugins need; the command line in deploy may use it)
-FOLDERS = {"proto": 0, "common": 1, "server": 2, "client": 2, "api": 3, "deploy": 4, "fedpart": 5}
+# surface, re-exports what plugins need; deploy starts processes and writes credentials, report
+# reads run directories; the command line in cli drives them all)
+FOLDERS = {"proto": 0, "common": 1, "server": 2, "client": 2, "api": 3, "deploy": 4, "report": 4, "cli": 5,
+           "fedpart": 6}
 PACKAGE = "fedpart"
 
 

@@ -71,7 +71,7 @@ def _run(processes, tmp_path: Path, name: str, config: Path, server_ip: str, wra
     secrets = tmp_path / f"{name}-secrets"
     write_run_credentials(secrets, [server_ip], clients=4, processes=2)
     out = tmp_path / name
-    cli = [sys.executable, "-m", "fedpart.deploy.cli"]
+    cli = [sys.executable, "-m", "fedpart"]
     server = processes.start(wrap_server(cli + [
         "server", str(config), "--address", f"{server_ip}:0", "--out", str(out),
         "--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),

@@ -110,7 +110,7 @@ def test_the_first_signal_stops_in_order_and_later_ones_wait_for_it() -> None:
 def test_help_imports_neither_torch_nor_grpc() -> None:
     script = """
 import sys
-from fedpart.deploy.cli import main
+from fedpart.cli.main import main
 for argv in (["--help"], ["server", "--help"], ["client", "--help"], ["run", "--help"], ["certs", "--help"],
              ["report", "--help"], ["compare", "--help"]):
     try:

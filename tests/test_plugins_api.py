@@ -15,7 +15,7 @@ import pytest
 
 import fedpart.api
 from conftest import WAIT, child_env, read_summary, run_fedpart, small_config
-from fedpart.deploy.export import MANIFEST
+from fedpart.cli.export import MANIFEST
 
 FEATURES, CLASSES, HIDDEN = 6, 3, 12
 
@@ -104,7 +104,7 @@ def test_an_external_plugin_package_runs_through_fedpart_run(tmp_path: Path, mon
     assert len(list(marks.iterdir())) >= client_processes  # every client process trained with the plugin loss
 
     exported = tmp_path / "exported"  # and the exported model comes back through the plugin's import path
-    completed = subprocess.run([sys.executable, "-m", "fedpart.deploy.cli", "export", str(out), "--out", str(exported)],
+    completed = subprocess.run([sys.executable, "-m", "fedpart", "export", str(out), "--out", str(exported)],
                                capture_output=True, text=True, timeout=WAIT, env=child_env())
     assert completed.returncode == 0, completed.stderr
     first = json.loads((exported / MANIFEST).read_text())["clients"][0]["file"]

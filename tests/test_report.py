@@ -19,11 +19,11 @@ import yaml
 
 from conftest import WAIT, child_env, fedpart_command, read_metrics, read_summary, run_fedpart, \
     small_config, start_server, write_config
-from fedpart.deploy import cli
-from fedpart.deploy.compare import parse_seeds, plan_runs, split_overrides
-from fedpart.deploy.report.link import (ClientRound, Link, cumulative_seconds, default_target, parse_duration,
+from fedpart.cli import main as cli
+from fedpart.cli.compare import parse_seeds, plan_runs, split_overrides
+from fedpart.report.link import (ClientRound, Link, cumulative_seconds, default_target, parse_duration,
                                         parse_rate, round_time, round_times, time_to_accuracy)
-from fedpart.deploy.report.runs import read_runs
+from fedpart.report.runs import read_runs
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -31,8 +31,8 @@ from fedpart.client.session import Backoff
 from fedpart.common.config import ConfigError, config_from_dict
 from fedpart.common.plans import HostedClient, JoinInfo, ResultInfo, TaskKind
 from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.deploy.cli import build_parser, resume_config
-from fedpart.deploy.cli import main as cli_main
+from fedpart.cli.main import build_parser, resume_config
+from fedpart.cli.main import main as cli_main
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.aggregation import WeightedMean
 from fedpart.server.report import RunDirectory

@@ -8,9 +8,9 @@ import html
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fedpart.deploy.report.link import Link
-from fedpart.deploy.report.runs import Run
-from fedpart.deploy.report.tables import cells, columns, readable_rows
+from fedpart.report.link import Link
+from fedpart.report.runs import Run
+from fedpart.report.tables import cells, columns, readable_rows
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 2rem auto;

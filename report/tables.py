@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fedpart.deploy.report.link import (Link, cumulative_seconds, round_times, time_to_accuracy,
+from fedpart.report.link import (Link, cumulative_seconds, round_times, time_to_accuracy,
                                         uses_logical_bytes)
-from fedpart.deploy.report.runs import SEED_SOURCES, Run, group_runs, round_bytes
+from fedpart.report.runs import SEED_SOURCES, Run, group_runs, round_bytes
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 # Nothing heavy at import time (console is standard library only): ``fedpart --help`` and
 # ``fedpart CMD --help`` load neither torch nor grpc; each command imports what it needs when it runs.
 from fedpart.common.console import PROGRESS_MODES
-from fedpart.deploy.export import add_export_parser
+from fedpart.cli.export import add_export_parser
 
 if TYPE_CHECKING:
     from fedpart.common.config import RunConfig
@@ -206,7 +206,7 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def _link(args: argparse.Namespace):
-    from fedpart.deploy.report.link import Link
+    from fedpart.report.link import Link
 
     return Link.from_options(args.link, args.uplink, args.downlink, args.rtt, args.server_link, args.round_trips)
 
@@ -251,7 +251,7 @@ def _algorithms(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from fedpart.deploy.report.build import write_report
+    from fedpart.report.build import write_report
 
     report = write_report(args.run_dirs, args.out, _link(args), args.target, args.overwrite)
     print(f"wrote {report.page} ({len(report.figures)} figures, table.csv, table.md, rounds.csv)")
@@ -262,7 +262,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from fedpart.common.config import load_config
-    from fedpart.deploy.compare import compare, parse_algorithms, parse_seeds
+    from fedpart.cli.compare import compare, parse_algorithms, parse_seeds
 
     path = resolve_config_path(args.config)
     algorithms = parse_algorithms(args.algorithms)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedpart.common.config import ConfigError, RunConfig, load_config
-from fedpart.deploy.report.link import Link
-from fedpart.deploy.report.runs import ReportError
+from fedpart.report.link import Link
+from fedpart.report.runs import ReportError
 
 REPORT_DIR = "report"
 
@@ -133,7 +133,7 @@ def compare(config_path: Path, algorithms: list[str], sets: list[str], out: Path
     """Run every algorithm (once per seed with ``seeds``), then write the report; 0 only when
     every run succeeded."""
     from fedpart.deploy.launcher import run_local
-    from fedpart.deploy.report.build import require_plotting, write_report
+    from fedpart.report.build import require_plotting, write_report
 
     require_plotting()
     planned = plan_runs(config_path, algorithms, sets, out, seeds, vary_partition)

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedpart.deploy.report.link import Link, default_target, process_bytes, uses_logical_bytes
-from fedpart.deploy.report.runs import ReportError, Run, read_runs
-from fedpart.deploy.report.tables import rounds_csv, table_rows, to_csv, to_markdown
+from fedpart.report.link import Link, default_target, process_bytes, uses_logical_bytes
+from fedpart.report.runs import ReportError, Run, read_runs
+from fedpart.report.tables import rounds_csv, table_rows, to_csv, to_markdown
 
 PAGE = "index.html"
 TABLES = ("table.csv", "table.md", "rounds.csv")
@@ -31,7 +31,7 @@ def prepare_out_dir(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ReportError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
-        from fedpart.deploy.report.figures import FIGURE_NAMES
+        from fedpart.report.figures import FIGURE_NAMES
 
         if not overwrite:
             raise ReportError(f"--out {out}: exists and is not empty; give --overwrite to replace the report in it")
@@ -99,8 +99,8 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path, link: Link | N
     out = Path(out)
     prepare_out_dir(out, overwrite)
 
-    from fedpart.deploy.report.figures import all_plots
-    from fedpart.deploy.report.page import render
+    from fedpart.report.figures import all_plots
+    from fedpart.report.page import render
 
     target_given = target is not None
     if target is None and link is not None:

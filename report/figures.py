@@ -2,7 +2,7 @@
 
 Each figure is drawn from the runs' plain records; a figure that no run has data for is not drawn
 and says why (:class:`Plot` with ``figure`` None), and a run missing from a figure is named in the
-page's notes (:func:`fedpart.deploy.report.runs.read_run`). Runs that differ only in their seeds
+page's notes (:func:`fedpart.report.runs.read_run`). Runs that differ only in their seeds
 form a group (:attr:`Run.group`): a group of several runs is drawn as its mean per round with a band
 of one standard deviation, a group of one run as that run. Rounds that folded fewer clients than
 sampled (in any run of a group) are marked with a red x on every per-round curve. Bytes are logical
@@ -20,8 +20,8 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, PercentFormatter
 
-from fedpart.deploy.report.link import Link, cumulative_seconds, round_times, uses_logical_bytes
-from fedpart.deploy.report.runs import Run, group_runs, round_bytes, round_bytes_by_part
+from fedpart.report.link import Link, cumulative_seconds, round_times, uses_logical_bytes
+from fedpart.report.runs import Run, group_runs, round_bytes, round_bytes_by_part
 
 WIDTH = 11.0       # inches; at DPI this is the page's figure width in pixels
 PANEL_HEIGHT = 3.4
