@@ -41,6 +41,7 @@ from fedpart.common.console import RunProgress
 from fedpart.common.experiment import build_run_model, run_algorithm
 from fedpart.common.plans import EvalPlan, JoinInfo, ResultInfo, RunOutcome, TaskKind, TrainPlan
 from fedpart.common.protocol import Rejected
+from fedpart.common.records import RoundRecord
 from fedpart.common.security import Principal
 from fedpart.common.split_model import SplitModel, tensor_part
 from fedpart.common.wire import TensorSpec, named_specs
@@ -315,7 +316,8 @@ class Coordinator:
 
     def _round_record(self, round_number: int, sampled: list[int], completed: list[int],
                       results: RoundResults, processes: Mapping[int, str], seconds: float) -> dict:
-        """The round's line of metrics.jsonl; ``processes`` names the process each client's task went to."""
+        """The round's line of metrics.jsonl (:class:`~fedpart.common.records.RoundRecord`, as
+        JSON); ``processes`` names the process each client's task went to."""
         metrics = results.metrics
         samples = results.samples
         total = sum(samples.values())
@@ -333,35 +335,33 @@ class Coordinator:
         for c in completed:
             if "gpu_peak_bytes" in metrics[c]:
                 gpu_peak[processes[c]] = max(gpu_peak.get(processes[c], 0), int(metrics[c]["gpu_peak_bytes"]))
-        record = {
-            "round": round_number,
-            "sampled": sampled,
-            "completed": completed,
-            "train_loss": weighted("loss"),
-            "lr": learning_rate(self.config.train.lr, round_number - 1, self.config.rounds,
-                                self.config.train.lr_milestones, self.config.train.lr_gamma),
-            "seconds": round(seconds, 4),
-            "train_samples": total,
-            "client_compute_seconds": summed("compute_seconds"),
-            "trainable_parameters": weighted("trainable_parameters"),
-            "train_flops": summed("train_flops"),
-            "bytes_down": totals["down"],
-            "bytes_up": totals["up"],
-            "bytes_by_part": self.ledger.by_part(round_number),
-            "logical": self.ledger.logical(round_number),
-            "bytes_by_unit": self.ledger.by_unit(round_number),
-            "clients": {str(c): {**self.ledger.totals(round_number, c),
-                                 **{f"logical_{d}": n for d, n in self.ledger.logical_totals(round_number, c).items()},
-                                 "compute_seconds": metrics.get(c, {}).get("compute_seconds")} for c in sampled},
-            "robust": results.robust.as_dict(),
-            "delivery": self.board.delivery_counts(round_number).as_dict(),
-            "server_step": self.aggregation.step_report(),
-        }
-        if gpu_peak:
-            record["gpu_peak_bytes"] = gpu_peak
-        if self.aggregation.privacy is not None:
-            record["privacy"] = self.aggregation.privacy.round_record(round_number)
-        return record
+        privacy = self.aggregation.privacy
+        return RoundRecord(
+            round=round_number,
+            sampled=sampled,
+            completed=completed,
+            train_loss=weighted("loss"),
+            lr=learning_rate(self.config.train.lr, round_number - 1, self.config.rounds,
+                             self.config.train.lr_milestones, self.config.train.lr_gamma),
+            seconds=round(seconds, 4),
+            train_samples=total,
+            client_compute_seconds=summed("compute_seconds"),
+            trainable_parameters=weighted("trainable_parameters"),
+            train_flops=summed("train_flops"),
+            bytes_down=totals["down"],
+            bytes_up=totals["up"],
+            bytes_by_part=self.ledger.by_part(round_number),
+            logical=self.ledger.logical(round_number),
+            bytes_by_unit=self.ledger.by_unit(round_number),
+            clients={str(c): {**self.ledger.totals(round_number, c),
+                              **{f"logical_{d}": n for d, n in self.ledger.logical_totals(round_number, c).items()},
+                              "compute_seconds": metrics.get(c, {}).get("compute_seconds")} for c in sampled},
+            robust=results.robust.as_dict(),
+            delivery=self.board.delivery_counts(round_number).as_dict(),
+            server_step=self.aggregation.step_report(),
+            gpu_peak_bytes=gpu_peak or None,
+            privacy=privacy.round_record(round_number) if privacy is not None else None,
+        ).to_json()
 
     def evaluate_all(self) -> dict[int, dict[str, float]]:
         """Every client evaluates and personalises the final model on its own data.
