@@ -10,9 +10,12 @@ names and gives a deprecation period when one changes. ``docs/plugins.md`` docum
 - **model** (``model.name: package.module:function``): ``function(num_classes=...,
   input_shape=..., **model.options)`` returns a :class:`SplitModel`.
 - **loss** (``train.loss: package.module:function``): ``function()`` returns a :data:`LossFn`.
-- **algorithm**, **objective term**, **step rule**, **server optimizer**, **codec**: the types
-  below describe them; they are chosen by name from fedpart's own registries, which a run config
-  cannot extend yet (``docs/plugins.md`` says what exists).
+- **codec**, **server optimizer** (``compression.up.codec``, ``server_optimizer.name``: a name or
+  ``package.module:name``): a :class:`Component` with its :class:`Option` s, building a
+  :class:`Codec` or a :class:`ServerOptimizer` (docs/components.md lists the built-in ones).
+- **algorithm**, **objective term**, **step rule**: the types below describe them; they are
+  chosen by name from fedpart's own registries, which a run config cannot extend yet
+  (``docs/plugins.md`` says what exists).
 - :func:`load_model` rebuilds a model ``fedpart export`` wrote, in plain PyTorch.
 """
 
@@ -44,15 +47,17 @@ from fedpart.common.objectives import (
     TERMS,
     ObjectiveContext,
     ObjectiveSpec,
-    Options,
     StepRule,
     Term,
 )
 from fedpart.common.plans import Phase
+from fedpart.common.registry import CODECS, Component, Option, OptionError, Options, Registry
 from fedpart.common.split_model import HEAD, ModelOutput, SplitModel
 from fedpart.server.optimizers import OPTIMIZERS, RoundDelta, ServerOptimizer, StatefulOptimizer, apply_deltas
 
 __all__ = [
+    # the registries of components and their options
+    "Component", "Option", "Options", "OptionError", "Registry", "CODECS",
     # datasets
     "ArrayDataset", "ClientSplit", "DATASET_NAMES", "load_dataset", "make_partition",
     # models
@@ -64,7 +69,7 @@ __all__ = [
     "train_everything", "train_body", "gradual_unfreeze", "expand_layers", "head_then_body", "all_then_head",
     "with_parts",
     # objective terms and step rules
-    "Term", "StepRule", "ObjectiveContext", "ObjectiveSpec", "Options", "TERMS", "STEP_RULES",
+    "Term", "StepRule", "ObjectiveContext", "ObjectiveSpec", "TERMS", "STEP_RULES",
     # server optimizers
     "ServerOptimizer", "StatefulOptimizer", "RoundDelta", "apply_deltas", "OPTIMIZERS",
     # codecs

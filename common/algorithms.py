@@ -21,8 +21,9 @@ from typing import Any
 
 from torch import nn
 
-from fedpart.common.objectives import ObjectiveSpec, Options, checked
+from fedpart.common.objectives import ObjectiveSpec, checked
 from fedpart.common.plans import Phase
+from fedpart.common.registry import Options
 from fedpart.common.split_model import HEAD, SplitModel, tensor_part, tensor_unit
 
 

@@ -1,8 +1,9 @@
 """Codecs: how a floating-point tensor is encoded for the wire and decoded on arrival.
 
 A codec turns a tensor into a flat little-endian byte payload plus the :class:`Encoded` fields a
-``TensorSpec`` carries (``encoding``, ``kept``, ``bucket``); the spec's dtype and shape always
-describe the decoded tensor. The payload size follows from the spec alone
+``TensorSpec`` carries: ``encoding`` (the codec's name) and ``codec_args``, the integer arguments
+the codec declares in ``wire_args`` (qsgd's ``bucket``, topk's ``kept``); the spec's dtype and
+shape always describe the decoded tensor. The payload size follows from the spec alone
 (:func:`payload_nbytes`), so a receiver bounds and checks it before reading a byte, and
 :func:`decode` validates every field of the payload (index range and order, level range, finite
 scales) before it writes the decoded tensor. Raw tensors (encoding ``""``) never come here.
@@ -14,6 +15,10 @@ scales) before it writes the decoded tensor. Raw tensors (encoding ``""``) never
 - ``topk``: the largest-magnitude fraction (or count) of the elements as sorted (index, value)
   pairs, used with error feedback (:func:`encode_with_feedback`; Stich et al., "Sparsified SGD
   with memory", NeurIPS 2018).
+
+Codecs are components of :data:`fedpart.common.registry.CODECS`: a new codec, with options and
+wire arguments of its own, is one module that registers a :class:`~fedpart.common.registry.Component`
+(or one that a run config names by ``package.module:name``); no proto change.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import hashlib
 import math
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
 import torch
 
+from fedpart.common.registry import CODECS, Option
 from fedpart.proto import fedpart_pb2 as pb
 
 DEFAULT_BUCKET = 1024  # elements per qsgd scale: 4 bytes of scale per 1,024 elements (0.4% at 8 bits)
@@ -45,25 +51,27 @@ class Encoded:
 
     encoding: str
     payload: torch.Tensor
-    kept: int = 0
-    bucket: int = 0
+    args: Mapping[str, int] = field(default_factory=dict)  # the codec's wire arguments
 
     def fill(self, spec: pb.TensorSpec) -> pb.TensorSpec:
         """Write the encoding fields into ``spec`` (which describes the decoded tensor)."""
-        spec.encoding, spec.kept, spec.bucket = self.encoding, self.kept, self.bucket
+        spec.encoding = self.encoding
+        spec.codec_args.update(self.args)
         return spec
 
 
 class Codec(Protocol):
     """Encodes floating-point tensors; decodes payloads of its encoding."""
 
-    name: str
+    name: str             # the encoding on the wire: the codec's component name
     sparse: bool          # drops elements: applies to deltas only (a value would lose them)
     error_feedback: bool  # keep what was not sent and add it to the next delta
+    wire_args: ClassVar[tuple[str, ...]]  # the integer arguments its payloads carry (0 when absent)
 
     def encode(self, tensor: torch.Tensor, generator: torch.Generator) -> Encoded: ...
 
-    def payload_nbytes(self, dtype: torch.dtype, numel: int, kept: int, bucket: int) -> int: ...
+    def payload_nbytes(self, dtype: torch.dtype, numel: int, args: Mapping[str, int]) -> int:
+        """The exact payload size; ``args`` holds every name of ``wire_args``."""
 
     def decode(self, encoded: Encoded, out: torch.Tensor) -> None: ...
 
@@ -86,16 +94,12 @@ def _from_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return data.view(dtype)
 
 
-def _expect_no(field: str, value: int, codec: str) -> None:
-    if value:
-        raise CodecError(f"{field} {value} does not apply to encoding {codec!r}")
-
-
 class Cast:
     """The tensor cast to a narrower float type."""
 
     sparse = False
     error_feedback = False
+    wire_args = ()
 
     def __init__(self, name: str, dtype: torch.dtype) -> None:
         self.name = name
@@ -104,9 +108,7 @@ class Cast:
     def encode(self, tensor: torch.Tensor, generator: torch.Generator) -> Encoded:
         return Encoded(self.name, _to_bytes(tensor.detach().to(self.dtype)))
 
-    def payload_nbytes(self, dtype: torch.dtype, numel: int, kept: int, bucket: int) -> int:
-        _expect_no("kept", kept, self.name)
-        _expect_no("bucket", bucket, self.name)
+    def payload_nbytes(self, dtype: torch.dtype, numel: int, args: Mapping[str, int]) -> int:
         return numel * self.dtype.itemsize
 
     def decode(self, encoded: Encoded, out: torch.Tensor) -> None:
@@ -122,6 +124,7 @@ class Qsgd:
 
     sparse = False
     error_feedback = False
+    wire_args = ("bucket",)
 
     def __init__(self, bits: int, bucket: int = DEFAULT_BUCKET) -> None:
         self.name = f"qsgd{bits}"
@@ -132,8 +135,8 @@ class Qsgd:
     def _level_bytes(self, numel: int) -> int:
         return numel if self.bits == 8 else (numel + 1) // 2
 
-    def payload_nbytes(self, dtype: torch.dtype, numel: int, kept: int, bucket: int) -> int:
-        _expect_no("kept", kept, self.name)
+    def payload_nbytes(self, dtype: torch.dtype, numel: int, args: Mapping[str, int]) -> int:
+        bucket = args["bucket"]
         if bucket < 1:
             raise CodecError(f"encoding {self.name!r} needs a bucket of at least 1 element, got {bucket}")
         return 4 * -(-numel // bucket) + self._level_bytes(numel)
@@ -159,10 +162,10 @@ class Qsgd:
         else:
             codes = levels.view(torch.uint8)
         payload = torch.cat([_to_bytes(scales), codes])
-        return Encoded(self.name, payload, bucket=bucket)
+        return Encoded(self.name, payload, {"bucket": bucket})
 
     def decode(self, encoded: Encoded, out: torch.Tensor) -> None:
-        numel, bucket = out.numel(), encoded.bucket
+        numel, bucket = out.numel(), encoded.args["bucket"]
         buckets = -(-numel // bucket)
         scales = _from_bytes(encoded.payload[:4 * buckets], torch.float32)
         if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
@@ -197,14 +200,15 @@ class TopK:
 
     name = "topk"
     sparse = True
+    wire_args = ("kept",)
 
     def __init__(self, fraction: float | None = None, count: int | None = None, error_feedback: bool = True) -> None:
         self.fraction = fraction
         self.count = count
         self.error_feedback = error_feedback
 
-    def payload_nbytes(self, dtype: torch.dtype, numel: int, kept: int, bucket: int) -> int:
-        _expect_no("bucket", bucket, self.name)
+    def payload_nbytes(self, dtype: torch.dtype, numel: int, args: Mapping[str, int]) -> int:
+        kept = args["kept"]
         _check_indexable(numel)
         if kept > numel:
             raise CodecError(f"encoding 'topk' keeps {kept} elements of a tensor of {numel}")
@@ -221,10 +225,10 @@ class TopK:
         kept = self.kept_of(flat.numel())
         indices = flat.abs().topk(kept, sorted=False).indices.sort().values
         payload = torch.cat([_to_bytes(indices.to(torch.int32)), _to_bytes(flat[indices])])
-        return Encoded(self.name, payload, kept=kept)
+        return Encoded(self.name, payload, {"kept": kept})
 
     def decode(self, encoded: Encoded, out: torch.Tensor) -> None:
-        kept = encoded.kept
+        kept = encoded.args["kept"]
         indices = _from_bytes(encoded.payload[:4 * kept], torch.int32)
         values = _from_bytes(encoded.payload[4 * kept:], out.dtype)
         if kept and (int(indices[0]) < 0 or int(indices[-1]) >= out.numel()
@@ -234,51 +238,79 @@ class TopK:
         out.view(-1)[indices.to(torch.int64)] = values
 
 
-# Decoders by encoding name; options only matter when encoding (the spec carries kept / bucket).
-_DECODERS: dict[str, Codec] = {
-    "float16": Cast("float16", torch.float16),
-    "bfloat16": Cast("bfloat16", torch.bfloat16),
-    "qsgd8": Qsgd(8),
-    "qsgd4": Qsgd(4),
-    "topk": TopK(),
-}
+def _topk_check(options: Mapping[str, Any]) -> str | None:
+    if (options["fraction"] is None) == (options["count"] is None):
+        return "topk needs exactly one of fraction or count"
+    return None
+
+
+CODECS.register("none", "Tensors travel raw, in their own dtype.")(lambda: None)
+CODECS.register("float16", "Cast to IEEE half precision: 2 bytes an element.")(
+    lambda: Cast("float16", torch.float16))
+CODECS.register("bfloat16", "Cast to bfloat16 (float32's range, 8 bits of mantissa): 2 bytes an element.")(
+    lambda: Cast("bfloat16", torch.bfloat16))
+_BUCKET = Option("bucket", int, "elements that share one float32 scale", lambda v: v >= 1, "must be at least 1",
+                 DEFAULT_BUCKET)
+CODECS.register("qsgd8", "Unbiased stochastic quantization to 8-bit levels, one scale per bucket.", _BUCKET)(
+    lambda bucket: Qsgd(8, bucket))
+CODECS.register("qsgd4", "Unbiased stochastic quantization to 4-bit levels (two a byte), one scale per bucket.",
+                _BUCKET)(lambda bucket: Qsgd(4, bucket))
+CODECS.register(
+    "topk", "The largest-magnitude elements as (index, value) pairs, exactly one of fraction or count; uploads only.",
+    Option("fraction", float, "share of the elements sent", lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    Option("count", int, "number of elements sent", lambda v: v >= 1, "must be at least 1"),
+    Option("error_feedback", bool, "keep what was not sent and add it to the next delta"),
+    check=_topk_check)(TopK)
 
 
 def build_codec(name: str, options: Mapping[str, Any]) -> Codec | None:
     """The codec a (validated) ``compression.up`` / ``compression.down`` section names; None for
     ``none``."""
-    if name == "none":
-        return None
-    if name in ("float16", "bfloat16"):
-        return _DECODERS[name]
-    if name in ("qsgd8", "qsgd4"):
-        return Qsgd(int(name[4:]), **options)
-    return TopK(**options)
+    return CODECS.build(name, options)
+
+
+_DECODERS: dict[str, Codec] = {}
+
+
+def _decoder_of(encoding: str) -> Codec | None:
+    """The decoder of a registered encoding, built with its defaults (options only matter when
+    encoding: a payload's spec carries its wire arguments); None when unknown."""
+    if encoding not in _DECODERS:
+        codec = CODECS[encoding]() if encoding in CODECS else None
+        if codec is None:
+            return None
+        _DECODERS[encoding] = codec
+    return _DECODERS[encoding]
 
 
 def _decoder(encoding: str, dtype: torch.dtype) -> Codec:
-    codec = _DECODERS.get(encoding)
+    codec = _decoder_of(encoding)
     if codec is None:
-        raise CodecError(f"unknown encoding {encoding!r}; known: {sorted(_DECODERS)}")
+        raise CodecError(f"unknown encoding {encoding!r}; known: {sorted(n for n in CODECS if n != 'none')}")
     if dtype not in _FLOATS:
         raise CodecError(f"encoding {encoding!r} applies to floating-point tensors, not {dtype}")
     return codec
 
 
-def payload_nbytes(encoding: str, dtype: torch.dtype, numel: int, kept: int, bucket: int) -> int:
-    """Exact payload size of a tensor of ``numel`` elements of ``dtype`` under ``encoding``
-    with the spec's ``kept`` / ``bucket``; raises CodecError for fields that cannot be right."""
-    return _decoder(encoding, dtype).payload_nbytes(dtype, numel, kept, bucket)
+def payload_nbytes(encoding: str, dtype: torch.dtype, numel: int, args: Mapping[str, int]) -> int:
+    """Exact payload size of a tensor of ``numel`` elements of ``dtype`` under ``encoding`` with
+    the spec's ``codec_args``; raises CodecError for arguments that cannot be right."""
+    codec = _decoder(encoding, dtype)
+    for name, value in sorted(args.items()):
+        if name not in codec.wire_args and value:
+            raise CodecError(f"{name} {value} does not apply to encoding {encoding!r}")
+    return codec.payload_nbytes(dtype, numel, {name: args.get(name, 0) for name in codec.wire_args})
 
 
 def decode(encoded: Encoded, out: torch.Tensor) -> torch.Tensor:
     """Decode ``encoded`` into ``out`` (contiguous, of the decoded dtype and shape) after checking
     the payload size and every field; returns ``out``. Raises CodecError."""
-    expected = payload_nbytes(encoded.encoding, out.dtype, out.numel(), encoded.kept, encoded.bucket)
+    expected = payload_nbytes(encoded.encoding, out.dtype, out.numel(), encoded.args)
     if encoded.payload.numel() != expected:
         raise CodecError(f"encoding {encoded.encoding!r}: payload of {encoded.payload.numel()} bytes, "
                          f"expected {expected}")
-    _DECODERS[encoded.encoding].decode(encoded, out)
+    complete = {name: encoded.args.get(name, 0) for name in _decoder_of(encoded.encoding).wire_args}
+    _decoder_of(encoded.encoding).decode(Encoded(encoded.encoding, encoded.payload, complete), out)
     return out
 
 

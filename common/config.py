@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from fedpart.common.registry import CODECS, OptionError, Registry, coerce
+
 # The registries the checks below read (algorithms, objectives, augmentations: torch) are imported
 # when a config is validated, not with this module: ``fedpart --help`` loads no torch.
 
@@ -288,17 +290,6 @@ _MOVED = {"train.server_lr": "server_optimizer.lr"}
 _OFF_STRINGS = {"train.amp"}
 AMP_MODES = ("off", "bf16", "fp16")
 
-# Options of each codec with their types (defaults in fedpart.common.codecs).
-CODEC_OPTIONS: dict[str, dict[str, type]] = {
-    "none": {},
-    "float16": {},
-    "bfloat16": {},
-    "qsgd8": {"bucket": int},
-    "qsgd4": {"bucket": int},
-    "topk": {"fraction": float, "count": int, "error_feedback": bool},
-}
-
-
 @dataclass
 class RunConfig:
     name: str = "run"
@@ -380,28 +371,10 @@ def _check_type(value: Any, annotation: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return dict(value)
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if annotation is float:
-        if isinstance(value, str):  # YAML 1.1 reads exponents without a dot (1e-3) as strings
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{key}: unsupported setting type {annotation}")
+    try:
+        return coerce(value, annotation, key)
+    except OptionError as error:
+        raise ConfigError(str(error)) from error
 
 
 def _build(cls: type, raw: Any, prefix: str):
@@ -646,27 +619,20 @@ def _check_server_optimizer(config: RunConfig) -> None:
 
 def _check_codec(section: CodecConfig, key: str) -> None:
     """Validate (and type) one direction's codec and options; raises ConfigError naming the key."""
-    if section.codec not in CODEC_OPTIONS:
-        raise ConfigError(f"{key}.codec: unknown codec {section.codec!r}; known: {', '.join(CODEC_OPTIONS)}")
-    known = CODEC_OPTIONS[section.codec]
-    for option, value in section.options.items():
-        if option not in known:
-            raise ConfigError(f"{key}.{option}: not an option of codec {section.codec!r}; "
-                              f"known: {sorted(known) or 'none'}")
-        section.options[option] = _check_type(value, known[option], f"{key}.{option}")
-    options = section.options
-    if options.get("bucket", 1) < 1:
-        raise ConfigError(f"{key}.bucket must be at least 1")
-    if section.codec == "topk":
-        if key.endswith("down"):
-            raise ConfigError(f"{key}.codec: topk is not supported for downloads (the global model is not sparse); "
-                              "use float16, bfloat16, qsgd8 or qsgd4")
-        if ("fraction" in options) == ("count" in options):
-            raise ConfigError(f"{key}: topk needs exactly one of fraction or count")
-        if not 0 < options.get("fraction", 1) <= 1:
-            raise ConfigError(f"{key}.fraction must be in (0, 1]")
-        if options.get("count", 1) < 1:
-            raise ConfigError(f"{key}.count must be at least 1")
+    section.options = _read_component(CODECS, section.codec, section.options, f"{key}.", f"{key}.codec")
+    if key.endswith("down") and getattr(CODECS.build(section.codec, section.options), "sparse", False):
+        raise ConfigError(f"{key}.codec: {section.codec} is not supported for downloads (the global model is not "
+                          "sparse); use a codec that sends every element, such as float16 or qsgd8")
+
+
+def _read_component(registry: Registry, name: str, options: dict[str, Any], prefix: str,
+                    setting: str) -> dict[str, Any]:
+    """The typed options of the component ``name`` of ``registry`` (see
+    :meth:`~fedpart.common.registry.Registry.read`), errors as ConfigError."""
+    try:
+        return registry.read(name, options, prefix, setting)
+    except OptionError as error:
+        raise ConfigError(str(error)) from error
 
 
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:

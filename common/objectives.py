@@ -29,43 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedpart.common.registry import Options
 from fedpart.common.split_model import ModelOutput, SplitModel
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Gradients = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, y) -> loss, grads in .grad
-
-
-class Options:
-    """Reads component options, rejecting unknown ones and wrong types with the setting's name."""
-
-    def __init__(self, prefix: str, name: str, options: Mapping[str, Any]) -> None:
-        self.prefix = prefix
-        self.name = name
-        self.remaining = dict(options)
-
-    def get(self, key: str, default: Any, kind: type = float) -> Any:
-        value = self.remaining.pop(key, default)
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
-            raise ValueError(f"{self.prefix}{key} for {self.name} must be {kind.__name__}, got {value!r}")
-        return value
-
-    def non_negative(self, key: str, default: float) -> float:
-        value = self.get(key, default)
-        if not value >= 0:
-            raise ValueError(f"{self.prefix}{key} for {self.name} must be >= 0, got {value!r}")
-        return value
-
-    def positive(self, key: str, default: float) -> float:
-        value = self.get(key, default)
-        if not value > 0:
-            raise ValueError(f"{self.prefix}{key} for {self.name} must be > 0, got {value!r}")
-        return value
-
-    def done(self) -> None:
-        if self.remaining:
-            raise ValueError(f"unknown option(s) {sorted(self.remaining)} for {self.name}")
 
 
 @dataclass

@@ -81,12 +81,12 @@ def spec_nbytes(spec: pb.TensorSpec) -> int:
     """Number of bytes that follow ``spec`` on the wire: the raw tensor's, or its encoded payload's."""
     nbytes = decoded_nbytes(spec)
     if not spec.encoding:
-        if spec.kept or spec.bucket:
-            raise WireError(f"tensor {spec.name!r}: kept / bucket given without an encoding")
+        if spec.codec_args:
+            raise WireError(f"tensor {spec.name!r}: codec_args {sorted(spec.codec_args)} given without an encoding")
         return nbytes
     dtype = DTYPES[spec.dtype]
     try:
-        return payload_nbytes(spec.encoding, dtype, nbytes // dtype.itemsize, spec.kept, spec.bucket)
+        return payload_nbytes(spec.encoding, dtype, nbytes // dtype.itemsize, spec.codec_args)
     except CodecError as error:
         raise WireError(f"tensor {spec.name!r}: {error}") from error
 
@@ -430,7 +430,7 @@ class TensorAssembler:
         payload = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
         out = target if target is not None else torch.empty(tuple(spec.shape), dtype=DTYPES[spec.dtype])
         try:
-            return decode(Encoded(spec.encoding, payload, spec.kept, spec.bucket), out)
+            return decode(Encoded(spec.encoding, payload, dict(spec.codec_args)), out)
         except CodecError as error:
             raise WireError(f"tensor {spec.name!r}: {error}") from error
 

@@ -10,6 +10,7 @@ import struct
 import pytest
 import torch
 
+from conftest import FIXTURES, small_config
 from fedpart.client.store import ClientStore
 from fedpart.common.codecs import (
     CodecError,
@@ -21,6 +22,7 @@ from fedpart.common.codecs import (
     encode_with_feedback,
     seeded_generator,
 )
+from fedpart.common.config import ConfigError, config_from_dict
 from fedpart.common.wire import (
     TensorAssembler,
     WireError,
@@ -57,7 +59,7 @@ def test_qsgd8_hand_computed_levels_and_layout() -> None:
     x = torch.tensor([2.0, 0.0, -2.0])
     encoded = build_codec("qsgd8", {"bucket": 4}).encode(x, seeded_generator(0))
     assert bytes(encoded.payload.numpy()) == struct.pack("<f", 2.0) + bytes([127, 0, 256 - 127])
-    assert (encoded.encoding, encoded.bucket, encoded.kept) == ("qsgd8", 3, 0)  # no bucket beyond the tensor
+    assert (encoded.encoding, encoded.args) == ("qsgd8", {"bucket": 3})  # no bucket beyond the tensor
     assert torch.equal(_decoded(encoded, x), x)
 
 
@@ -92,7 +94,7 @@ def test_qsgd_is_unbiased_and_deterministic_per_seed(name: str, levels: int) -> 
 def test_topk_sends_sorted_indices_then_values() -> None:
     x = torch.tensor([0.1, -3.0, 2.0, 0.5])
     encoded = TopK(count=2).encode(x, seeded_generator(0))
-    assert encoded.kept == 2
+    assert encoded.args == {"kept": 2}
     assert bytes(encoded.payload.numpy()) == struct.pack("<iiff", 1, 2, -3.0, 2.0)
     assert torch.equal(_decoded(encoded, x), torch.tensor([0.0, -3.0, 2.0, 0.0]))
     assert TopK(fraction=0.01).kept_of(1000) == 10
@@ -128,23 +130,23 @@ def _payload(data: bytes) -> torch.Tensor:
 
 @pytest.mark.parametrize("encoded, out, problem", [
     (Encoded("zstd", _payload(b"\0" * 8)), torch.empty(2), "unknown encoding"),
-    (Encoded("qsgd8", _payload(b"\0" * 6), bucket=4), torch.empty(2, dtype=torch.int32), "floating-point"),
+    (Encoded("qsgd8", _payload(b"\0" * 6), {"bucket": 4}), torch.empty(2, dtype=torch.int32), "floating-point"),
     (Encoded("float16", _payload(b"\0" * 6)), torch.empty(2), "payload of 6 bytes, expected 4"),
-    (Encoded("qsgd8", _payload(struct.pack("<f", float("nan")) + b"\1\1"), bucket=4), torch.empty(2), "scale"),
-    (Encoded("qsgd8", _payload(struct.pack("<f", float("inf")) + b"\1\1"), bucket=4), torch.empty(2), "scale"),
-    (Encoded("qsgd8", _payload(struct.pack("<f", -1.0) + b"\1\1"), bucket=4), torch.empty(2), "scale"),
-    (Encoded("qsgd8", _payload(struct.pack("<f", 1.0) + b"\x80\1"), bucket=4), torch.empty(2), "-128"),
-    (Encoded("qsgd8", _payload(struct.pack("<f", 1.0) + b"\1\1"), bucket=0), torch.empty(2), "bucket"),
-    (Encoded("qsgd8", _payload(struct.pack("<f", 1.0) + b"\1\1"), kept=1, bucket=4), torch.empty(2), "kept"),
-    (Encoded("qsgd4", _payload(struct.pack("<f", 1.0) + b"\x08"), bucket=4), torch.empty(2), "nibble"),
-    (Encoded("qsgd4", _payload(struct.pack("<f", 1.0) + b"\x88"), bucket=4), torch.empty(1), "pad nibble"),
-    (Encoded("topk", _payload(struct.pack("<iiff", 0, 4, 1, 1)), kept=2), torch.empty(4), "within [0, 4)"),
-    (Encoded("topk", _payload(struct.pack("<iiff", -1, 2, 1, 1)), kept=2), torch.empty(4), "within [0, 4)"),
-    (Encoded("topk", _payload(struct.pack("<iiff", 2, 2, 1, 1)), kept=2), torch.empty(4), "increase strictly"),
-    (Encoded("topk", _payload(struct.pack("<iiff", 3, 1, 1, 1)), kept=2), torch.empty(4), "increase strictly"),
-    (Encoded("topk", _payload(struct.pack("<iiff", 0, 1, 1, 1)), kept=3), torch.empty(2), "keeps 3 elements"),
-    (Encoded("topk", _payload(struct.pack("<iiff", 0, 1, 1, 1)), kept=1), torch.empty(4), "expected 8"),
-    (Encoded("topk", _payload(b""), kept=0, bucket=2), torch.empty(4), "bucket"),
+    (Encoded("qsgd8", _payload(struct.pack("<f", float("nan")) + b"\1\1"), {"bucket": 4}), torch.empty(2), "scale"),
+    (Encoded("qsgd8", _payload(struct.pack("<f", float("inf")) + b"\1\1"), {"bucket": 4}), torch.empty(2), "scale"),
+    (Encoded("qsgd8", _payload(struct.pack("<f", -1.0) + b"\1\1"), {"bucket": 4}), torch.empty(2), "scale"),
+    (Encoded("qsgd8", _payload(struct.pack("<f", 1.0) + b"\x80\1"), {"bucket": 4}), torch.empty(2), "-128"),
+    (Encoded("qsgd8", _payload(struct.pack("<f", 1.0) + b"\1\1"), {"bucket": 0}), torch.empty(2), "bucket"),
+    (Encoded("qsgd8", _payload(struct.pack("<f", 1.0) + b"\1\1"), {"kept": 1, "bucket": 4}), torch.empty(2), "kept"),
+    (Encoded("qsgd4", _payload(struct.pack("<f", 1.0) + b"\x08"), {"bucket": 4}), torch.empty(2), "nibble"),
+    (Encoded("qsgd4", _payload(struct.pack("<f", 1.0) + b"\x88"), {"bucket": 4}), torch.empty(1), "pad nibble"),
+    (Encoded("topk", _payload(struct.pack("<iiff", 0, 4, 1, 1)), {"kept": 2}), torch.empty(4), "within [0, 4)"),
+    (Encoded("topk", _payload(struct.pack("<iiff", -1, 2, 1, 1)), {"kept": 2}), torch.empty(4), "within [0, 4)"),
+    (Encoded("topk", _payload(struct.pack("<iiff", 2, 2, 1, 1)), {"kept": 2}), torch.empty(4), "increase strictly"),
+    (Encoded("topk", _payload(struct.pack("<iiff", 3, 1, 1, 1)), {"kept": 2}), torch.empty(4), "increase strictly"),
+    (Encoded("topk", _payload(struct.pack("<iiff", 0, 1, 1, 1)), {"kept": 3}), torch.empty(2), "keeps 3 elements"),
+    (Encoded("topk", _payload(struct.pack("<iiff", 0, 1, 1, 1)), {"kept": 1}), torch.empty(4), "expected 8"),
+    (Encoded("topk", _payload(b""), {"kept": 0, "bucket": 2}), torch.empty(4), "bucket"),
 ])
 def test_malformed_payloads_are_rejected_before_the_output_is_written(encoded: Encoded, out: torch.Tensor,
                                                                       problem: str) -> None:
@@ -172,7 +174,7 @@ def test_encoded_tensors_cross_the_wire_and_are_counted_by_encoding() -> None:
     tensors = {"w": torch.randn(10, 30), "steps": torch.arange(3)}  # the integer tensor stays raw
     chunks = _encoded_message(tensors, "topk", {"count": 25})
     w_spec, steps_spec = chunks[0].header.tensors
-    assert (w_spec.encoding, w_spec.kept, w_spec.dtype, list(w_spec.shape)) == ("topk", 25, "float32", [10, 30])
+    assert (w_spec.encoding, w_spec.codec_args["kept"], w_spec.dtype, list(w_spec.shape)) == ("topk", 25, "float32", [10, 30])
     assert steps_spec.encoding == ""
     assert spec_nbytes(w_spec) == 25 * 8 and decoded_nbytes(w_spec) == 1200
     staging = {"w": torch.full((10, 30), SENTINEL)}  # a server's reused buffer: fully overwritten
@@ -192,15 +194,18 @@ def test_encoded_tensors_cross_the_wire_and_are_counted_by_encoding() -> None:
 
 @pytest.mark.parametrize("changes, problem", [
     ({"encoding": "zstd"}, "unknown encoding"),
-    ({"encoding": "topk", "kept": 7}, "keeps 7 elements of a tensor of 6"),
-    ({"encoding": "qsgd8", "bucket": 0}, "bucket of at least 1"),
-    ({"kept": 2}, "without an encoding"),
+    ({"encoding": "topk", "codec_args": {"kept": 7}}, "keeps 7 elements of a tensor of 6"),
+    ({"encoding": "qsgd8", "codec_args": {"bucket": 0}}, "bucket of at least 1"),
+    ({"codec_args": {"kept": 2}}, "without an encoding"),
     ({"encoding": "float16", "dtype": "int64"}, "floating-point"),
 ])
 def test_bad_encoding_fields_are_refused_before_any_piece(changes: dict, problem: str) -> None:
     spec = pb.TensorSpec(name="w", dtype="float32", shape=[2, 3])
     for field, value in changes.items():
-        setattr(spec, field, value)
+        if field == "codec_args":
+            spec.codec_args.update(value)
+        else:
+            setattr(spec, field, value)
     with pytest.raises(WireError, match=re.escape(problem)):
         TensorAssembler([spec])
 
@@ -213,7 +218,7 @@ def test_a_bad_payload_is_a_wire_error_naming_the_tensor() -> None:
 
 
 def test_the_size_limit_bounds_decoded_bytes_too() -> None:
-    huge = pb.TensorSpec(name="w", dtype="float32", shape=[1 << 30], encoding="topk", kept=1)
+    huge = pb.TensorSpec(name="w", dtype="float32", shape=[1 << 30], encoding="topk", codec_args={"kept": 1})
     assert spec_nbytes(huge) == 8
     with pytest.raises(WireError, match="decoded bytes"):
         TensorAssembler([huge], max_total_bytes=1 << 20)
@@ -235,6 +240,26 @@ def test_downloads_are_encoded_once_per_version() -> None:
     counts = payloads.encoding_bytes(specs)
     assert counts["qsgd8"]["raw"] == 12_000
     assert counts["qsgd8"]["wire"] == sum(by_part["body"] for _, by_part in chunks)
+
+
+def test_a_plug_in_codec_with_a_parameter_crosses_the_wire_without_a_proto_change(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    config = config_from_dict(small_config(compression={"up": {"codec": "plugin_codec:fixed_point",
+                                                               "fraction_bits": 4}}))
+    x = torch.tensor([[0.3, -1.26], [2.0, 0.03]])
+    chunks = _encoded_message({"w": x}, config.compression.up.codec, config.compression.up.options)
+    (spec,) = chunks[0].header.tensors
+    assert (spec.encoding, dict(spec.codec_args), spec_nbytes(spec)) == ("fixed_point", {"fraction_bits": 4}, 16)
+    _, decoded = decode_chunks(chunks)
+    assert torch.equal(decoded["w"], (x * 16).round() / 16)
+    with pytest.raises(ConfigError, match=re.escape("compression.up.fraction_bits must be in [0, 24]")):
+        config_from_dict(small_config(compression={"up": {"codec": "plugin_codec:fixed_point", "fraction_bits": 30}}))
+
+
+def test_an_encoding_named_by_a_path_is_never_imported_from_the_wire() -> None:
+    spec = pb.TensorSpec(name="w", dtype="float32", shape=[2], encoding="plugin_codec:unconfigured")
+    with pytest.raises(WireError, match="unknown encoding"):
+        TensorAssembler([spec])
 
 
 # ---------------------------------------------------------------- residuals on the client

@@ -1,0 +1,266 @@
+"""One shape for every pluggable part: a named component with a one-line description and the
+options it declares, in a registry of its kind.
+
+A component (:class:`Component`) is a builder registered under a name; its options
+(:class:`Option`: name, type, default, check) are read by one reader (:class:`Options`) that
+types them and names the offending key in every error. A run config selects a component by its
+name or by a ``package.module:name`` path to a :class:`Component` of a module outside fedpart,
+which is then registered under its own name (so that, for example, a plug-in codec's encoding
+is known to the receiver that configured it).
+
+Each kind's registry is declared here with the module that registers its built-in components
+(its *home*), imported by name at the first lookup: the configuration in ``fedpart.common``
+validates server components (server optimizers, robust aggregators) without importing the
+server's modules. :mod:`fedpart.common.reference` writes the reference of every kind
+(docs/components.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fedpart.common.importing import import_attribute
+
+FROM_BUILDER: Any = type("FromBuilder", (), {"__repr__": lambda self: "FROM_BUILDER"})()
+"""An :class:`Option` default that is the builder's own default for the parameter."""
+
+REQUIRED: Any = type("Required", (), {"__repr__": lambda self: "REQUIRED"})()
+"""An :class:`Option` default that says the option must be given."""
+
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+class OptionError(ValueError):
+    """A component or option that cannot be used; the message names the setting."""
+
+
+def coerce(value: Any, kind: type, key: str) -> Any:
+    """``value`` as a ``kind`` (bool, int, float or str; an int or a numeric string is a float),
+    else an OptionError naming ``key``."""
+    if kind is float and isinstance(value, str):  # YAML 1.1 reads exponents without a dot (1e-3) as strings
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind not in _KIND_NAMES:
+        raise OptionError(f"{key}: unsupported setting type {kind}")
+    if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+        raise OptionError(f"{key}: expected {_KIND_NAMES[kind]}, got {value!r}")
+    return value
+
+
+def finite_positive(value: float) -> bool:
+    """A check: a finite number > 0."""
+    return math.isfinite(value) and value > 0
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a component: its type, its default (:data:`FROM_BUILDER`: the builder's;
+    :data:`REQUIRED`: none), a check of a given value and the rule it enforces as the end of a
+    sentence (``"must be in [0, 1)"``), and a one-line description."""
+
+    name: str
+    kind: type
+    help: str = ""
+    check: Callable[[Any], bool] | None = None
+    rule: str = ""
+    default: Any = FROM_BUILDER
+
+    def take(self, value: Any, key: str) -> Any:
+        """``value`` typed and checked, else an OptionError naming ``key``; None where the
+        default is None (the option unset)."""
+        if value is None and self.default is None:
+            return None
+        value = coerce(value, self.kind, key)
+        if self.check is not None and not self.check(value):
+            raise OptionError(f"{key} {self.rule}")
+        return value
+
+
+@dataclass(frozen=True)
+class Component:
+    """A named builder with its declared options. ``check`` returns what is wrong with a whole
+    set of options (rules over several of them), or None; ``not_by_name``, where set, says why a
+    run config cannot select the component by name (another setting brings it)."""
+
+    name: str
+    description: str
+    build: Callable[..., Any]
+    options: tuple[Option, ...] = ()
+    check: Callable[[Mapping[str, Any]], str | None] | None = None
+    not_by_name: str = ""
+
+    def __post_init__(self) -> None:
+        parameters = inspect.signature(self.build).parameters
+        resolved = tuple(replace(o, default=_builder_default(parameters, o.name)) if o.default is FROM_BUILDER
+                         else o for o in self.options)
+        object.__setattr__(self, "options", resolved)
+
+    def defaults(self) -> dict[str, Any]:
+        """The default of every option that has one."""
+        return {o.name: o.default for o in self.options if o.default is not REQUIRED}
+
+    def __call__(self, **options: Any) -> Any:
+        """The component built with ``options`` over the defaults."""
+        return self.build(**{**self.defaults(), **options})
+
+
+def _builder_default(parameters: Mapping[str, inspect.Parameter], name: str) -> Any:
+    parameter = parameters.get(name)
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return REQUIRED
+    return parameter.default
+
+
+class Options:
+    """Reads a component's options, rejecting unknown ones and wrong types with the setting's
+    name: :meth:`read` takes declared :class:`Option` s; :meth:`get` and its variants read one
+    option at a time (algorithms, objective terms), :meth:`done` refuses what is left."""
+
+    def __init__(self, prefix: str, name: str, options: Mapping[str, Any]) -> None:
+        self.prefix = prefix
+        self.name = name
+        self.remaining = dict(options)
+
+    def read(self, declared: Sequence[Option]) -> dict[str, Any]:
+        """The given options of ``declared``, typed and checked (defaults are not filled in)."""
+        known = sorted(o.name for o in declared)
+        for key in self.remaining:
+            if key not in known:
+                raise OptionError(f"{self.prefix}{key}: not an option of {self.name}; known: {known or 'none'}")
+        return {o.name: o.take(self.remaining.pop(o.name), f"{self.prefix}{o.name}")
+                for o in declared if o.name in self.remaining}
+
+    def get(self, key: str, default: Any, kind: type = float) -> Any:
+        value = self.remaining.pop(key, default)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+            raise ValueError(f"{self.prefix}{key} for {self.name} must be {kind.__name__}, got {value!r}")
+        return value
+
+    def non_negative(self, key: str, default: float) -> float:
+        value = self.get(key, default)
+        if not value >= 0:
+            raise ValueError(f"{self.prefix}{key} for {self.name} must be >= 0, got {value!r}")
+        return value
+
+    def positive(self, key: str, default: float) -> float:
+        value = self.get(key, default)
+        if not value > 0:
+            raise ValueError(f"{self.prefix}{key} for {self.name} must be > 0, got {value!r}")
+        return value
+
+    def done(self) -> None:
+        if self.remaining:
+            raise ValueError(f"unknown option(s) {sorted(self.remaining)} for {self.name}")
+
+
+KINDS: dict[str, "Registry"] = {}
+"""Every kind's registry by kind name, in the order they were declared."""
+
+
+class Registry(Mapping[str, Component]):
+    """The components of one kind by name (built-in ones, and plug-ins once resolved by path).
+    ``home`` registers the built-in components; it is imported at the first lookup."""
+
+    def __init__(self, kind: str, home: str, description: str) -> None:
+        self.kind = kind
+        self.home = home
+        self.description = description
+        self._components: dict[str, Component] = {}
+        self._paths: dict[str, Component] = {}
+        KINDS[kind] = self
+
+    def add(self, component: Component) -> Component:
+        """Register ``component`` under its name (the same component again is a no-op)."""
+        held = self._components.get(component.name)
+        if held is not None and held is not component:
+            raise OptionError(f"{self.kind} {component.name!r} is registered already ({held.build!r})")
+        self._components[component.name] = component
+        return component
+
+    def register(self, name: str, description: str, *options: Option, **extra: Any) -> Callable[[Any], Any]:
+        """A decorator that registers a builder (a class or a function) and returns it unchanged."""
+        def decorate(build: Any) -> Any:
+            self.add(Component(name, description, build, options, **extra))
+            return build
+        return decorate
+
+    def _loaded(self) -> dict[str, Component]:
+        importlib.import_module(self.home)
+        return self._components
+
+    def __getitem__(self, name: str) -> Component:
+        """A registered component, by name or by a path already resolved (never imports a path:
+        a name that came over the wire only finds what this process configured)."""
+        found = self._paths.get(name) or self._loaded().get(name)
+        if found is None:
+            raise KeyError(name)
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaded())
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+    def selectable(self) -> list[str]:
+        """The names a run config may select."""
+        return [name for name, c in self._loaded().items() if not c.not_by_name]
+
+    def resolve(self, name: str, setting: str) -> Component:
+        """The component a run config names at ``setting``: a selectable name, or a
+        ``package.module:name`` path to a :class:`Component`, which is registered too."""
+        if ":" in name:
+            return self._plug_in(name, setting)
+        component = self._loaded().get(name)
+        if component is None or component.not_by_name:
+            hint = f" ({component.not_by_name})" if component is not None else ""
+            raise OptionError(f"{setting}: unknown {self.kind} {name!r}; known: {', '.join(self.selectable())}, "
+                              f"or a 'package.module:name' path{hint}")
+        return component
+
+    def _plug_in(self, path: str, setting: str) -> Component:
+        if path not in self._paths:
+            try:
+                component = import_attribute(path, setting)
+            except (ImportError, ValueError) as error:
+                raise OptionError(str(error)) from error
+            if not isinstance(component, Component):
+                raise OptionError(f"{setting} {path!r} is not a fedpart.api.Component")
+            self._paths[path] = self.add(component)
+        return self._paths[path]
+
+    def read(self, name: str, options: Mapping[str, Any], prefix: str, setting: str) -> dict[str, Any]:
+        """The given ``options`` of the component ``name`` (at ``setting``), typed and checked,
+        with errors naming ``prefix`` + the option."""
+        component = self.resolve(name, setting)
+        typed = Options(prefix, f"{self.kind} {name!r}", options).read(component.options)
+        missing = [o.name for o in component.options if o.default is REQUIRED and o.name not in typed]
+        if missing:
+            raise OptionError(f"{prefix}{missing[0]}: required by {self.kind} {name!r}")
+        problem = component.check({**component.defaults(), **typed}) if component.check else None
+        if problem:
+            raise OptionError(f"{prefix.rstrip('.')}: {problem}")
+        return typed
+
+    def build(self, name: str, options: Mapping[str, Any]) -> Any:
+        """The component ``name`` (a name or a resolved path) built with validated ``options``."""
+        return self[name](**options)
+
+
+CODECS = Registry("codec", "fedpart.common.codecs",
+                  "How a tensor travels: `compression.up.codec` and `compression.down.codec` with their options.")
+SERVER_OPTIMIZERS = Registry("server optimizer", "fedpart.server.optimizers",
+                             "The server step over a round's combined delta: `server_optimizer.name` and its options.")
+ROBUST_AGGREGATORS = Registry("robust aggregator", "fedpart.server.robust",
+                              "How a round's deltas are combined: `robust.aggregator`.")
