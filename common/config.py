@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from fedpart.common.registry import CODECS, OptionError, Registry, coerce
+from fedpart.common.registry import CODECS, SERVER_OPTIMIZERS, OptionError, Registry, coerce
 
 # The registries the checks below read (algorithms, objectives, augmentations: torch) are imported
 # when a config is validated, not with this module: ``fedpart --help`` loads no torch.
@@ -272,16 +272,6 @@ class PrivacyConfig:
                                                       # sampled client (SecAgg)
     secure_aggregation_bound: float = 1.0             # each uploaded element is clipped to +-bound
 
-
-# Options of each server optimizer with their types (defaults in fedpart.server.optimizers; FedDyn's
-# step is selected by its objective term, not by name).
-SERVER_OPTIMIZER_OPTIONS: dict[str, dict[str, type]] = {
-    "plain": {"lr": float},
-    "fedavgm": {"lr": float, "beta": float},
-    "fedadam": {"lr": float, "beta1": float, "beta2": float, "tau": float},
-    "fedyogi": {"lr": float, "beta1": float, "beta2": float, "tau": float},
-    "fedexp": {"eps": float},
-}
 
 # Settings that moved: old key -> new key.
 _MOVED = {"train.server_lr": "server_optimizer.lr"}
@@ -584,21 +574,8 @@ def _check_server_optimizer(config: RunConfig) -> None:
     """Validate (and type) ``server_optimizer``; a server step chosen there and one an objective
     term brings (FedDyn's) cannot both run. Raises ConfigError naming the keys."""
     section = config.server_optimizer
-    if section.name not in SERVER_OPTIMIZER_OPTIONS:
-        hint = " (FedDyn's server step comes with its objective term, algorithm.objective.feddyn)" \
-            if section.name == "feddyn" else ""
-        raise ConfigError(f"server_optimizer.name: unknown server optimizer {section.name!r}; known: "
-                          f"{', '.join(SERVER_OPTIMIZER_OPTIONS)}{hint}")
-    known = SERVER_OPTIMIZER_OPTIONS[section.name]
-    for option, value in section.options.items():
-        if option not in known:
-            raise ConfigError(f"server_optimizer.{option}: not an option of server optimizer {section.name!r}; "
-                              f"known: {sorted(known) or 'none'}")
-        section.options[option] = value = _check_type(value, known[option], f"server_optimizer.{option}")
-        if option in ("beta", "beta1", "beta2") and not 0 <= value < 1:
-            raise ConfigError(f"server_optimizer.{option} must be in [0, 1)")
-        if option in ("lr", "tau", "eps") and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"server_optimizer.{option} must be a finite number > 0")
+    section.options = _read_component(SERVER_OPTIMIZERS, section.name, section.options, "server_optimizer.",
+                                      "server_optimizer.name")
     if section.name == "plain" and not section.options:
         return
     from fedpart.common.algorithms import build_algorithm

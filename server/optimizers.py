@@ -13,19 +13,30 @@ with the same numbers. A stateful optimizer keeps a tensor's old state when that
 value is not finite: the round engine never installs such a value, and the state stays that of
 the global tensor that is kept.
 
-Options and defaults are in each class's constructor; ``server_optimizer`` in the run config
-selects one (``fedpart.common.config``). FedDyn's step is not chosen there: the FedDyn objective
-term declares it (``Algorithm.server_step``).
+Each optimizer registers in :data:`fedpart.common.registry.SERVER_OPTIMIZERS` with its options
+(defaults in its constructor); ``server_optimizer`` in the run config selects one by name or by
+``package.module:name`` (a new optimizer is one module). FedDyn's step is not chosen there: the
+FedDyn objective term declares it (``Algorithm.server_step``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
+from fedpart.common.registry import SERVER_OPTIMIZERS, Option, finite_positive
+
+_POSITIVE = "must be a finite number > 0"
+_LR = Option("lr", float, "server learning rate", finite_positive, _POSITIVE)
+_TAU = Option("tau", float, "adaptivity: added to the root of the second moment", finite_positive, _POSITIVE)
+
+
+def _beta(name: str, help: str) -> Option:
+    return Option(name, float, help, lambda value: 0 <= value < 1, "must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,7 @@ class ServerOptimizer:
             raise ValueError(f"server optimizer {self.name} has no state, got {sorted(state)[:3]}")
 
 
+@SERVER_OPTIMIZERS.register("plain", "new = old + lr * d: FedAvg's averaging at lr 1.", _LR)
 class Plain(ServerOptimizer):
     """``new = old + lr * d``: FedAvg's averaging at ``lr`` 1 (McMahan et al., AISTATS 2017), a
     server learning rate otherwise. No state."""
@@ -134,6 +146,8 @@ class StatefulOptimizer(ServerOptimizer):
         self._state = {key: value.to(torch.float64) for key, value in state.items()}
 
 
+@SERVER_OPTIMIZERS.register("fedavgm", "Server momentum (FedAvgM, Hsu et al. 2019).", _LR,
+                             _beta("beta", "momentum"))
 class FedAvgM(StatefulOptimizer):
     """Server momentum (FedAvgM, Hsu et al., "Measuring the Effects of Non-Identical Data
     Distribution for Federated Visual Classification", 2019): ``v <- beta v + d``,
@@ -153,6 +167,8 @@ class FedAvgM(StatefulOptimizer):
         return self.lr * momentum, {"momentum": momentum}
 
 
+@SERVER_OPTIMIZERS.register("fedadam", "FedAdam (Reddi et al., ICLR 2021), without bias correction.", _LR,
+                             _beta("beta1", "first-moment decay"), _beta("beta2", "second-moment decay"), _TAU)
 class FedAdam(StatefulOptimizer):
     """FedAdam (Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2):
     ``m <- beta1 m + (1 - beta1) d``, ``v <- beta2 v + (1 - beta2) d^2``,
@@ -186,6 +202,8 @@ class FedAdam(StatefulOptimizer):
         return self.lr * m / (v.sqrt() + self.tau), {"m": m, "v": v}
 
 
+@SERVER_OPTIMIZERS.register("fedyogi", "FedYogi (Reddi et al., ICLR 2021): FedAdam with Yogi's second moment.", _LR,
+                             _beta("beta1", "first-moment decay"), _beta("beta2", "second-moment decay"), _TAU)
 class FedYogi(FedAdam):
     """FedYogi (Reddi et al., ICLR 2021, Algorithm 2): FedAdam with Yogi's second moment
     ``v <- v - (1 - beta2) d^2 sign(v - d^2)``, which grows ``v`` only as fast as ``d^2`` needs;
@@ -197,6 +215,8 @@ class FedYogi(FedAdam):
         return v - squared * (1 - self.beta2) * torch.sign(v - squared)
 
 
+@SERVER_OPTIMIZERS.register("fedexp", "FedExP (Jhunjhunwala et al., ICLR 2023): an extrapolated step size.",
+                             Option("eps", float, "added to the squared norm of the mean", finite_positive, _POSITIVE))
 class FedExp(ServerOptimizer):
     """FedExp (Jhunjhunwala, Wang & Joshi, "FedExP: Speeding Up Federated Averaging via
     Extrapolation", ICLR 2023): ``new = old + eta d`` with the adaptive step size
@@ -234,6 +254,10 @@ class FedExp(ServerOptimizer):
         return {} if self.last_step_size is None else {"step_size": self.last_step_size}
 
 
+@SERVER_OPTIMIZERS.register("feddyn", "FedDyn's server step (Acar et al., ICLR 2021).",
+                             Option("alpha", float, "FedDyn's alpha", finite_positive, _POSITIVE),
+                             not_by_name="FedDyn's server step comes with its objective term, "
+                                         "algorithm.objective.feddyn")
 class FedDyn(StatefulOptimizer):
     """FedDyn's server step (Acar et al., "Federated Learning Based on Dynamic Regularization",
     ICLR 2021, Algorithm 1): ``h <- h - alpha (|P| / m) d``, ``new = old + d - h / alpha``, with
@@ -258,18 +282,16 @@ class FedDyn(StatefulOptimizer):
         return delta - h / self.alpha, {"h": h}
 
 
-OPTIMIZERS: dict[str, Callable[..., ServerOptimizer]] = {
-    optimizer.name: optimizer for optimizer in (Plain, FedAvgM, FedAdam, FedYogi, FedExp, FedDyn)
-}
+OPTIMIZERS = SERVER_OPTIMIZERS
 """Every server step by name; all but ``feddyn`` can be chosen with ``server_optimizer.name``."""
 
 
 def build_server_optimizer(name: str, options: Mapping[str, object], declared: tuple[str, Mapping[str, object]] | None,
                            clients: int) -> ServerOptimizer:
     """The run's server optimizer: the step an objective term ``declared`` (FedDyn's, given
-    ``clients``, the number of clients of the run), else ``name`` with ``options`` (the
-    ``server_optimizer`` section, validated by the config)."""
+    ``clients``, the number of clients of the run), else ``name`` (a name or a plug-in's path)
+    with ``options`` (the ``server_optimizer`` section, validated by the config)."""
     if declared is not None:
         step, step_options = declared
-        return OPTIMIZERS[step](**step_options, clients=clients)
-    return OPTIMIZERS[name](**options)
+        return SERVER_OPTIMIZERS[step](**step_options, clients=clients)
+    return SERVER_OPTIMIZERS.resolve(name, "server_optimizer.name")(**options)
