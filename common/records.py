@@ -4,10 +4,10 @@ writes them, the report and the benchmarks read them.
 
 ``to_json`` gives the JSON object as the file holds it (same keys, in the same order, same
 nesting); ``from_json`` reads one back, so ``from_json(to_json(r)) == r``. Files written by an
-earlier fedpart may lack keys: a key marked optional below reads as None and is left out again
-when written, a number or list of a round reads as zero or empty. Keys this module does not know
-are ignored. The sections below a key (bytes by part, accuracy, ...) stay plain JSON values.
-Standard library only: a report reads run directories on any machine."""
+earlier fedpart, or by a run that ended early, may lack keys: a key marked optional below reads as
+None and is left out again when written; a round's number or list reads as zero or empty. Keys
+this module does not know are ignored. The sections below a key (bytes by part, accuracy, ...)
+stay plain JSON values. Standard library only: a report reads run directories on any machine."""
 
 from __future__ import annotations
 
@@ -75,6 +75,10 @@ class RoundRecord:
     privacy: JsonObject | None = None        # optional: {epsilon} after the round (privacy.dp)
     global_metrics: dict[str, float] | None = field(default=None, metadata={"key": "global"})  # optional
 
+    def bytes_in(self, direction: str) -> int:
+        """The round's physical bytes in ``direction`` (down: to the clients, up)."""
+        return self.bytes_down if direction == "down" else self.bytes_up
+
     def to_json(self) -> JsonObject:
         """The line's JSON object."""
         return _to_json(self)
@@ -91,27 +95,29 @@ class RoundRecord:
 @dataclass(kw_only=True)
 class RunSummary:
     """``summary.json``: how the run ended, what was trained, the final evaluation, bytes,
-    compute and failures. A run that ended early writes what it knew, marked by its status."""
+    compute and failures. A run that ended early writes what it knew, marked by its status.
+    Every key is optional here: a reader of an early end or of an older file reads what it has
+    (a completed run's summary has them all, ``note``, ``privacy`` and ``exit_code`` aside)."""
 
-    status: str | None = None                # optional: completed, interrupted, failed
-    note: str | None = None                  # optional: why it ended early
-    rounds_completed: int | None = None      # optional
-    algorithm: str
-    model: str
-    dataset: str
-    rounds: int                              # the configured rounds
-    clients: int
-    seeds: dict[str, int | None] | None = None  # optional: the seed of each source of randomness
-    parameters: JsonObject                   # {total, body, head}
-    accuracy: JsonObject                     # {metric, initial, personalized, [headless...], [global]}
-    bytes: JsonObject
-    compute: JsonObject
-    delivery: JsonObject | None = None       # optional: {rounds, evaluation}
-    privacy: JsonObject | None = None        # optional: the DP budget spent (privacy.dp)
-    seconds: float
-    failures: list[str] | None = None        # optional
-    per_client: list[JsonObject] | None = None  # optional
-    exit_code: int | None = None             # optional: the server's exit code
+    status: str | None = None                # completed, interrupted, failed (none before fedpart wrote it)
+    note: str | None = None                  # why the run ended early, or trained fewer rounds
+    rounds_completed: int | None = None
+    algorithm: str | None = None
+    model: str | None = None
+    dataset: str | None = None
+    rounds: int | None = None                # the configured rounds
+    clients: int | None = None
+    seeds: dict[str, int | None] | None = None  # the seed of each source of randomness
+    parameters: JsonObject | None = None     # {total, body, head}
+    accuracy: JsonObject | None = None       # {metric, initial, personalized, [headless...], [global]}
+    bytes: JsonObject | None = None          # physical and logical, by part, per round, compression
+    compute: JsonObject | None = None        # client seconds, train flops, round seconds, [gpu peak]
+    delivery: JsonObject | None = None       # {rounds, evaluation}: what had to be sent again
+    privacy: JsonObject | None = None        # the DP budget spent (privacy.dp)
+    seconds: float | None = None             # the run's wall time
+    failures: list[str] | None = None
+    per_client: list[JsonObject] | None = None
+    exit_code: int | None = None             # the server's exit code
 
     def to_json(self) -> JsonObject:
         """The file's JSON object."""
@@ -119,7 +125,7 @@ class RunSummary:
 
     @classmethod
     def from_json(cls, data: JsonObject) -> RunSummary:
-        """A summary from the file's JSON object; ValueError where it lacks a required key."""
+        """A summary from the file's JSON object; ValueError where it is not an object."""
         return _from_json(cls, data)
 
 

@@ -74,8 +74,8 @@ def _link_notes(runs: Sequence[Run], link: Link, target: float | None, target_gi
         if not run.has_client_entries():
             continue
         left_out = sum(process_bytes(r) for r in run.rounds)
-        total = sum(r["bytes_down"] + r["bytes_up"] for r in run.rounds)
-        dropped = sum(len(r["sampled"]) - len(r["completed"]) for r in run.rounds)
+        total = sum(r.bytes_down + r.bytes_up for r in run.rounds)
+        dropped = sum(len(r.sampled) - len(r.completed) for r in run.rounds)
         share = f" ({100 * left_out / total:.2f}% of its round bytes)" if total else ""
         notes.append(f"{run.label}: {left_out:,} bytes of process-level control (joins, heartbeats, idle polls) "
                      f"left out{share}" + (f"; {dropped} sampled clients did not complete" if dropped else ""))

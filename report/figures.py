@@ -20,6 +20,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, PercentFormatter
 
+from fedpart.common.records import RoundRecord
 from fedpart.report.link import Link, cumulative_seconds, round_times, uses_logical_bytes
 from fedpart.report.runs import Run, group_runs, round_bytes, round_bytes_by_part
 
@@ -148,7 +149,7 @@ def _global_accuracy(run: Run) -> dict[int, float]:
 
 
 def _train_loss(run: Run) -> dict[int, float]:
-    return {rec["round"]: rec["train_loss"] for rec in run.rounds if rec["train_loss"] is not None}
+    return {rec.round: rec.train_loss for rec in run.rounds if rec.train_loss is not None}
 
 
 def _figure(panels: int, rows: int = 1, height: float = PANEL_HEIGHT, **kwargs: Any) -> tuple[Figure, Any]:
@@ -217,7 +218,7 @@ def _cumulative_bytes(direction: str, logical: bool) -> Series:
         total, out = 0, {}
         for rec in run.rounds:
             total += sum(round_bytes(rec, d, logical) for d in _DIRECTIONS[direction])
-            out[rec["round"]] = total / 1e6
+            out[rec.round] = total / 1e6
         return out
     return series
 
@@ -275,17 +276,17 @@ def _parts(runs: Sequence[Run], logical: bool) -> list[str]:
     return [p for p in seen if p != "control"] + (["control"] if "control" in seen else [])
 
 
-def _round_means(members: Sequence[Run], value: Callable[[dict], float]) -> dict[int, float]:
+def _round_means(members: Sequence[Run], value: Callable[[RoundRecord], float]) -> dict[int, float]:
     """Per round, the mean of ``value`` over the group's runs that have the round."""
     by_round: dict[int, list[float]] = {}
     for run in members:
         for rec in run.rounds:
-            by_round.setdefault(rec["round"], []).append(value(rec))
+            by_round.setdefault(rec.round, []).append(value(rec))
     return {number: statistics.fmean(values) for number, values in sorted(by_round.items())}
 
 
 def _stacked_rows(runs: Sequence[Run], plot: Plot, keys: Sequence[str], colors: dict[str, str],
-                  share: Callable[[dict, str, str], float], physical_total: bool) -> None:
+                  share: Callable[[RoundRecord, str, str], float], physical_total: bool) -> None:
     """One row of two panels (downloads, uploads) per group, bars stacked by ``keys`` (``share``:
     a round record's kB of a key in a direction), the group's mean per round; with
     ``physical_total`` a black dash at each round's physical total; short rounds marked."""
@@ -302,7 +303,7 @@ def _stacked_rows(runs: Sequence[Run], plot: Plot, keys: Sequence[str], colors: 
                 for number, value in means.items():
                     bottom[number] = bottom.get(number, 0.0) + value
             if physical_total:
-                physical = _round_means(members, lambda rec: rec[f"bytes_{direction}"] / 1e3)
+                physical = _round_means(members, lambda rec: rec.bytes_in(direction) / 1e3)
                 ax.plot(list(physical), list(physical.values()), linestyle="none", marker="_", markersize=12,
                         markeredgewidth=2, color="black", label="physical total (what crossed the connections)")
             marked = [(n, bottom.get(n, 0.0)) for n in sorted(short)]
@@ -339,7 +340,7 @@ def bytes_per_round(runs: Sequence[Run]) -> Plot:
 
 
 def bytes_per_unit(runs: Sequence[Run]) -> Plot:
-    shown = [r for r in runs if r.rounds and all("bytes_by_unit" in rec for rec in r.rounds)]
+    shown = [r for r in runs if r.rounds and all(rec.bytes_by_unit is not None for rec in r.rounds)]
     plot = Plot("bytes_units", "Bytes per body unit and round",
                 "Logical tensor bytes of each schedule unit (the body's units, e.g. conv1, conv2, fc1, and the head) per round, "
                 "stacked, downloads left, uploads right: which units a freeze or expansion schedule sends"
@@ -352,10 +353,10 @@ def bytes_per_unit(runs: Sequence[Run]) -> Plot:
     units: list[str] = []
     for run in shown:
         for rec in run.rounds:
-            units += [u for u in rec["bytes_by_unit"] if u not in units]
+            units += [u for u in rec.bytes_by_unit if u not in units]
     colors = {unit: f"C{i % 10}" for i, unit in enumerate(units)}
     _stacked_rows(shown, plot, units, colors,
-                  lambda rec, unit, d: rec["bytes_by_unit"].get(unit, {}).get(d, 0) / 1e3, False)
+                  lambda rec, unit, d: rec.bytes_by_unit.get(unit, {}).get(d, 0) / 1e3, False)
     return plot
 
 
@@ -371,8 +372,8 @@ def compute_per_round(runs: Sequence[Run]) -> Plot:
     figure, axes = _figure(2)
     for ax, key, label in zip(axes[0], ("trainable_parameters", "train_flops"),
                               ("trainable parameters per client", "training FLOPs, all clients")):
-        _draw(ax, runs, shown, lambda run, key=key: {rec["round"]: rec[key] for rec in run.rounds
-                                                    if rec[key] is not None})
+        _draw(ax, runs, shown, lambda run, key=key: {rec.round: getattr(rec, key) for rec in run.rounds
+                                                    if getattr(rec, key) is not None})
         ax.set_xlabel("round")
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
@@ -386,7 +387,7 @@ def compute_per_round(runs: Sequence[Run]) -> Plot:
 
 def _sweep(run: Run) -> dict[int, float]:
     """Mean client accuracy after each number of fine-tune epochs (0: initial)."""
-    accuracy = run.summary["accuracy"]
+    accuracy = run.summary.accuracy
     points = {0: accuracy["initial"]["mean"]}
     points.update({int(e): s["mean"] for e, s in accuracy["personalized"].items() if s["mean"] is not None})
     return points
@@ -397,8 +398,8 @@ def personalization(runs: Sequence[Run]) -> Plot:
                 "Left: mean accuracy over clients on their own test splits after tau_f fine-tune epochs "
                 "(0: the final global model with the client's personal parts). Right: the per-client "
                 "accuracies before (initial) and after the longest fine-tuning (personalized).")
-    shown = [r for r in runs if r.summary is not None and r.summary["accuracy"]["metric"] == "acc"
-             and r.summary["accuracy"]["initial"]["mean"] is not None]
+    shown = [r for r in runs if r.summary is not None and r.summary.accuracy["metric"] == "acc"
+             and r.summary.accuracy["initial"]["mean"] is not None]
     if not shown:
         plot.missing = "no finished run reported client accuracies (the final evaluation is in summary.json)"
         return plot
@@ -418,9 +419,9 @@ def personalization(runs: Sequence[Run]) -> Plot:
     positions, data, colors, ticks = [], [], [], []
     for index, (group, members) in enumerate(groups.items()):
         initial, final = [], []
-        epochs = max(members[0].summary["accuracy"]["personalized"], key=int, default=None)
+        epochs = max(members[0].summary.accuracy["personalized"], key=int, default=None)
         for run in members:
-            clients = run.summary["per_client"]
+            clients = run.summary.per_client
             initial += [c["initial"] for c in clients if c["initial"] is not None]
             final += [c["personalized"][epochs] for c in clients
                       if epochs is not None and c["personalized"].get(epochs) is not None]
@@ -459,10 +460,10 @@ def _link_times(link: Link) -> tuple[Series, Series]:
         return round_times(link, run.rounds, logical=uses_logical_bytes(run.rounds))
 
     def so_far(run: Run) -> dict[int, float]:
-        return {rec["round"]: s for rec, s in zip(run.rounds, cumulative_seconds(times(run)))}
+        return {rec.round: s for rec, s in zip(run.rounds, cumulative_seconds(times(run)))}
 
     def per_round(run: Run) -> dict[int, float]:
-        return {rec["round"]: t.seconds for rec, t in zip(run.rounds, times(run)) if t is not None}
+        return {rec.round: t.seconds for rec, t in zip(run.rounds, times(run)) if t is not None}
     return so_far, per_round
 
 

@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fedpart.common.records import RoundRecord
+
 BITS_PER_BYTE = 8
 ROUND_TRIPS = 2  # per client and round: fetching the task, uploading the result
 
@@ -189,10 +191,10 @@ def round_time(link: Link, clients: Mapping[int, ClientRound]) -> RoundTime | No
                      latency=latency)
 
 
-def completed_clients(record: Mapping[str, Any], logical: bool = True) -> dict[int, ClientRound]:
+def completed_clients(record: RoundRecord, logical: bool = True) -> dict[int, ClientRound]:
     """The round record's clients that completed, with their bytes (logical where ``logical`` and
     recorded, else physical) and compute seconds."""
-    entries = record.get("clients", {})
+    entries = record.clients or {}
     return {int(c): ClientRound(_client_bytes(e, "down", logical), _client_bytes(e, "up", logical),
                                 e["compute_seconds"])
             for c, e in entries.items() if e.get("compute_seconds") is not None}
@@ -204,19 +206,19 @@ def _client_bytes(entry: Mapping[str, Any], direction: str, logical: bool) -> in
     return entry[direction]
 
 
-def uses_logical_bytes(records: Sequence[Mapping[str, Any]]) -> bool:
+def uses_logical_bytes(records: Sequence[RoundRecord]) -> bool:
     """Every client entry of every round record has logical bytes (the model then uses them)."""
     return bool(records) and all("logical_down" in e and "logical_up" in e
-                                 for r in records for e in r.get("clients", {}).values())
+                                 for r in records for e in (r.clients or {}).values())
 
 
-def process_bytes(record: Mapping[str, Any]) -> int:
+def process_bytes(record: RoundRecord) -> int:
     """Bytes of the round that belong to no client (process-level control, left out of the model)."""
-    entries = record.get("clients", {}).values()
-    return record["bytes_down"] + record["bytes_up"] - sum(e["down"] + e["up"] for e in entries)
+    entries = (record.clients or {}).values()
+    return record.bytes_down + record.bytes_up - sum(e["down"] + e["up"] for e in entries)
 
 
-def round_times(link: Link, records: Sequence[Mapping[str, Any]],
+def round_times(link: Link, records: Sequence[RoundRecord],
                 logical: bool = True) -> list[RoundTime | None]:
     """The modelled time of every round record (None for a round with no completed client), from
     logical bytes where ``logical`` and recorded, else physical ones."""
@@ -232,12 +234,12 @@ def cumulative_seconds(times: Sequence[RoundTime | None]) -> list[float]:
     return out
 
 
-def time_to_accuracy(records: Sequence[Mapping[str, Any]], cumulative: Sequence[float],
+def time_to_accuracy(records: Sequence[RoundRecord], cumulative: Sequence[float],
                      target: float) -> float | None:
     """Modelled time at the end of the first round whose global accuracy reaches ``target``
     (None: never reached in the rounds that were tested)."""
     for record, seconds in zip(records, cumulative):
-        accuracy = record.get("global", {}).get("acc")
+        accuracy = (record.global_metrics or {}).get("acc")
         if accuracy is not None and accuracy >= target:
             return seconds
     return None

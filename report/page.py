@@ -8,6 +8,7 @@ import html
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fedpart.common.records import RunSummary
 from fedpart.report.link import Link
 from fedpart.report.runs import Run
 from fedpart.report.tables import cells, columns, readable_rows
@@ -38,11 +39,11 @@ def _status(run: Run) -> str:
 def _runs_table(runs: Sequence[Run]) -> str:
     rows = []
     for run in runs:
-        source = run.summary_file or {}
+        source = run.summary_file or RunSummary()
         config = run.config
-        model = source.get("model") or config.get("model", {}).get("name", "?")
-        dataset = source.get("dataset") or config.get("data", {}).get("dataset", "?")
-        clients = source.get("clients") or config.get("clients", "?")
+        model = source.model or config.get("model", {}).get("name", "?")
+        dataset = source.dataset or config.get("data", {}).get("dataset", "?")
+        clients = source.clients or config.get("clients", "?")
         seeds = ", ".join(f"{k} {v}" for k, v in run.seeds.items())
         failures = len(run.failures) + run.unlisted_missing_evaluations
         short = len(run.short_rounds())

@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from fedpart.common.records import RoundRecord, RunSummary
+
 
 class ReportError(ValueError):
     """A run directory or an option the report cannot use (the message says which and why)."""
@@ -32,11 +34,11 @@ class Run:
     path: Path
     label: str
     config: dict[str, Any]
-    rounds: list[dict[str, Any]]
-    summary: dict[str, Any] | None  # summary.json of a completed run (None: the run did not complete)
+    rounds: list[RoundRecord]
+    summary: RunSummary | None  # summary.json of a completed run (None: the run did not complete)
     notes: list[str] = field(default_factory=list)  # what the report cannot show for this run, and why
     status: str | None = None  # summary.json's status (completed, interrupted, failed); None without one
-    summary_file: dict[str, Any] | None = None  # summary.json as written, whatever its status
+    summary_file: RunSummary | None = None  # summary.json as written, whatever its status
     group: str = ""  # the label of the runs that differ from this one only in their seeds
 
     @property
@@ -56,14 +58,14 @@ class Run:
     @property
     def failures(self) -> list[str]:
         """summary.json's failures (results refused or lost, clients that left, ...)."""
-        return list((self.summary_file or {}).get("failures", []))
+        return list(self.summary_file.failures or []) if self.summary_file is not None else []
 
     @property
     def missing_evaluations(self) -> int:
         """Clients of a completed run without a final evaluation (the server exits 3 for them)."""
         if self.summary is None:
             return 0
-        return sum(1 for client in self.summary.get("per_client", []) if client.get("test_samples") is None)
+        return sum(1 for client in self.summary.per_client or [] if client.get("test_samples") is None)
 
     @property
     def unlisted_missing_evaluations(self) -> int:
@@ -75,12 +77,12 @@ class Run:
     def lists_its_shortfalls(self) -> bool:
         """summary.json's failures name the rounds whose clients sent no result and the clients
         without a final evaluation (a server that records its exit code writes them)."""
-        return isinstance((self.summary_file or {}).get("exit_code"), int)
+        return self.summary_file is not None and isinstance(self.summary_file.exit_code, int)
 
     @property
     def failed(self) -> bool:
         """Anything went wrong: the run did not complete, or it completed with failures."""
-        recorded = (self.summary_file or {}).get("exit_code")
+        recorded = self.summary_file.exit_code if self.summary_file is not None else None
         return not self.complete or bool(self.failures) or bool(self.missing_evaluations) or bool(recorded)
 
     def exit_code_and_source(self) -> tuple[int | None, str]:
@@ -89,9 +91,9 @@ class Run:
         summary = self.summary_file
         if summary is None:
             return None, "unknown"
-        if isinstance(summary.get("exit_code"), int):
-            return summary["exit_code"], "recorded"
-        note = str(summary.get("note", ""))
+        if isinstance(summary.exit_code, int):
+            return summary.exit_code, "recorded"
+        note = summary.note or ""
         if self.status == "completed":
             return (FAILURES_EXIT_CODE if self.failures or self.missing_evaluations else 0), "derived"
         if self.status == "failed":
@@ -108,18 +110,18 @@ class Run:
     @property
     def algorithm(self) -> str:
         if self.summary is not None:
-            return self.summary["algorithm"]
+            return self.summary.algorithm
         return self.config.get("algorithm", {}).get("name", "?")
 
     @property
     def configured_rounds(self) -> int | None:
-        return self.summary["rounds"] if self.summary is not None else self.config.get("rounds")
+        return self.summary.rounds if self.summary is not None else self.config.get("rounds")
 
     @property
     def seeds(self) -> dict[str, int | None]:
         """The seed of each source of randomness: summary.json's ``seeds``, else the config's
         ``seeds`` section, where a source left unset takes the run's ``seed``."""
-        recorded = (self.summary_file or {}).get("seeds")
+        recorded = self.summary_file.seeds if self.summary_file is not None else None
         if isinstance(recorded, dict):
             return {source: recorded.get(source) for source in SEED_SOURCES}
         configured, seed = self.config.get("seeds") or {}, self.config.get("seed")
@@ -127,44 +129,43 @@ class Run:
 
     def short_rounds(self) -> list[tuple[int, int, int]]:
         """``(round, completed, sampled)`` of the rounds that folded fewer clients than sampled."""
-        return [(r["round"], len(r["completed"]), len(r["sampled"])) for r in self.rounds
-                if len(r.get("completed", [])) < len(r.get("sampled", []))]
+        return [(r.round, len(r.completed), len(r.sampled)) for r in self.rounds if len(r.completed) < len(r.sampled)]
 
     def global_accuracy(self) -> list[tuple[int, float]]:
         """``(round, accuracy)`` of the global model on the server's test set, for the rounds
         where it was tested (``evaluate.global_every``)."""
-        return [(r["round"], r["global"]["acc"]) for r in self.rounds if "acc" in r.get("global", {})]
+        return [(r.round, r.global_metrics["acc"]) for r in self.rounds if "acc" in (r.global_metrics or {})]
 
     def final_global_accuracy(self) -> float | None:
         """The global model's accuracy after the last round (summary.json)."""
         if self.summary is None:
             return None
-        return self.summary["accuracy"].get("global", {}).get("acc")
+        return self.summary.accuracy.get("global", {}).get("acc")
 
     def has_client_entries(self) -> bool:
         """Every round record has the per-client bytes and compute seconds the link model needs."""
-        return bool(self.rounds) and all("clients" in r for r in self.rounds)
+        return bool(self.rounds) and all(r.clients is not None for r in self.rounds)
 
     def has_logical_bytes(self) -> bool:
         """Every round record has logical bytes (each sampled client as its own device)."""
-        return bool(self.rounds) and all("logical" in r for r in self.rounds)
+        return bool(self.rounds) and all(r.logical is not None for r in self.rounds)
 
 
-def round_bytes(record: dict[str, Any], direction: str, logical: bool) -> int:
+def round_bytes(record: RoundRecord, direction: str, logical: bool) -> int:
     """A round's bytes in ``direction`` (down / up): logical where asked and recorded, else physical."""
-    if logical and "logical" in record:
-        return record["logical"][direction]
-    return record[f"bytes_{direction}"]
+    if logical and record.logical is not None:
+        return record.logical[direction]
+    return record.bytes_in(direction)
 
 
-def round_bytes_by_part(record: dict[str, Any], logical: bool) -> dict[str, dict[str, int]]:
+def round_bytes_by_part(record: RoundRecord, logical: bool) -> dict[str, dict[str, int]]:
     """A round's bytes by model part: logical where asked and recorded, else physical."""
-    if logical and "logical" in record:
-        return record["logical"].get("by_part", {})
-    return record.get("bytes_by_part", {})
+    if logical and record.logical is not None:
+        return record.logical.get("by_part", {})
+    return record.bytes_by_part
 
 
-def _read_rounds(path: Path) -> list[dict[str, Any]]:
+def _read_rounds(path: Path) -> list[RoundRecord]:
     """The round records of ``metrics.jsonl``; a last line cut short by a crash is dropped, any
     other unreadable line is an error naming file and line."""
     if not path.is_file():
@@ -173,10 +174,8 @@ def _read_rounds(path: Path) -> list[dict[str, Any]]:
     rounds = []
     for number, line in enumerate(lines, start=1):
         try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record["round"], int):
-                raise ValueError("no round number")
-        except (ValueError, KeyError) as error:
+            record = RoundRecord.from_json(json.loads(line))
+        except ValueError as error:
             if number == len(lines):
                 break  # the line being written when the server stopped
             raise ReportError(f"{path}:{number}: not a round record ({error})") from error
@@ -194,11 +193,11 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
         raise ReportError(f"{path}: not a run directory (neither config.yaml nor metrics.jsonl)")
     try:
         config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
-        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+        summary = RunSummary.from_json(json.loads(summary_path.read_text())) if summary_path.is_file() else None
     except (yaml.YAMLError, ValueError) as error:
         raise ReportError(f"{path}: unreadable run file: {error}") from error
     # a run that ended early writes what it knew, marked; older runs' summaries carry no status
-    status = summary.get("status", "completed") if summary is not None else None
+    status = (summary.status or "completed") if summary is not None else None
     run = Run(path=path, label=label or path.name, config=config or {}, rounds=_read_rounds(metrics_path),
               summary=summary if status == "completed" else None, status=status, summary_file=summary)
     run.notes = _missing(run)
@@ -211,7 +210,7 @@ def _missing(run: Run) -> list[str]:
     if not run.complete:
         why = ("no summary.json (the server was stopped before it could write one)" if run.status is None
                else f"summary.json marks it {run.status}"
-               + (f" ({run.summary_file['note']})" if run.summary_file.get("note") else ""))
+               + (f" ({run.summary_file.note})" if run.summary_file.note else ""))
         notes.append(f"{run.state}: {why}; the run stopped after round {len(run.rounds)} of "
                      f"{run.configured_rounds or '?'}; the final evaluation (initial, personalized and global "
                      "accuracy, wall time) is missing")

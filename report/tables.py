@@ -107,9 +107,9 @@ def _per_round_mean(run: Run, direction: str, logical: bool) -> float | None:
     summary = run.summary
     if summary is not None:
         if not logical:
-            return summary["bytes"]["per_round_mean"][direction]
-        if "logical" in summary["bytes"]:
-            return summary["bytes"]["logical"]["per_round_mean"][direction]
+            return summary.bytes["per_round_mean"][direction]
+        if "logical" in summary.bytes:
+            return summary.bytes["logical"]["per_round_mean"][direction]
     return _mean([round_bytes(r, direction, logical) for r in run.rounds])
 
 
@@ -135,12 +135,12 @@ def run_row(run: Run, link: Link | None = None, target: float | None = None) -> 
         "bytes_up_per_round": _per_round_mean(run, "up", logical),
         "physical_bytes_down_per_round": _per_round_mean(run, "down", False),
         "physical_bytes_up_per_round": _per_round_mean(run, "up", False),
-        "client_compute_seconds_per_round": _mean([r["client_compute_seconds"] for r in rounds]),
-        "train_flops_per_round": _mean([r["train_flops"] for r in rounds]),
+        "client_compute_seconds_per_round": _mean([r.client_compute_seconds for r in rounds]),
+        "train_flops_per_round": _mean([r.train_flops for r in rounds]),
         "wall_seconds": None,
     }
     if summary is not None:
-        accuracy = summary["accuracy"]
+        accuracy = summary.accuracy
         if accuracy["metric"] == "acc":
             row["initial_acc"] = accuracy["initial"]["mean"]
             if accuracy["personalized"]:
@@ -148,7 +148,7 @@ def run_row(run: Run, link: Link | None = None, target: float | None = None) -> 
                 row["personalized_acc"] = accuracy["personalized"][epochs]["mean"]
                 row["finetune_epochs"] = int(epochs)
             row["global_acc"] = run.final_global_accuracy()
-        row["wall_seconds"] = summary["seconds"]
+        row["wall_seconds"] = summary.seconds
     if link is not None:
         row.update(dict.fromkeys(c.key for c in LINK_COLUMNS))
         if run.has_client_entries():
@@ -283,9 +283,9 @@ def _per_part_keys(runs: Sequence[Run]) -> list[str]:
     units: dict[str, None] = {}
     for run in runs:
         for record in run.rounds:
-            parts.update(dict.fromkeys(record.get("bytes_by_part", {})))
-            parts.update(dict.fromkeys(record.get("logical", {}).get("by_part", {})))
-            units.update(dict.fromkeys(record.get("bytes_by_unit", {})))
+            parts.update(dict.fromkeys(record.bytes_by_part))
+            parts.update(dict.fromkeys((record.logical or {}).get("by_part", {})))
+            units.update(dict.fromkeys(record.bytes_by_unit or {}))
     keys = [f"{kind}_{part}_{d}" for kind in ("physical", "logical") for part in parts for d in ("down", "up")]
     return keys + [f"unit_{unit}_{d}" for unit in units for d in ("down", "up")]
 
@@ -296,25 +296,25 @@ def round_rows(runs: Sequence[Run]) -> tuple[list[str], list[dict[str, Any]]]:
     rows = []
     for run in runs:
         for record in run.rounds:
-            logical = record.get("logical", {})
+            logical = record.logical or {}
+            global_metrics = record.global_metrics or {}
             row: dict[str, Any] = {
                 "run": run.label, "group": run.group, "algorithm": run.algorithm,
                 **{f"seed_{source}": seed for source, seed in run.seeds.items()},
-                "round": record["round"], "sampled": len(record.get("sampled", [])),
-                "completed": len(record.get("completed", [])),
-                "train_loss": record.get("train_loss"), "lr": record.get("lr"),
-                "global_acc": record.get("global", {}).get("acc"), "global_loss": record.get("global", {}).get("loss"),
-                "seconds": record.get("seconds"), "train_flops": record.get("train_flops"),
-                "client_compute_seconds": record.get("client_compute_seconds"),
+                "round": record.round, "sampled": len(record.sampled), "completed": len(record.completed),
+                "train_loss": record.train_loss, "lr": record.lr,
+                "global_acc": global_metrics.get("acc"), "global_loss": global_metrics.get("loss"),
+                "seconds": record.seconds, "train_flops": record.train_flops,
+                "client_compute_seconds": record.client_compute_seconds,
                 "bytes_counted": "logical" if logical else "physical",
-                "physical_down": record.get("bytes_down"), "physical_up": record.get("bytes_up"),
+                "physical_down": record.bytes_down, "physical_up": record.bytes_up,
                 "logical_down": logical.get("down"), "logical_up": logical.get("up"),
             }
-            for kind, by_part in (("physical", record.get("bytes_by_part", {})), ("logical", logical.get("by_part", {}))):
+            for kind, by_part in (("physical", record.bytes_by_part), ("logical", logical.get("by_part", {}))):
                 for part, counts in by_part.items():
                     for direction in ("down", "up"):
                         row[f"{kind}_{part}_{direction}"] = counts.get(direction)
-            for unit, counts in record.get("bytes_by_unit", {}).items():
+            for unit, counts in (record.bytes_by_unit or {}).items():
                 for direction in ("down", "up"):
                     row[f"unit_{unit}_{direction}"] = counts.get(direction)
             rows.append(row)

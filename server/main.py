@@ -33,6 +33,7 @@ from fedpart.common.exit_codes import ExitCode, Stopped
 from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.plans import RunOutcome
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
+from fedpart.common.records import RoundRecord, RunSummary
 from fedpart.common.client_ids import format_id_ranges
 from fedpart.common.security import Principal, SecurityError, ServerSecurity
 from fedpart.server.auth import CallGuard, Principals, TokenGate
@@ -380,7 +381,7 @@ class ServerRun:
             self.run_dir.checkpoint(round_number, coordinator.global_state,
                                     last=round_number == coordinator.last_round)
             write_run_state(self.run_dir.path, coordinator.snapshot(round_number, self.seconds()))
-            self.display.log(format_round(record, config.rounds))
+            self.display.log(format_round(RoundRecord.from_json(record), config.rounds))
         self.display.log("evaluating and personalising on every client ...")
         evaluations = coordinator.evaluate_all()
         global_metrics = self.evaluator.evaluate(coordinator.global_state) if self.evaluator is not None else None
@@ -392,10 +393,11 @@ class ServerRun:
         code = ExitCode.FAILURES if failures else ExitCode.COMPLETED
         summary = build_summary(config, coordinator.model, self.records, evaluations, global_metrics,
                                 coordinator.ledger, failures, self.seconds(), note=coordinator.stop_note(),
-                                evaluation_delivery=coordinator.board.delivery_counts(config.rounds + 1).as_dict())
-        self.run_dir.write_summary({**summary, "exit_code": int(code)})
+                                evaluation_delivery=coordinator.board.delivery_counts(config.rounds + 1).as_dict(),
+                                exit_code=int(code))
+        self.run_dir.write_summary(summary)
         mark_finished(self.run_dir.path)
-        self.display.print(format_table(summary))
+        self.display.print(format_table(RunSummary.from_json(summary)))
         return code
 
     def _failures(self) -> list[str]:
@@ -408,23 +410,23 @@ class ServerRun:
         """summary.json of a run that ended early, marked ``status`` (the run state of the last
         completed round stays for ``--resume``)."""
         summary = build_summary(self.config, self.coordinator.model, self.records, {}, None, self.coordinator.ledger,
-                                self._failures(), self.seconds(), status=status, note=note)
-        self.run_dir.write_summary({**summary, "exit_code": int(code)})
+                                self._failures(), self.seconds(), status=status, note=note, exit_code=int(code))
+        self.run_dir.write_summary(summary)
         self.display.log(f"run {status}: {note}; wrote {self.run_dir.path / 'summary.json'}")
 
 
 def short_rounds(records: list[dict], config: RunConfig) -> list[str]:
-    """A line for each round in which clients it needed sent no result (every client it sampled,
-    or with ``sampling.over_selection`` the clients a round waits for); results it refused are
-    failures of their own already."""
+    """A line for each round (``records``: the round records as JSON) in which clients it needed
+    sent no result (every client it sampled, or with ``sampling.over_selection`` the clients a
+    round waits for); results it refused are failures of their own already."""
     over_selection = config.sampling.over_selection
     lines = []
-    for record in records:
-        needed = len(record["sampled"])
+    for record in map(RoundRecord.from_json, records):
+        needed = len(record.sampled)
         if over_selection and config.sampling.probability is None:
             needed = min(needed, round_target(config.clients, config.sampling.fraction))
-        answered = len(record["completed"]) + record.get("robust", {}).get("rejected", 0)
+        answered = len(record.completed) + (record.robust or {}).get("rejected", 0)
         if answered < needed:
-            lines.append(f"round {record['round']}: {needed - answered} of the {needed} clients it needed sent "
-                         f"no result (folded {len(record['completed'])})")
+            lines.append(f"round {record.round}: {needed - answered} of the {needed} clients it needed sent "
+                         f"no result (folded {len(record.completed)})")
     return lines

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from fedpart.common.records import RoundRecord
 from fedpart.server.report import delivery_totals
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class RunCollector:
         coordinator = self.coordinator
         config = coordinator.config
         progress = coordinator.progress()
-        records = list(self.records)
+        records = [RoundRecord.from_json(r) for r in self.records]
 
         yield InfoMetricFamily("fedpart_run", "The run this server coordinates",
                                value={"run_id": coordinator.run_id, "name": config.name,
@@ -80,9 +81,9 @@ class RunCollector:
                                     value=progress.eta_seconds)
         if records:
             yield GaugeMetricFamily("fedpart_last_round_seconds", "Duration of the last completed round",
-                                    value=records[-1]["seconds"])
+                                    value=records[-1].seconds)
         yield CounterMetricFamily("fedpart_round_seconds", "Seconds of the completed rounds, summed",
-                                  value=sum(r["seconds"] for r in records))
+                                  value=sum(r.seconds for r in records))
 
         registry = coordinator.registry
         yield GaugeMetricFamily("fedpart_connected_processes", "Client processes connected and alive",
@@ -91,13 +92,13 @@ class RunCollector:
                                 value=registry.ready_clients)
 
         yield CounterMetricFamily("fedpart_results_sampled", "Clients sampled in the completed rounds",
-                                  value=sum(len(r["sampled"]) for r in records))
+                                  value=sum(len(r.sampled) for r in records))
         yield CounterMetricFamily("fedpart_results_folded", "Training results folded into the completed rounds",
-                                  value=sum(len(r["completed"]) for r in records))
+                                  value=sum(len(r.completed) for r in records))
         robust = CounterMetricFamily("fedpart_results_robust", "Results the defences (robust.*) changed or "
                                      "refused in the completed rounds", labels=["action"])
         for action in ROBUST_COUNTS:
-            robust.add_metric([action], sum(r.get("robust", {}).get(action, 0) for r in records))
+            robust.add_metric([action], sum((r.robust or {}).get(action, 0) for r in records))
         yield robust
         delivery = CounterMetricFamily("fedpart_delivery", "What faults made the server do, by kind: tasks and "
                                        "results sent again, streams cut, duplicates dropped, tasks given up",

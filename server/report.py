@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import yaml
 
 from fedpart.common.checkpoint import save_tensors
 from fedpart.common.config import CheckpointConfig, ConfigError, RunConfig
+from fedpart.common.records import RoundRecord, RunSummary
 from fedpart.common.split_model import count_parameters
 from fedpart.server.accounting import ByteLedger
 from fedpart.server.run_state import ResumeError
@@ -142,11 +143,14 @@ def _metric_summary(evaluations: Mapping[int, Mapping[str, float]], key: str) ->
 def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
                   evaluations: Mapping[int, Mapping[str, float]], global_metrics: Mapping[str, float] | None,
                   ledger: ByteLedger, failures: list[str], seconds: float, status: str = COMPLETED,
-                  note: str | None = None, evaluation_delivery: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """The run's summary.json content. ``status`` says how the run ended (:data:`COMPLETED`,
-    :data:`INTERRUPTED`, :data:`FAILED`: then it holds what was known, ``note`` says why);
-    ``evaluation_delivery``: what the final evaluation had to send again (the rounds' counts are
-    in their records)."""
+                  note: str | None = None, evaluation_delivery: Mapping[str, int] | None = None,
+                  exit_code: int | None = None) -> dict[str, Any]:
+    """The run's summary.json content (:class:`~fedpart.common.records.RunSummary`, as JSON).
+    ``status`` says how the run ended (:data:`COMPLETED`, :data:`INTERRUPTED`, :data:`FAILED`:
+    then it holds what was known, ``note`` says why); ``evaluation_delivery``: what the final
+    evaluation had to send again (the rounds' counts are in their records); ``exit_code``: the
+    server's, where known. ``rounds`` are the round records as JSON (metrics.jsonl's lines)."""
+    records = [RoundRecord.from_json(r) for r in rounds]
     names = dict(model.named_parameters())
     body = [n for n in names if n.startswith("body.")]
     head = [n for n in names if n.startswith("head.")]
@@ -174,47 +178,53 @@ def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
             "bytes": ledger.totals(client=client),
         })
     totals = ledger.totals()
-    return {
-        "status": status,
-        **({"note": note} if note else {}),
-        "rounds_completed": len(rounds),
-        "algorithm": config.algorithm.name,
-        "model": config.model.name,
-        "dataset": config.data.dataset,
-        "rounds": config.rounds,
-        "clients": config.clients,
-        "seeds": config.resolved_seeds(),
-        "parameters": {"total": count_parameters(model), "body": count_parameters(model, body),
-                       "head": count_parameters(model, head)},
-        "accuracy": accuracy,
-        "bytes": {"down": totals["down"], "up": totals["up"], "by_part": ledger.by_part(),
-                  "per_round_mean": {d: statistics.fmean(r[f"bytes_{d}"] for r in rounds) if rounds else 0
-                                     for d in ("down", "up")},
-                  "evaluation": ledger.totals(config.rounds + 1),
-                  "refused_up": ledger.refused_bytes,
-                  **_compression(ledger),
-                  "logical": _logical_bytes(rounds, ledger, config.rounds + 1)},
-        "compute": {
-            "client_seconds": sum(r["client_compute_seconds"] for r in rounds),
-            "train_flops": sum(r["train_flops"] for r in rounds),
-            "round_seconds_mean": statistics.fmean(r["seconds"] for r in rounds) if rounds else None,
-            **_gpu_peak(rounds),
+    return RunSummary(
+        status=status,
+        note=note or None,
+        rounds_completed=len(records),
+        algorithm=config.algorithm.name,
+        model=config.model.name,
+        dataset=config.data.dataset,
+        rounds=config.rounds,
+        clients=config.clients,
+        seeds=config.resolved_seeds(),
+        parameters={"total": count_parameters(model), "body": count_parameters(model, body),
+                    "head": count_parameters(model, head)},
+        accuracy=accuracy,
+        bytes={"down": totals["down"], "up": totals["up"], "by_part": ledger.by_part(),
+               "per_round_mean": {"down": _mean([r.bytes_down for r in records], 0),
+                                  "up": _mean([r.bytes_up for r in records], 0)},
+               "evaluation": ledger.totals(config.rounds + 1),
+               "refused_up": ledger.refused_bytes,
+               **_compression(ledger),
+               "logical": _logical_bytes(records, ledger, config.rounds + 1)},
+        compute={
+            "client_seconds": sum(r.client_compute_seconds for r in records),
+            "train_flops": sum(r.train_flops for r in records),
+            "round_seconds_mean": _mean([r.seconds for r in records], None),
+            **_gpu_peak(records),
         },
-        "delivery": {"rounds": delivery_totals(rounds), "evaluation": dict(evaluation_delivery or {})},
-        **({"privacy": _privacy(config, rounds)} if config.privacy.dp.enabled else {}),
-        "seconds": round(seconds, 3),
-        "failures": failures,
-        "per_client": per_client,
-    }
+        delivery={"rounds": delivery_totals(records), "evaluation": dict(evaluation_delivery or {})},
+        privacy=_privacy(config, records) if config.privacy.dp.enabled else None,
+        seconds=round(seconds, 3),
+        failures=failures,
+        per_client=per_client,
+        exit_code=exit_code,
+    ).to_json()
 
 
-def _privacy(config: RunConfig, rounds: list[dict]) -> dict[str, Any]:
+def _mean(values: list[float], empty: float | None) -> float | None:
+    """The mean of ``values``; ``empty`` where there are none."""
+    return statistics.fmean(values) if values else empty
+
+
+def _privacy(config: RunConfig, rounds: Sequence[RoundRecord]) -> dict[str, Any]:
     """The DP budget spent (``privacy.dp``, docs/privacy.md): the epsilon reached (the last round
     record's; null where it is infinite, without noise), at which delta, the sampling and the
     dp-accounting accountant it was accounted for, and the mechanism's settings."""
     dp = config.privacy.dp
     return {
-        "epsilon": rounds[-1]["privacy"]["epsilon"] if rounds else 0.0,
+        "epsilon": rounds[-1].privacy["epsilon"] if rounds else 0.0,
         "delta": dp.resolved_delta(config.clients),
         "sampling": config.sampling.scheme,
         "accountant": dp.accountant,
@@ -225,15 +235,15 @@ def _privacy(config: RunConfig, rounds: list[dict]) -> dict[str, Any]:
     }
 
 
-def _logical_bytes(rounds: list[dict], ledger: ByteLedger, evaluation_round: int) -> dict[str, Any]:
+def _logical_bytes(rounds: Sequence[RoundRecord], ledger: ByteLedger, evaluation_round: int) -> dict[str, Any]:
     """The run's logical bytes: its rounds' (summed from their records, so a resumed run counts
     the rounds an earlier server ran; records written before fedpart counted them have none)
     and the final evaluation's (from the ledger, as ``evaluation_round``)."""
-    counted = [r for r in rounds if "logical" in r]
+    counted = [r for r in rounds if r.logical is not None]
     evaluation = ledger.logical(evaluation_round)
     by_part: dict[str, dict[str, int]] = {}
     by_unit: dict[str, dict[str, int]] = {}
-    splits = [(by_part, r["logical"]["by_part"]) for r in counted] + [(by_unit, r["bytes_by_unit"]) for r in counted]
+    splits = [(by_part, r.logical["by_part"]) for r in counted] + [(by_unit, r.bytes_by_unit or {}) for r in counted]
     splits += [(by_part, evaluation["by_part"]), (by_unit, ledger.by_unit(evaluation_round))]
     for totals, split in splits:
         for key, counts in split.items():
@@ -241,30 +251,29 @@ def _logical_bytes(rounds: list[dict], ledger: ByteLedger, evaluation_round: int
             for direction in ("down", "up"):
                 entry[direction] += counts[direction]
     return {
-        **{d: sum(r["logical"][d] for r in counted) + evaluation[d] for d in ("down", "up")},
+        **{d: sum(r.logical[d] for r in counted) + evaluation[d] for d in ("down", "up")},
         "by_part": by_part,
         "by_unit": by_unit,
-        "per_round_mean": {d: statistics.fmean(r["logical"][d] for r in counted) if counted else 0
-                           for d in ("down", "up")},
+        "per_round_mean": {d: _mean([r.logical[d] for r in counted], 0) for d in ("down", "up")},
         "evaluation": {d: evaluation[d] for d in ("down", "up")},
     }
 
 
-def delivery_totals(rounds: list[dict]) -> dict[str, int]:
+def delivery_totals(rounds: Sequence[RoundRecord]) -> dict[str, int]:
     """The rounds' delivery counts (tasks and results sent again, streams cut, duplicates, tasks
     given up: :class:`~fedpart.server.task_board.DeliveryCounts`) summed by kind; records written
     before fedpart counted them have none."""
     totals: dict[str, int] = {}
     for record in rounds:
-        for kind, count in record.get("delivery", {}).items():
+        for kind, count in (record.delivery or {}).items():
             totals[kind] = totals.get(kind, 0) + count
     return totals
 
 
-def _gpu_peak(rounds: list[dict]) -> dict[str, int]:
+def _gpu_peak(rounds: Sequence[RoundRecord]) -> dict[str, int]:
     """``{gpu_peak_bytes: n}``: the highest peak GPU memory of a client process in any round
     (nothing when no process trained on a GPU)."""
-    peaks = [peak for r in rounds for peak in r.get("gpu_peak_bytes", {}).values()]
+    peaks = [peak for r in rounds for peak in (r.gpu_peak_bytes or {}).values()]
     return {"gpu_peak_bytes": max(peaks)} if peaks else {}
 
 
@@ -283,18 +292,18 @@ def _fmt(value: float | None, scale: float = 100.0) -> str:
     return "-" if value is None else f"{value * scale:6.2f}"
 
 
-def format_round(record: Mapping[str, Any], rounds: int) -> str:
+def format_round(record: RoundRecord, rounds: int) -> str:
     """One readable progress line."""
-    loss = record["train_loss"]
-    return (f"round {record['round']:>4}/{rounds}  clients {len(record['completed'])}/{len(record['sampled'])}  "
-            f"loss {'-' if loss is None else f'{loss:.4f}'}  lr {record['lr']:.4g}  "
-            f"down {record['bytes_down'] / 1e6:.3f} MB  up {record['bytes_up'] / 1e6:.3f} MB  "
-            f"{record['seconds']:.2f} s")
+    loss = record.train_loss
+    return (f"round {record.round:>4}/{rounds}  clients {len(record.completed)}/{len(record.sampled)}  "
+            f"loss {'-' if loss is None else f'{loss:.4f}'}  lr {record.lr:.4g}  "
+            f"down {record.bytes_down / 1e6:.3f} MB  up {record.bytes_up / 1e6:.3f} MB  "
+            f"{record.seconds:.2f} s")
 
 
-def format_table(summary: Mapping[str, Any]) -> str:
+def format_table(summary: RunSummary) -> str:
     """The final result table printed on stdout."""
-    acc = summary["accuracy"]
+    acc = summary.accuracy
     metric = acc["metric"]
     scale = 100.0 if metric == "acc" else 1.0
     unit = "accuracy %" if metric == "acc" else "loss"
@@ -305,9 +314,9 @@ def format_table(summary: Mapping[str, Any]) -> str:
     if "headless_cosine" in acc:
         rows.append(("head-less, cosine", acc["headless_cosine"]))
     lines = [
-        f"{summary['algorithm']} | {summary['model']} on {summary['dataset']} | {summary['clients']} clients | "
-        f"{summary['rounds']} rounds | {summary['parameters']['total']:,} parameters "
-        f"(body {summary['parameters']['body']:,}, head {summary['parameters']['head']:,})",
+        f"{summary.algorithm} | {summary.model} on {summary.dataset} | {summary.clients} clients | "
+        f"{summary.rounds} rounds | {summary.parameters['total']:,} parameters "
+        f"(body {summary.parameters['body']:,}, head {summary.parameters['head']:,})",
         f"{'evaluation':<30}{unit + ' mean':>18}{'std':>9}{'weighted':>10}{'clients':>9}",
     ]
     for name, s in rows:
@@ -315,7 +324,7 @@ def format_table(summary: Mapping[str, Any]) -> str:
                      f"{_fmt(s['weighted_mean'], scale):>10}{s['clients']:>9}")
     if "global" in acc and metric in acc["global"]:
         lines.append(f"{'global model, server test set':<30}{_fmt(acc['global'][metric], scale):>18}")
-    b = summary["bytes"]
+    b = summary.bytes
     lines.append(f"bytes down {b['down']:,}  up {b['up']:,}  (per round: down {b['per_round_mean']['down']:,.0f}, "
                  f"up {b['per_round_mean']['up']:,.0f})")
     logical = b["logical"]
@@ -327,6 +336,6 @@ def format_table(summary: Mapping[str, Any]) -> str:
                        if set(by_encoding) - {"none"})
     if ratios:
         lines.append(f"compression (decoded / wire tensor bytes): {ratios}")
-    if summary["failures"]:
-        lines.append(f"FAILURES ({len(summary['failures'])}): " + "; ".join(summary["failures"][:5]))
+    if summary.failures:
+        lines.append(f"FAILURES ({len(summary.failures)}): " + "; ".join(summary.failures[:5]))
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from conftest import WAIT, child_env, fedpart_command, read_metrics, read_summar
     small_config, start_server, write_config
 from fedpart.cli import main as cli
 from fedpart.cli.compare import parse_seeds, plan_runs, split_overrides
+from fedpart.common.records import RoundRecord
 from fedpart.report.link import (ClientRound, Link, cumulative_seconds, default_target, parse_duration,
                                         parse_rate, round_time, round_times, time_to_accuracy)
 from fedpart.report.runs import read_runs
@@ -67,7 +68,7 @@ def test_link_model_on_a_hand_computed_round() -> None:
 
 def test_link_model_over_round_records_and_time_to_accuracy() -> None:
     link = Link(downlink=8e6, uplink=8e6, rtt=0.0)  # 1,000,000 B/s both ways, no latency
-    records = [
+    records = [RoundRecord.from_json(r) for r in [
         # client 4 was sampled but did not complete (no compute seconds): left out
         {"round": 1, "bytes_down": 2_000_100, "bytes_up": 1_000_000, "global": {"acc": 0.5},
          "clients": {"3": {"down": 2_000_000, "up": 1_000_000, "compute_seconds": 1.0},
@@ -76,7 +77,7 @@ def test_link_model_over_round_records_and_time_to_accuracy() -> None:
         {"round": 2, "bytes_down": 1_000_000, "bytes_up": 1_000_000, "global": {"acc": 0.8},
          "clients": {"3": {"down": 1_000_000, "up": 1_000_000, "compute_seconds": 2.0}}},
         {"round": 3, "bytes_down": 0, "bytes_up": 0, "clients": {}},  # nobody completed: adds nothing
-    ]
+    ]]
     times = round_times(link, records)
     assert [t.seconds if t else None for t in times] == pytest.approx([4.0, 4.0, None])
     cumulative = cumulative_seconds(times)
