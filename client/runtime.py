@@ -18,7 +18,7 @@ import json
 import os
 import socket
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -29,6 +29,7 @@ import torch
 from fedpart.client.evaluation import evaluate_and_personalize
 from fedpart.client.local_data import ClientData, load_client_data
 from fedpart.client.placement import DeviceError, PeakMemory, Transfers, describe, resolve_device
+from fedpart.client.secure_aggregation import SecureStepError, SecureUpdates
 from fedpart.client.session import (
     CONNECT_SECONDS,
     RECONNECT_SECONDS,
@@ -51,7 +52,7 @@ from fedpart.common.exit_codes import ExitCode, Stopped
 from fedpart.common.experiment import LocalData, build_run_model, check_experiment, dataset_dims, run_algorithm
 from fedpart.common.losses import build_loss
 from fedpart.common.models.zoo import unit_forward_flops
-from fedpart.common.plans import RunOutcome, TaskInfo, TaskKind
+from fedpart.common.plans import RunOutcome, SecAggStage, TaskInfo, TaskKind
 from fedpart.common.privacy import clip_deltas
 from fedpart.common.protocol import PROTOCOL_VERSION
 from fedpart.common.client_ids import format_id_ranges
@@ -186,6 +187,7 @@ class ClientProcess:
         self._call(self.session.joined_run(server.call_timeout, server.heartbeat_timeout))  # beats while data loads
         try:
             self.store = ClientStore(self.state_dir, reply.run_id)
+            self.secure = SecureUpdates(reply.run_id)
             self.store.mark_latest()
             restored = [c for c in self.client_ids if self.store.personal_parts(c)]
             if restored:
@@ -271,6 +273,8 @@ class ClientProcess:
         client = task.client_id
         if client not in self.data:
             raise ClientError(f"the server sent a task for client {client}, which this process does not host")
+        if task.kind == TaskKind.SECAGG:
+            return self._secure_step(task)
         data = self.data[client]
         peak = PeakMemory(self.device)
         personal = self._load_client_model(client, task)
@@ -297,6 +301,9 @@ class ClientProcess:
         uploads = {n: trained[n] - self.cache[n] for n in plan.upload_deltas}
         if self.config.privacy.dp.enabled:  # DP-FedAvg: the whole update clipped before any codec
             uploads = clip_deltas(uploads, self.config.privacy.dp.clip_norm)[0]
+        secagg = None
+        if task.secagg is not None:  # secure aggregation: the update waits for the MASK step
+            secagg, uploads = self.secure.advertise(client, task.round, uploads), {}
         uploads.update({n: trained[n].clone() for n in plan.upload_values})  # sent while the model trains on
         uploads, kept, state = self.transfers.to_host(uploads, {n: trained[n] for n in personal}, state)
         if kept:
@@ -306,23 +313,46 @@ class ClientProcess:
         metrics = {"loss": outcome.loss, "steps": outcome.steps, "compute_seconds": outcome.compute_seconds,
                    "trainable_parameters": outcome.trainable_parameters, "train_flops": outcome.flops,
                    **peak.metrics()}
-        return self._training_answer(task, outcome.samples, metrics, uploads)
+        answer = self._training_answer(task, outcome.samples, metrics, uploads)
+        answer.secagg = secagg
+        return answer
 
     def _training_answer(self, task: TaskInfo, num_samples: int, metrics: dict[str, float],
                          uploads: dict[str, torch.Tensor]) -> Answer:
         """A training result in messages of the size its task names, its tensors encoded by
         ``compression.up``; the error-feedback residuals it leaves are kept once the server took it."""
         specs, tensors, residuals = self._wire_forms(task, uploads)
-        chunk_bytes = self.config.server.largest_result_message(task.result_chunk_bytes)
-
-        def pieces():
-            return (chunk.SerializeToString() for chunk in encode_chunks(pb.ResultChunk, None, tensors, chunk_bytes))
 
         def keep_residuals() -> None:
             if residuals is not None:
                 self.store.save_residuals(task.client_id, task.round, residuals)
 
-        return Answer(num_samples, metrics, specs, pieces, keep_residuals)
+        return Answer(num_samples, metrics, specs, self._pieces(task, tensors), keep_residuals)
+
+    def _pieces(self, task: TaskInfo, tensors: list[torch.Tensor]) -> Callable[[], Iterable[bytes]]:
+        """The serialized chunks of a result's tensors, in messages of the size its task names."""
+        chunk_bytes = self.config.server.largest_result_message(task.result_chunk_bytes)
+        return lambda: (chunk.SerializeToString() for chunk in encode_chunks(pb.ResultChunk, None, tensors, chunk_bytes))
+
+    def _secure_step(self, task: TaskInfo) -> Answer:
+        """A step of secure aggregation (:mod:`fedpart.client.secure_aggregation`). A step this
+        process cannot answer is answered empty: the server refuses it and counts the client as
+        dropped out of the round."""
+        client, step = task.client_id, task.secagg
+        self.activity.task(f"client {client} round {task.round}: secure aggregation ({step.stage.name.lower()})")
+        try:
+            if step.stage == SecAggStage.SHARE:
+                return Answer(secagg=self.secure.share(client, task.round, step))
+            if step.stage == SecAggStage.UNMASK:
+                return Answer(secagg=self.secure.reveal(client, task.round, step))
+            if step.stage != SecAggStage.MASK:
+                raise SecureStepError(f"client {client}: a SECAGG task with stage {step.stage.name}")
+            masked = self.secure.mask(client, task.round, step)
+        except SecureStepError as error:
+            self.log(f"warning: {error}")
+            return Answer()
+        specs, tensors = zip(*(wire_form(name, tensor, None) for name, tensor in masked.items()))
+        return Answer(specs=list(specs), pieces=self._pieces(task, list(tensors)))
 
     def _wire_forms(self, task: TaskInfo, uploads: dict[str, torch.Tensor]
                     ) -> tuple[list[pb.TensorSpec], list[torch.Tensor], dict[str, torch.Tensor] | None]:

@@ -44,7 +44,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from fedpart.common.exit_codes import ExitCode
-from fedpart.common.plans import ResultInfo, TaskInfo, TaskKind
+from fedpart.common.plans import ResultInfo, SecAggAnswer, TaskInfo, TaskKind
 from fedpart.common.protocol import (
     KEEPALIVE_SECONDS,
     KEEPALIVE_TIMEOUT_SECONDS,
@@ -175,6 +175,7 @@ class Answer:
     specs: list[pb.TensorSpec] = field(default_factory=list)
     pieces: Callable[[], Iterable[bytes]] = lambda: ()
     on_taken: Callable[[], None] = lambda: None
+    secagg: SecAggAnswer | None = None    # the answer to a step of secure aggregation
 
 
 class SessionEvents:
@@ -412,7 +413,7 @@ class Session:
             if header is not None:
                 raise SessionError("the server sent a second header inside one task stream")
             header = chunk.header
-            if header.kind in (pb.TRAIN, pb.EVALUATE):
+            if header.kind in (pb.TRAIN, pb.EVALUATE, pb.SECAGG):
                 tensors = _checked(reader, header)
         elif header is None:
             raise SessionError("the first chunk of a task stream carries no header")
@@ -435,7 +436,8 @@ class Session:
             while True:
                 session = self.session
                 header = result_header(ResultInfo(session, info.task_id, info.client_id, info.round,
-                                                  num_samples=answer.num_samples, metrics=answer.metrics),
+                                                  num_samples=answer.num_samples, metrics=answer.metrics,
+                                                  secagg=answer.secagg),
                                        answer.specs)
                 first = pb.ResultChunk(header=header).SerializeToString()
                 counted = _Counted(_chained(first, answer.pieces()))

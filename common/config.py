@@ -491,6 +491,7 @@ def _validate(config: RunConfig) -> None:
     _check_codec(config.compression.down, "compression.down")
     _check_server_optimizer(config)
     _check_privacy(config)
+    _check_secure_aggregation(config)
 
 
 def _check_privacy(config: RunConfig) -> None:
@@ -559,6 +560,56 @@ def dp_refusals(config: RunConfig) -> list[str]:
     if collected:
         refusals.append(f"algorithm {config.algorithm.name} uploads its {', '.join(collected)} values whole into a "
                         "per-client dictionary whose mean becomes the global copy without clipping or noise")
+    return refusals
+
+
+def _check_secure_aggregation(config: RunConfig) -> None:
+    """Validate the ``privacy.secure_aggregation*`` keys and, where it is on, refuse what a sum
+    of masked updates cannot serve (docs/privacy.md). Raises ConfigError naming the keys."""
+    privacy = config.privacy
+    checks = [
+        (math.isfinite(privacy.secure_aggregation_bound) and privacy.secure_aggregation_bound > 0,
+         "privacy.secure_aggregation_bound must be a finite number > 0"),
+        (privacy.secure_aggregation_threshold is None or privacy.secure_aggregation_threshold >= 2,
+         "privacy.secure_aggregation_threshold must be at least 2 (one share would reveal a secret)"),
+        (privacy.secure_aggregation_neighbours is None or privacy.secure_aggregation_neighbours >= 2,
+         "privacy.secure_aggregation_neighbours must be at least 2"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if privacy.secure_aggregation:
+        for message in secure_aggregation_refusals(config):
+            raise ConfigError(f"privacy.secure_aggregation: {message}")
+
+
+def secure_aggregation_refusals(config: RunConfig) -> list[str]:
+    """Why ``config`` cannot run with ``privacy.secure_aggregation`` on (empty: it can): the server
+    receives only masked updates and learns their sum, so nothing may need one client's update."""
+    from fedpart.common.algorithms import build_algorithm
+
+    robust = config.robust
+    refusals = []
+    if robust.aggregator != "mean":
+        refusals.append(f"robust.aggregator {robust.aggregator!r} needs every client's update, the server learns only "
+                        "their sum: set robust.aggregator: mean")
+    if robust.norm_bound:
+        refusals.append("robust.norm_bound needs each update's norm, which the server cannot see: set "
+                        "robust.norm_bound: 0 (each client clips its elements to privacy.secure_aggregation_bound)")
+    if config.compression.up.codec != "none":
+        refusals.append(f"compression.up {config.compression.up.codec!r}: the masked update is a vector of the ring "
+                        "of 2**32 that no codec may round: set compression.up.codec: none")
+    if config.server_optimizer.name == "fedexp":
+        refusals.append("server_optimizer fedexp needs each result's delta norm, which the server cannot see")
+    if config.sampling.fraction * config.clients < 2 and config.sampling.probability is None:
+        refusals.append("fewer than 2 clients a round: the sum of one masked update is that client's update")
+    try:
+        algorithm = build_algorithm(config.algorithm.name, config.algorithm.options, config.algorithm.objective)
+    except ValueError:
+        return refusals  # the algorithm check reports it
+    if algorithm.collected_parts:
+        refusals.append(f"algorithm {config.algorithm.name} uploads its {', '.join(algorithm.collected_parts)} values "
+                        "into a per-client dictionary, which a sum cannot give")
     return refusals
 
 

@@ -20,6 +20,18 @@ class TaskKind(IntEnum):
     TRAIN = 1
     EVALUATE = 2
     DONE = 3      # the run is over
+    SECAGG = 4    # a step of secure aggregation (the task's ``secagg`` says which)
+
+
+class SecAggStage(IntEnum):
+    """The steps of a securely aggregated round (Bonawitz et al., CCS 2017); the values are the
+    proto's ``SecAggStage``. ADVERTISE rides on the TRAIN task; the others are SECAGG tasks."""
+
+    NONE = 0
+    ADVERTISE = 1  # train, keep the update, answer two public keys
+    SHARE = 2      # the neighbours' keys: answer a sealed share of the secrets for each
+    MASK = 3       # the shares sealed to this client: answer the masked, quantized update
+    UNMASK = 4     # who masked and who dropped out: answer the shares that remove the masks
 
 
 class RunOutcome(IntEnum):
@@ -73,6 +85,31 @@ class EvalPlan:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class SecAggStep:
+    """What one step of secure aggregation asks of a client (``fedpart.common.secagg``)."""
+
+    stage: SecAggStage
+    peers: Mapping[int, tuple[bytes, bytes]] = field(default_factory=dict)  # SHARE: neighbour -> (cipher, mask) keys
+    threshold: int = 0                    # SHARE: shares that rebuild a secret
+    sealed: Mapping[int, bytes] = field(default_factory=dict)  # MASK: shares sealed to this client, by sender
+    survivors: tuple[int, ...] = ()       # UNMASK: neighbours whose masked update arrived
+    dropped: tuple[int, ...] = ()         # UNMASK: neighbours that shared but sent no masked update
+    bound: float = 0.0                    # MASK: each element is clipped to [-bound, bound]
+    step: float = 0.0                     # MASK: quantization step
+    weight: int = 0                       # MASK: integer weight multiplied into the quantized update
+
+
+@dataclass(frozen=True)
+class SecAggAnswer:
+    """A client's answer to a step of secure aggregation."""
+
+    cipher_key: bytes = b""               # ADVERTISE
+    mask_key: bytes = b""                 # ADVERTISE
+    sealed: Mapping[int, bytes] = field(default_factory=dict)    # SHARE: by recipient
+    revealed: Mapping[int, bytes] = field(default_factory=dict)  # UNMASK: shares held, by their owner
+
+
 @dataclass
 class TaskInfo:
     """What a task header tells a client: which client, which round, what to do."""
@@ -86,9 +123,13 @@ class TaskInfo:
     personal_init: tuple[str, ...] = ()   # parts the client initialises from the global copy
     outcome: RunOutcome = RunOutcome.COMPLETED  # DONE: how the run ended
     result_chunk_bytes: int = 0           # largest message its result may come in (0: server.result_chunk_bytes)
+    secagg: SecAggStep | None = None      # under secure aggregation: TRAIN (ADVERTISE) and SECAGG tasks
 
     def uploads(self) -> tuple[str, ...]:
-        """Names of the tensors its result must carry."""
+        """Names of the plain tensors its result must carry (none under secure aggregation: the
+        update travels masked, in the MASK step's result)."""
+        if self.secagg is not None:
+            return ()
         return self.train.uploads if self.train is not None else ()
 
 
@@ -102,6 +143,7 @@ class ResultInfo:
     round: int
     num_samples: int = 0                  # local training samples (the aggregation weight)
     metrics: Mapping[str, float] = field(default_factory=dict)
+    secagg: SecAggAnswer | None = None    # the answer to the task's step of secure aggregation
 
 
 @dataclass(frozen=True)

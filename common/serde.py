@@ -17,6 +17,9 @@ from fedpart.common.plans import (
     Phase,
     ResultInfo,
     RunOutcome,
+    SecAggAnswer,
+    SecAggStage,
+    SecAggStep,
     TaskInfo,
     TaskKind,
     TrainPlan,
@@ -55,6 +58,38 @@ def eval_plan(message: pb.EvalPlan) -> EvalPlan:
                     seed=message.seed)
 
 
+def secagg_step_message(step: SecAggStep) -> pb.SecAggStep:
+    return pb.SecAggStep(
+        stage=int(step.stage), threshold=step.threshold, sealed=dict(step.sealed),
+        peers=[pb.SecAggPeer(client_id=c, cipher_key=keys[0], mask_key=keys[1]) for c, keys in step.peers.items()],
+        survivors=list(step.survivors), dropped=list(step.dropped), bound=step.bound, step=step.step,
+        weight=step.weight)
+
+
+def secagg_step(message: pb.SecAggStep) -> SecAggStep:
+    """The step a header asks for; raises WireError for an unknown stage or a peer listed twice."""
+    try:
+        stage = SecAggStage(message.stage)
+    except ValueError as error:
+        raise WireError(f"unknown secure aggregation stage {message.stage}") from error
+    peers = {p.client_id: (p.cipher_key, p.mask_key) for p in message.peers}
+    if len(peers) != len(message.peers):
+        raise WireError("a secure aggregation step lists a peer twice")
+    return SecAggStep(stage=stage, peers=peers, threshold=message.threshold, sealed=dict(message.sealed),
+                      survivors=tuple(message.survivors), dropped=tuple(message.dropped), bound=message.bound,
+                      step=message.step, weight=message.weight)
+
+
+def secagg_answer_message(answer: SecAggAnswer) -> pb.SecAggAnswer:
+    return pb.SecAggAnswer(cipher_key=answer.cipher_key, mask_key=answer.mask_key, sealed=dict(answer.sealed),
+                           revealed=dict(answer.revealed))
+
+
+def secagg_answer(message: pb.SecAggAnswer) -> SecAggAnswer:
+    return SecAggAnswer(cipher_key=message.cipher_key, mask_key=message.mask_key, sealed=dict(message.sealed),
+                        revealed=dict(message.revealed))
+
+
 def task_header(task: TaskInfo, tensors: Iterable[pb.TensorSpec]) -> pb.TaskHeader:
     """The header of a task stream: the task and the specs of the global tensors that follow."""
     header = pb.TaskHeader(kind=int(task.kind), task_id=task.task_id, round=task.round, client_id=task.client_id,
@@ -64,6 +99,8 @@ def task_header(task: TaskInfo, tensors: Iterable[pb.TensorSpec]) -> pb.TaskHead
         header.train.CopyFrom(train_plan_message(task.train))
     if task.evaluate is not None:
         header.evaluate.CopyFrom(eval_plan_message(task.evaluate))
+    if task.secagg is not None:
+        header.secagg.CopyFrom(secagg_step_message(task.secagg))
     return header
 
 
@@ -81,19 +118,24 @@ def task_info(header: pb.TaskHeader) -> TaskInfo:
                     train=train_plan(header.train) if header.HasField("train") else None,
                     evaluate=eval_plan(header.evaluate) if header.HasField("evaluate") else None,
                     personal_init=tuple(header.personal_init), outcome=outcome,
-                    result_chunk_bytes=header.result_chunk_bytes)
+                    result_chunk_bytes=header.result_chunk_bytes,
+                    secagg=secagg_step(header.secagg) if header.HasField("secagg") else None)
 
 
 def result_header(result: ResultInfo, tensors: Iterable[pb.TensorSpec] = ()) -> pb.ResultHeader:
     """The header of a result stream: the result and the specs of the tensors that follow."""
-    return pb.ResultHeader(session=result.session, task_id=result.task_id, client_id=result.client_id,
-                           round=result.round, num_samples=result.num_samples, metrics=dict(result.metrics),
-                           tensors=tensors)
+    header = pb.ResultHeader(session=result.session, task_id=result.task_id, client_id=result.client_id,
+                             round=result.round, num_samples=result.num_samples, metrics=dict(result.metrics),
+                             tensors=tensors)
+    if result.secagg is not None:
+        header.secagg.CopyFrom(secagg_answer_message(result.secagg))
+    return header
 
 
 def result_info(header: pb.ResultHeader) -> ResultInfo:
     return ResultInfo(session=header.session, task_id=header.task_id, client_id=header.client_id,
-                      round=header.round, num_samples=header.num_samples, metrics=dict(header.metrics))
+                      round=header.round, num_samples=header.num_samples, metrics=dict(header.metrics),
+                      secagg=secagg_answer(header.secagg) if header.HasField("secagg") else None)
 
 
 def join_info(request: pb.JoinRequest) -> JoinInfo:

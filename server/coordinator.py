@@ -39,7 +39,7 @@ from fedpart.common.algorithms import Algorithm, Role, RoundContext, learning_ra
 from fedpart.common.config import RunConfig
 from fedpart.common.console import RunProgress
 from fedpart.common.experiment import build_run_model, run_algorithm
-from fedpart.common.plans import EvalPlan, JoinInfo, ResultInfo, RunOutcome, TaskKind, TrainPlan
+from fedpart.common.plans import EvalPlan, JoinInfo, ResultInfo, RunOutcome, SecAggStage, TaskKind, TrainPlan
 from fedpart.common.protocol import Rejected
 from fedpart.common.records import RoundRecord
 from fedpart.common.security import Principal
@@ -50,6 +50,7 @@ from fedpart.server.aggregation import Aggregator, HeadDictionary
 from fedpart.server.registry import REAP_INTERVAL_SECONDS, ProcessRegistry
 from fedpart.server.robust import AggregationStep, ResultRefused, RobustCounts
 from fedpart.server.run_state import EARLIER_ROUNDS, ResumeError, RunState
+from fedpart.server.secure_aggregation import SecureRound, SecureRoundFailed
 from fedpart.server.sampling import round_target, sample_clients
 from fedpart.server.task_board import Task, TaskBoard
 from fedpart.server.transfers import result_chunk_bytes
@@ -96,6 +97,7 @@ class Coordinator:
         self._round_started = 0.0
         self._sampled = 0                        # clients sampled in the current round
         self._results: RoundResults | None = None
+        self._secure: SecureRound | None = None   # the current round's secure aggregation, if on
         self._evaluating = False
         self._rehosted: set[int] = set()         # clients hosted anew during the final evaluation
         self._evaluations: dict[int, dict[str, float]] = {}
@@ -159,7 +161,10 @@ class Coordinator:
         return tuple((n, versions[n]) for n in names)
 
     def expected_uploads(self, task: Task) -> list[TensorSpec]:
-        """Specs (names, dtypes, shapes) of the tensors a result of ``task`` must carry."""
+        """Specs (names, dtypes, shapes) of the tensors a result of ``task`` must carry: under
+        secure aggregation the MASK step's masked update, int32 in the tensors' shapes."""
+        if task.secagg is not None and task.secagg.stage == SecAggStage.MASK:
+            return named_specs({n: torch.empty(shape, dtype=torch.int32) for n, shape in self._secure.shapes.items()})
         return named_specs({n: self.global_state[n] for n in task.uploads()})
 
     def accept(self, task: Task, result: ResultInfo, tensors: dict[str, torch.Tensor],
@@ -186,6 +191,9 @@ class Coordinator:
                 self._evaluations[task.client_id] = metrics
                 commit()
                 self._finish(task)
+            return
+        if task.secagg is not None:
+            self._accept_secure(task, result, tensors, commit)
             return
         values = {n: tensors[n] for n in task.train.upload_values}
         try:
@@ -219,6 +227,71 @@ class Coordinator:
                     self._cond.notify_all()
         for note in screened.notes:
             self.log(f"warning: round {task.round} client {task.client_id}: {note}")
+
+    def _accept_secure(self, task: Task, result: ResultInfo, tensors: dict[str, torch.Tensor],
+                       commit: Callable[[], None]) -> None:
+        """A result of a securely aggregated round (``fedpart.server.secure_aggregation``): a
+        training result's keys, metrics and samples, or a later step's answer; the masked update
+        is folded into the round's modular sum."""
+        secure = self._secure
+        stage = task.secagg.stage
+        if secure is None or secure.round_tag != self._secure_tag(task.round):
+            raise Rejected(f"task {task.task_id} belongs to a secure aggregation that is over")
+        screened = None
+        if stage == SecAggStage.ADVERTISE:
+            try:
+                screened = self.aggregation.screen(task.client_id, {}, int(result.num_samples))
+            except ResultRefused as error:
+                raise Rejected(str(error)) from error
+            secure.take_keys(task.client_id, result, int(screened.weight))
+        elif stage == SecAggStage.SHARE:
+            secure.take_shares(task.client_id, result)
+        elif stage == SecAggStage.UNMASK:
+            secure.take_revealed(task.client_id, result)
+        with self._cond:
+            self.board.claim(task)
+            results = self._results
+            self._folding += 1
+        try:
+            if stage == SecAggStage.MASK:
+                results.deltas.add(tensors, 1.0)
+                secure.take_masked(task.client_id)
+        finally:
+            with self._cond:
+                self._folding -= 1
+                if screened is not None:
+                    results.metrics[task.client_id] = dict(result.metrics)
+                    results.samples[task.client_id] = screened.samples
+                    results.robust.samples_capped += screened.samples_capped
+                    self._train_samples[task.client_id] = int(result.num_samples)
+                commit()
+                self._finish(task)
+                if not self._folding:
+                    self._cond.notify_all()
+
+    def _secure_tag(self, round_number: int) -> bytes:
+        return f"{self.run_id}/round-{round_number}".encode()
+
+    def _secure_steps(self, round_number: int, chunk_bytes: int) -> str | None:
+        """SHARE, MASK and UNMASK of a securely aggregated round, each dispatched to the clients
+        the previous step left and awaited like the training; returns why the round's sum cannot be
+        unmasked (None: it can)."""
+        secure = self._secure
+        server = self.config.server
+        steps = (secure.sharing_steps, lambda: secure.masking_steps(self.aggregation.privacy is not None),
+                 secure.unmasking_steps)
+        for make_steps in steps:
+            try:
+                asks = make_steps()
+            except SecureRoundFailed as error:
+                return str(error)
+            with self._cond:
+                tasks = [Task(TaskKind.SECAGG, next(self._task_ids), round_number, c, secagg=step,
+                              session=host.session, result_chunk_bytes=chunk_bytes)
+                         for c, step in asks.items() if (host := self.registry.host(c)) is not None]
+                dispatched = self.board.dispatch(tasks)
+            self._await(dispatched, server.round_timeout, None, server.round_deadline_factor)
+        return None
 
     # ------------------------------------------------------------------ helpers
 
@@ -272,30 +345,49 @@ class Coordinator:
         sampled = sample_clients(self.config.clients, round_number, self.config.sampling_seed,
                                  sampling.fraction, sampling.probability, sampling.over_selection, sampling.scheme)
         uploads = self.round_plan(round_number, 0).upload_deltas  # every client's plan of a round uploads the same
+        reference = {n: self.global_state[n] for n in uploads}
+        secure = None
+        if self.config.privacy.secure_aggregation:
+            secure = SecureRound(self.config, self.run_id, round_number, reference,
+                                 self.config.train.weighting == "samples")
         with self._cond:
             self._round = round_number
             self._round_started = started
             self._sampled = len(sampled)
-            self._results = RoundResults(self.aggregation.new_aggregator(
-                round_number, {n: self.global_state[n] for n in uploads}))
+            self._secure = secure
+            self._results = RoundResults(self.aggregation.new_aggregator(round_number, reference, secure))
             hosts = {c: host for c in sampled if (host := self.registry.host(c)) is not None}
             server = self.config.server
             chunk_bytes = result_chunk_bytes(server.result_chunk_bytes, server.waiting_upload_bytes,
                                              self.registry.live_processes)
+            advertise = secure.advertise() if secure is not None else None
             tasks = [Task(TaskKind.TRAIN, next(self._task_ids), round_number, c, train=self.round_plan(round_number, c),
-                          personal_init=self._personal_init(c), session=host.session, result_chunk_bytes=chunk_bytes)
+                          personal_init=self._personal_init(c), session=host.session, result_chunk_bytes=chunk_bytes,
+                          secagg=advertise)
                      for c, host in hosts.items()]
             dispatched = self.board.dispatch(tasks)
         # over-selection closes the round once the clients it needs have answered
         enough = round_target(self.config.clients, sampling.fraction) if sampling.over_selection else None
         self._await(dispatched, self.config.server.round_timeout, enough, self.config.server.round_deadline_factor)
+        failed = self._secure_steps(round_number, chunk_bytes) if secure is not None else None
         with self._cond:
             results = self._results
             self._results = None
-        heads = self.heads if self.algorithm.head is Role.COLLECTED else None
-        updated = self.aggregation.new_global(self.global_state, results.deltas, heads)
-        results.robust.non_finite = sorted(name for name, tensor in updated.items() if not all_finite(tensor))
+            self._secure = None
         refusals = []
+        if secure is not None:
+            results.metrics = {c: m for c, m in results.metrics.items() if c in secure.masked}
+            results.samples = {c: n for c, n in results.samples.items() if c in secure.masked}
+        heads = self.heads if self.algorithm.head is Role.COLLECTED else None
+        try:
+            updated = self.aggregation.new_global(self.global_state, results.deltas, heads) if failed is None else {}
+        except SecureRoundFailed as error:
+            failed, updated = str(error), {}
+        if failed is not None:
+            results.metrics = {}
+            refusals.append(f"round {round_number}: secure aggregation failed, the global model is kept: {failed}")
+            self.log(f"error: {refusals[-1]}")
+        results.robust.non_finite = sorted(name for name, tensor in updated.items() if not all_finite(tensor))
         for name in results.robust.non_finite:  # never installed: the previous value stays
             del updated[name]
             refusals.append(f"round {round_number}: the aggregated {name!r} is not finite; its previous value is kept")

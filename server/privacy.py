@@ -214,10 +214,15 @@ class DifferentialPrivacy:
         digest = hashlib.sha256(f"{self._seed}:{round_number}".encode()).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
+    def noise(self, round_number: int) -> tuple[float, float, torch.Generator]:
+        """The noise of round ``round_number``: its standard deviation, the fixed denominator and
+        the round's generator."""
+        std = self.config.privacy.dp.noise_multiplier * self.clip_norm
+        return std, self.denominator, self.round_generator(round_number)
+
     def aggregator(self, round_number: int, reference: Mapping[str, torch.Tensor]) -> NoisedSum:
         """The noised sum of round ``round_number`` over the tensors of ``reference``."""
-        std = self.config.privacy.dp.noise_multiplier * self.clip_norm
-        return NoisedSum(reference, std, self.denominator, self.round_generator(round_number))
+        return NoisedSum(reference, *self.noise(round_number))
 
     def clip(self, deltas: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str | None]:
         """A result's deltas within the clip, and a note where it sent more than the clip (beyond a

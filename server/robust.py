@@ -13,6 +13,10 @@ trimmed mean of Yin et al., ICML 2018. Norm clipping of client updates as a defe
 run's server optimizer (``fedpart.server.optimizers``): the ``server_optimizer`` section, or the
 step an objective term brings (FedDyn's).
 
+Under ``privacy.secure_aggregation`` the server sees no single delta: the adaptive bound is off,
+each client clips its own update (``fedpart.server.secure_aggregation``), and the round's masked
+updates are combined by :class:`~fedpart.server.secure_aggregation.SecureSum`.
+
 With ``privacy.dp`` on (DP-FedAvg, ``fedpart.server.privacy``) the clip is the bound: screening
 clips every delta to ``privacy.dp.clip_norm`` (a client that did not clip is clipped here, and a
 lossy codec's rounding of a clipped delta too), the adaptive bound is off (it would let the other
@@ -45,6 +49,7 @@ from fedpart.server.aggregation import (
 from fedpart.server.optimizers import RoundDelta, ServerOptimizer, build_server_optimizer
 from fedpart.server.privacy import DifferentialPrivacy
 from fedpart.server.run_state import ResumeError
+from fedpart.server.secure_aggregation import SecureRound, SecureSum
 
 
 class ResultRefused(ValueError):
@@ -287,7 +292,7 @@ class AggregationStep:
         if config.privacy.dp.enabled:
             self.privacy = DifferentialPrivacy(config, log)
         self.adaptive_bound: AdaptiveBound | None = None
-        if self.robust.adaptive_bound and self.privacy is None:
+        if self.robust.adaptive_bound and self.privacy is None and not config.privacy.secure_aggregation:
             initial = build_run_model(config).state_dict()
             self.adaptive_bound = AdaptiveBound(self.robust.adaptive_bound, self.robust.first_round_bound, initial)
         self.partition_sizes: list[int] | None = None
@@ -299,11 +304,16 @@ class AggregationStep:
                 log(f"warning: the server cannot compute the partition ({error}); reported sample counts "
                     f"are capped only by robust.max_samples ({cap})")
 
-    def new_aggregator(self, round_number: int = 0, uploads: Mapping[str, torch.Tensor] | None = None) -> RoundDeltas:
+    def new_aggregator(self, round_number: int = 0, uploads: Mapping[str, torch.Tensor] | None = None,
+                       secure: SecureRound | None = None) -> RoundDeltas:
         """A fresh aggregator of a round's deltas: of the configured kind, or under ``privacy.dp``
         the noised sum of round ``round_number`` over the tensors ``uploads`` (the global tensors
-        the round's plan uploads deltas of, by name; required then)."""
-        if self.privacy is None:
+        the round's plan uploads deltas of, by name; required then), or under secure aggregation
+        the modular sum of the masked updates of ``secure``'s round (noised under ``privacy.dp``)."""
+        if secure is not None:
+            noise = None if self.privacy is None else self.privacy.noise(round_number)
+            combiner = SecureSum(secure, noise)
+        elif self.privacy is None:
             combiner = self.combiner()
         elif uploads is None:
             raise ValueError("privacy.dp: the noised sum needs the tensors the round uploads")

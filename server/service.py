@@ -63,6 +63,25 @@ def _control(size: int) -> dict[str, int]:
     return {"control": size}
 
 
+def _secagg_bytes(task: Task, message_size: int, header: pb.TaskHeader | pb.ResultHeader | None = None) -> int:
+    """Bytes of a message of ``task`` that secure aggregation costs (the ledger's part ``secagg``):
+    all of a SECAGG task's messages, and of a training task's the step in its header or the
+    answer in its result's header (``header``), as encoded there."""
+    if task.kind == TaskKind.SECAGG:
+        return message_size
+    if header is None or not header.HasField("secagg"):
+        return 0
+    size = header.secagg.ByteSize()
+    return 1 + max(1, (size.bit_length() + 6) // 7) + size  # field tag, length varint, the message
+
+
+def _with_secagg(by_part: dict[str, int], secagg: int) -> dict[str, int]:
+    """``by_part`` with ``secagg`` of its control bytes counted under the part ``secagg``."""
+    if not secagg:
+        return by_part
+    return {**by_part, "control": by_part.get("control", 0) - secagg, "secagg": secagg}
+
+
 class LoopWaiter:
     """A long poll waiting on the event loop; :meth:`wake` may be called from any thread."""
 
@@ -137,7 +156,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._count_process_call(request, chunk)
                 yield chunk
                 return
-            self.ledger.add(task.round, task.client_id, "up", _control(request.ByteSize()))
+            request_bytes = request.ByteSize()
+            self.ledger.add(task.round, task.client_id, "up",
+                            _with_secagg(_control(request_bytes), _secagg_bytes(task, request_bytes)))
             sent = False
 
             def cut_unless_sent(_: grpc.aio.ServicerContext) -> None:
@@ -188,7 +209,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The header alone, then the shared, serialized chunks of the tensors the process lacks."""
         specs, tensors = self.payloads.wire_forms(*self.coordinator.task_tensors(task, request.held_versions))
         first = pb.TaskChunk(header=task_header(task, specs))
-        self.ledger.add(task.round, task.client_id, "down", _control(first.ByteSize()))
+        first_bytes = first.ByteSize()
+        self.ledger.add(task.round, task.client_id, "down",
+                        _with_secagg(_control(first_bytes), _secagg_bytes(task, first_bytes, first.header)))
         if self._first_stream(task):
             self._count_logical_task(task, request, first.header, specs)
         yield first
@@ -221,8 +244,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         named_chunk_bytes = self.logical_result_chunk_bytes if task.result_chunk_bytes else 0
         header_bytes = logical_header_bytes(header, missing_spec_bytes, named_chunk_bytes)
         request_bytes = pb.TaskRequest(session=request.session, wait_seconds=request.wait_seconds).ByteSize()
-        self.ledger.add_logical(task.round, task.client_id, "up", _control(request_bytes), {})
-        self.ledger.add_logical(task.round, task.client_id, "down", {**tensors.by_part, "control": header_bytes},
+        self.ledger.add_logical(task.round, task.client_id, "up",
+                                _with_secagg(_control(request_bytes), _secagg_bytes(task, request_bytes)), {})
+        header_parts = _with_secagg({"control": header_bytes}, _secagg_bytes(task, header_bytes, header))
+        self.ledger.add_logical(task.round, task.client_id, "down", {**tensors.by_part, **header_parts},
                                 tensors.by_unit)
 
     async def SubmitResult(self, request_iterator: AsyncIterator[ReceivedChunk],
@@ -244,7 +269,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             received = Received(task)
             parts = [tensor_part(spec.name) for spec in header.tensors]
             # measured now, its pieces read again once a slot is free: no copy of them waits for one
-            received.add(bytes_by_part(first.size, parts), "up")
+            received.secagg_header_bytes = _secagg_bytes(task, first.size.control, header)
+            received.add(_with_secagg(bytes_by_part(first.size, parts), received.secagg_header_bytes), "up")
             reply = pb.SubmitReply(accepted=True)
             settled = False  # handed to the fold (inline or on a fold thread), refused, or counted as cut
 
@@ -264,7 +290,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 async with self.uploads.staging(header.tensors) as staging:
                     largest = self.coordinator.config.server.largest_result_message(task.result_chunk_bytes)
                     tensors = await self._receive(received, first, chunks, parts, staging, largest)
-                    received.add(_control(reply.ByteSize()), "down")
+                    reply_bytes = reply.ByteSize()
+                    received.add(_with_secagg(_control(reply_bytes), _secagg_bytes(task, reply_bytes)), "down")
                     accept = partial(self.coordinator.accept, task, result, tensors,
                                      commit=lambda: received.commit(self.ledger))
                     settled = True
@@ -360,6 +387,7 @@ class Received:
         self.by_direction: dict[str, dict[str, int]] = {"up": {}, "down": {}}
         self.encodings: dict[str, dict[str, int]] = {}  # uploaded tensor bytes by encoding
         self.logical_header_bytes = 0
+        self.secagg_header_bytes = 0  # of the header's bytes, those secure aggregation costs
         self.logical_tensors = LogicalTensors({}, {}, {})
 
     def add(self, by_part: dict[str, int], direction: str) -> None:
@@ -376,6 +404,6 @@ class Received:
             ledger.add(round_number, client, direction, by_part)
         ledger.add_encodings("up", self.encodings)
         tensors = self.logical_tensors
-        ledger.add_logical(round_number, client, "up", {**tensors.by_part, "control": self.logical_header_bytes},
-                           tensors.by_unit)
+        header = _with_secagg({"control": self.logical_header_bytes}, self.secagg_header_bytes)
+        ledger.add_logical(round_number, client, "up", {**tensors.by_part, **header}, tensors.by_unit)
         ledger.add_logical(round_number, client, "down", self.by_direction["down"], {})

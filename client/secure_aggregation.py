@@ -1,0 +1,99 @@
+"""A client's side of secure aggregation (``privacy.secure_aggregation``, docs/privacy.md).
+
+The worker keeps each hosted client's update of the current round here instead of sending it
+(Bonawitz et al., CCS 2017): the TRAIN task's ADVERTISE step answers two public keys, SHARE
+answers a sealed share of the client's secrets for each neighbour, MASK answers the update
+clipped, quantized and masked (int32 tensors of the uploaded tensors' shapes), UNMASK answers the
+shares the server needs to remove the masks of the sum. The steps themselves are
+:class:`fedpart.common.secagg.ClientParty`'s; this module keeps one party per client and round.
+A process that restarts loses its parties: its clients count as dropped out of that round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fedpart.common.plans import SecAggAnswer, SecAggStage, SecAggStep
+from fedpart.common.secagg import ClientParty, SecAggError, quantize
+
+
+class SecureStepError(RuntimeError):
+    """This process cannot answer a step (it lost the round's state, or the step is malformed)."""
+
+
+@dataclass
+class _Kept:
+    party: ClientParty
+    update: dict[str, torch.Tensor]   # the uploaded deltas, in the plan's order, on the host
+    answers: dict[SecAggStage, SecAggAnswer | dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+class SecureUpdates:
+    """The parties and kept updates of the clients a process hosts, for the round in progress.
+    Delivery is at least once: a step that arrives again gets the answer it got the first time."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self._kept: dict[tuple[int, int], _Kept] = {}
+
+    def advertise(self, client: int, round_number: int, update: Mapping[str, torch.Tensor]) -> SecAggAnswer:
+        """Keep ``update`` (the deltas the plan uploads) and answer the client's public keys.
+        Parties of earlier rounds are dropped: a round's steps end before the next round starts."""
+        for key in [k for k in self._kept if k[1] < round_number]:
+            del self._kept[key]
+        if (client, round_number) in self._kept:
+            return self._kept[(client, round_number)].answers[SecAggStage.ADVERTISE]
+        party = ClientParty(client, f"{self.run_id}/round-{round_number}".encode())
+        self._kept[(client, round_number)] = _Kept(party, {n: t.detach().to("cpu", torch.float32)
+                                                           for n, t in update.items()})
+        cipher_key, mask_key = party.public_keys()
+        answer = SecAggAnswer(cipher_key=cipher_key, mask_key=mask_key)
+        self._kept[(client, round_number)].answers[SecAggStage.ADVERTISE] = answer
+        return answer
+
+    def share(self, client: int, round_number: int, step: SecAggStep) -> SecAggAnswer:
+        kept = self._party(client, round_number)
+        if SecAggStage.SHARE in kept.answers:
+            return kept.answers[SecAggStage.SHARE]
+        try:
+            answer = kept.answers[SecAggStage.SHARE] = SecAggAnswer(sealed=kept.party.share(step.peers, step.threshold))
+            return answer
+        except SecAggError as error:
+            raise SecureStepError(f"client {client} round {round_number}: sharing failed: {error}") from error
+
+    def mask(self, client: int, round_number: int, step: SecAggStep) -> dict[str, torch.Tensor]:
+        """The masked update: every element clipped to the step's bound, quantized with its step,
+        times its weight, masked; int32 tensors of the kept update's names and shapes."""
+        kept = self._party(client, round_number)
+        if SecAggStage.MASK in kept.answers:
+            return kept.answers[SecAggStage.MASK]
+        flat = np.concatenate([t.reshape(-1).numpy() for t in kept.update.values()])
+        try:
+            masked = kept.party.masked(quantize(flat, step.bound, step.step, step.weight), step.sealed)
+        except SecAggError as error:
+            raise SecureStepError(f"client {client} round {round_number}: masking failed: {error}") from error
+        signed = torch.from_numpy(masked.view(np.int32))
+        out, start = {}, 0
+        for name, tensor in kept.update.items():
+            out[name] = signed[start:start + tensor.numel()].reshape(tensor.shape).clone()
+            start += tensor.numel()
+        kept.answers[SecAggStage.MASK] = out
+        return out
+
+    def reveal(self, client: int, round_number: int, step: SecAggStep) -> SecAggAnswer:
+        kept = self._party(client, round_number)
+        try:
+            return SecAggAnswer(revealed=kept.party.reveal(step.survivors, step.dropped))
+        except SecAggError as error:
+            raise SecureStepError(f"client {client} round {round_number}: unmasking refused: {error}") from error
+
+    def _party(self, client: int, round_number: int) -> _Kept:
+        kept = self._kept.get((client, round_number))
+        if kept is None:
+            raise SecureStepError(f"client {client} round {round_number}: no secure aggregation state (this process "
+                                  "did not train it, or restarted since)")
+        return kept

@@ -1,0 +1,255 @@
+"""Secure aggregation in the round (docs/privacy.md): the server receives keys, sealed shares and
+masked updates, never one client's update, and moves the model by their weighted mean within the
+quantization bound; clients that drop out after sharing or after masking do not stop the round;
+too few survivors fail the round clearly and keep the model; the config check refuses what a sum
+cannot serve. The in-process cases drive the coordinator with clients written against
+``fedpart.common.secagg`` (not our client runtime); the end-to-end case runs real processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import read_summary, run_fedpart, small_config
+from fedpart.common.checkpoint import load_tensors
+from fedpart.common.config import ConfigError, config_from_dict
+from fedpart.common.plans import HostedClient, JoinInfo, ResultInfo, SecAggAnswer, SecAggStage, TaskKind
+from fedpart.common.protocol import PROTOCOL_VERSION, Rejected
+from fedpart.common.secagg import ClientParty, quantize
+from fedpart.server.coordinator import Coordinator
+from fedpart.server.task_board import Task
+
+BOUND = 60.0
+CLIENTS = 6
+
+
+class _Waiter:
+    superseded = False
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def wake(self) -> None:
+        self.event.set()
+
+
+def _poll(coordinator: Coordinator, session: str, wait: float = BOUND) -> Task | None:
+    waiter = _Waiter()
+    deadline = time.monotonic() + wait
+    try:
+        while True:
+            waiter.event.clear()
+            task = coordinator.board.poll(session, waiter)
+            if task is not None:
+                return task
+            if not waiter.event.wait(max(0.0, deadline - time.monotonic())):
+                return None
+    finally:
+        coordinator.board.end_poll(session, waiter)
+
+
+class SimulatedClient:
+    """One client in a process of its own, answering the round's steps with a fixed update."""
+
+    def __init__(self, coordinator: Coordinator, client: int, update: dict[str, torch.Tensor], samples: int) -> None:
+        self.coordinator = coordinator
+        self.client = client
+        self.update = update
+        self.samples = samples
+        self.session = coordinator.join(JoinInfo(protocol=PROTOCOL_VERSION, process_name=f"p{client}",
+                                                 instance=f"i{client}", clients=(HostedClient(client),)))
+        self.party: ClientParty | None = None
+        self.quantized: np.ndarray | None = None
+
+    def answer_next(self) -> tuple[Task, ResultInfo, dict[str, torch.Tensor]]:
+        task = _poll(self.coordinator, self.session)
+        assert task is not None
+        step = task.secagg
+        tensors: dict[str, torch.Tensor] = {}
+        secagg = None
+        if task.kind == TaskKind.TRAIN:
+            assert step.stage == SecAggStage.ADVERTISE
+            self.party = ClientParty(self.client, f"{self.coordinator.run_id}/round-{task.round}".encode())
+            cipher, mask = self.party.public_keys()
+            secagg = SecAggAnswer(cipher_key=cipher, mask_key=mask)
+        elif step.stage == SecAggStage.SHARE:
+            secagg = SecAggAnswer(sealed=self.party.share(step.peers, step.threshold))
+        elif step.stage == SecAggStage.MASK:
+            flat = np.concatenate([t.reshape(-1).numpy() for t in self.update.values()])
+            self.quantized = quantize(flat, step.bound, step.step, step.weight)
+            masked = torch.from_numpy(self.party.masked(self.quantized, step.sealed).view(np.int32))
+            start = 0
+            for name, tensor in self.update.items():
+                tensors[name] = masked[start:start + tensor.numel()].reshape(tensor.shape).clone()
+                start += tensor.numel()
+        else:
+            secagg = SecAggAnswer(revealed=self.party.reveal(step.survivors, step.dropped))
+        result = ResultInfo(self.session, task.task_id, self.client, task.round, num_samples=self.samples,
+                            metrics={"loss": 1.0}, secagg=secagg)
+        return task, result, tensors
+
+    def step(self, received: list[dict[str, torch.Tensor]]) -> Task:
+        task, result, tensors = self.answer_next()
+        received.append(tensors)
+        self.coordinator.accept(task, result, tensors)
+        return task
+
+    def leave(self) -> None:
+        self.coordinator.registry.leave(self.session, "killed")
+
+
+def _coordinator(**privacy) -> Coordinator:
+    config = small_config(clients=CLIENTS, rounds=1, model={"name": "mlp", "hidden": 8},
+                          privacy={"secure_aggregation": True, **privacy})
+    return Coordinator(config_from_dict(config), log=lambda message: None)
+
+
+def _clients(coordinator: Coordinator) -> list[SimulatedClient]:
+    generator = torch.Generator().manual_seed(3)
+    uploads = coordinator.round_plan(1, 0).upload_deltas
+    clients = []
+    for c in range(CLIENTS):
+        update = {n: (torch.rand(coordinator.global_state[n].shape, generator=generator) - 0.5) for n in uploads}
+        clients.append(SimulatedClient(coordinator, c, update, samples=10 + 7 * c))
+    return clients
+
+
+def _run(coordinator: Coordinator, clients: list[SimulatedClient], drop_before_mask: set[int] = frozenset(),
+         drop_after_mask: set[int] = frozenset()) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+    """One round: every client trains and shares; ``drop_before_mask`` leave before masking,
+    ``drop_after_mask`` before unmasking. Returns the round's record and every tensor received."""
+    records: list[dict] = []
+    worker = threading.Thread(target=lambda: records.append(coordinator.run_round(1)), daemon=True)
+    worker.start()
+    received: list[dict[str, torch.Tensor]] = []
+    gone: set[int] = set()
+    for stage in ("train", "share", "mask", "unmask"):
+        for client in clients:
+            if client.client in gone:
+                continue
+            if (stage, client.client in drop_before_mask, client.client in drop_after_mask) in (
+                    ("mask", True, False), ("unmask", False, True)):
+                client.leave()
+                gone.add(client.client)
+                continue
+            client.step(received)
+    worker.join(BOUND)
+    assert records, "the round did not end"
+    return records[0], received
+
+
+def _weighted_mean(clients: list[SimulatedClient], bound: float) -> dict[str, torch.Tensor]:
+    total = sum(c.samples for c in clients)
+    names = clients[0].update
+    return {n: sum(c.update[n].double().clamp(-bound, bound) * c.samples for c in clients) / total for n in names}
+
+
+def _moved(coordinator: Coordinator, before: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    return {n: coordinator.global_state[n].double() - before[n].double() for n in names}
+
+
+def _max_error(moved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    return max(float((moved[n] - expected[n]).abs().max()) for n in expected)
+
+
+def test_the_server_sees_only_masked_updates_and_moves_the_model_by_their_weighted_mean(one_torch_thread) -> None:
+    coordinator = _coordinator()
+    clients = _clients(coordinator)
+    before = {n: t.clone() for n, t in coordinator.global_state.items()}
+    record, received = _run(coordinator, clients)
+    assert record["completed"] == list(range(CLIENTS)) and coordinator.failures == []
+    masked = [tensors for tensors in received if tensors]
+    assert len(masked) == CLIENTS  # only the MASK step carries tensors: training results carry keys alone
+    for tensors, client in zip(masked, clients):
+        flat = np.concatenate([t.reshape(-1).numpy().view(np.uint32) for t in tensors.values()])
+        assert all(t.dtype == torch.int32 for t in tensors.values())
+        assert not np.array_equal(flat, client.quantized)
+        near = np.abs(flat.astype(np.int64) - client.quantized.astype(np.int64)) < 2 ** 20
+        assert near.mean() < 0.01  # a masked element is uniform on the ring, not near the one it hides
+    step = 1.0 / ((2 ** 31 - 1) // sum(c.samples for c in clients))
+    error = _max_error(_moved(coordinator, before, clients[0].update), _weighted_mean(clients, 1.0))
+    assert error <= step / 2 + 1e-6  # the quantization bound, plus float32 rounding of the new model
+
+
+def test_clients_that_drop_after_sharing_or_after_masking_do_not_stop_the_round(one_torch_thread) -> None:
+    """Client 1 leaves before masking (its update is out, its pairwise masks are removed from the
+    others'); client 4 leaves after masking (its update is in, its self mask is removed from the
+    shares the others reveal)."""
+    coordinator = _coordinator()
+    clients = _clients(coordinator)
+    before = {n: t.clone() for n, t in coordinator.global_state.items()}
+    record, _ = _run(coordinator, clients, drop_before_mask={1}, drop_after_mask={4})
+    assert record["completed"] == [0, 2, 3, 4, 5]
+    assert not [line for line in coordinator.failures if "secure aggregation" in line]
+    kept = [c for c in clients if c.client != 1]
+    error = _max_error(_moved(coordinator, before, clients[0].update), _weighted_mean(kept, 1.0))
+    assert error <= 1e-5
+
+
+def test_too_few_survivors_fail_the_round_clearly_and_keep_the_model(one_torch_thread) -> None:
+    coordinator = _coordinator(secure_aggregation_threshold=5)
+    clients = _clients(coordinator)
+    before = {n: t.clone() for n, t in coordinator.global_state.items()}
+    record, _ = _run(coordinator, clients, drop_after_mask={0, 1})
+    assert record["completed"] == []
+    assert any("secure aggregation failed" in line and "unmasking failed" in line for line in coordinator.failures)
+    assert all(torch.equal(coordinator.global_state[n], before[n]) for n in before)
+
+
+def test_a_malformed_answer_is_refused_and_changes_nothing(one_torch_thread) -> None:
+    coordinator = _coordinator()
+    clients = _clients(coordinator)
+    worker = threading.Thread(target=lambda: coordinator.run_round(1), daemon=True)
+    worker.start()
+    task, result, _ = clients[0].answer_next()
+    short = ResultInfo(result.session, result.task_id, 0, 1, num_samples=10,
+                       secagg=SecAggAnswer(cipher_key=b"x" * 31, mask_key=b"y" * 32))
+    with pytest.raises(Rejected, match="32 bytes"):
+        coordinator.accept(task, short, {})
+    coordinator.accept(task, result, {})  # the well-formed answer is still taken
+    for client in clients:
+        client.leave()
+    worker.join(BOUND)
+
+
+@pytest.mark.parametrize("override, reason", [
+    ({"robust": {"aggregator": "median"}}, "robust.aggregator"),
+    ({"robust": {"norm_bound": 1.0}}, "robust.norm_bound"),
+    ({"compression": {"up": {"codec": "topk", "options": {"fraction": 0.1}}}}, "compression.up"),
+    ({"algorithm": {"name": "fedftha"}}, "per-client dictionary"),
+    ({"server_optimizer": {"name": "fedexp"}}, "fedexp"),
+    ({"clients": 1}, "fewer than 2 clients"),
+])
+def test_the_config_check_refuses_what_a_sum_cannot_serve(override, reason) -> None:
+    config = small_config(privacy={"secure_aggregation": True})
+    config.update(override)
+    with pytest.raises(ConfigError, match=reason):
+        config_from_dict(config)
+
+
+def test_bad_secure_aggregation_keys_are_refused() -> None:
+    for privacy, reason in [({"secure_aggregation_threshold": 1}, "threshold"),
+                            ({"secure_aggregation_bound": 0}, "bound"),
+                            ({"secure_aggregation_neighbours": 1}, "neighbours")]:
+        with pytest.raises(ConfigError, match=reason):
+            config_from_dict(small_config(privacy={"secure_aggregation": True, **privacy}))
+
+
+def _final_model(tmp_path, name: str, **privacy) -> tuple[dict[str, torch.Tensor], dict]:
+    config = small_config(rounds=1, clients=4, evaluate={"finetune_epochs": [1], "batch_size": 50}, privacy=privacy)
+    run, out = run_fedpart(config, tmp_path, name=name)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return load_tensors(out / "checkpoints" / "round_0001.safetensors"), read_summary(out)
+
+
+def test_a_real_run_under_secure_aggregation_matches_the_plain_run_within_the_bound(tmp_path) -> None:
+    plain, _ = _final_model(tmp_path, "plain")
+    secure, summary = _final_model(tmp_path, "secure", secure_aggregation=True)
+    body = [n for n in plain if n.startswith("body.")]
+    assert body and max(float((plain[n] - secure[n]).abs().max()) for n in body) <= 1e-5
+    assert summary["bytes"]["by_part"]["secagg"]["up"] > 0
+    assert summary["bytes"]["logical"]["by_part"]["secagg"]["up"] > 0
