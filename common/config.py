@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from fedpart.common.registry import CODECS, SERVER_OPTIMIZERS, OptionError, Registry, coerce
+from fedpart.common.registry import CODECS, ROBUST_AGGREGATORS, SERVER_OPTIMIZERS, OptionError, Registry, coerce
 
 # The registries the checks below read (algorithms, objectives, augmentations: torch) are imported
 # when a config is validated, not with this module: ``fedpart --help`` loads no torch.
@@ -445,8 +445,6 @@ def _validate(config: RunConfig) -> None:
     ]
     robust = config.robust
     checks += [
-        (robust.aggregator in ("mean", "median", "trimmed_mean"),
-         "robust.aggregator must be 'mean', 'median' or 'trimmed_mean'"),
         (0 <= robust.trim_fraction < 0.5, "robust.trim_fraction must be in [0, 0.5)"),
         (math.isfinite(robust.norm_bound) and robust.norm_bound >= 0,
          "robust.norm_bound must be a finite number >= 0 (0 = off)"),
@@ -487,6 +485,7 @@ def _validate(config: RunConfig) -> None:
         check_objective(config.algorithm.objective)
     except ValueError as error:
         raise ConfigError(f"algorithm.objective: {error}") from error
+    _check_robust_aggregator(config.robust.aggregator)
     _check_codec(config.compression.up, "compression.up")
     _check_codec(config.compression.down, "compression.down")
     _check_server_optimizer(config)
@@ -643,6 +642,17 @@ def _check_server_optimizer(config: RunConfig) -> None:
             f"server_optimizer.{sorted(section.options)[0]}"
         raise ConfigError(f"{chosen} cannot be combined with {source}: the {step} objective term brings its own "
                           "server step (remove the server_optimizer settings)")
+
+
+def _check_robust_aggregator(name: str) -> None:
+    """Refuse a ``robust.aggregator`` that names no robust aggregator (its options are keys of
+    the ``robust`` section, checked with the section)."""
+    try:
+        ROBUST_AGGREGATORS.resolve(name, "robust.aggregator")
+    except OptionError as error:
+        known = ", ".join(ROBUST_AGGREGATORS.selectable())
+        raise ConfigError(str(error) if ":" in name else f"robust.aggregator must be one of {known} (or a "
+                          f"'package.module:name' path), got {name!r}") from error
 
 
 def _check_codec(section: CodecConfig, key: str) -> None:

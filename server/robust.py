@@ -39,6 +39,7 @@ from fedpart.common.config import RunConfig
 from fedpart.common.data.datasets import load_dataset
 from fedpart.common.data.partition import make_partition
 from fedpart.common.experiment import build_run_model, run_algorithm
+from fedpart.common.registry import ROBUST_AGGREGATORS, Option
 from fedpart.server.aggregation import (
     Aggregator,
     CoordinateMedian,
@@ -278,6 +279,16 @@ class RoundDeltas:
         return RoundDelta(self.result(), self.counts(), second_moment)
 
 
+ROBUST_AGGREGATORS.register("mean", "The streaming weighted mean (train.weighting), folded as results arrive.")(
+    WeightedMean)
+ROBUST_AGGREGATORS.register("median", "The coordinate-wise median of the round's deltas (Yin et al., ICML 2018).")(
+    CoordinateMedian)
+ROBUST_AGGREGATORS.register(
+    "trimmed_mean", "The coordinate-wise mean without the largest and smallest values (Yin et al., ICML 2018).",
+    Option("trim_fraction", float, "robust.trim_fraction: share cut at each end of every coordinate",
+           lambda value: 0 <= value < 0.5, "must be in [0, 0.5)"))(CoordinateTrimmedMean)
+
+
 class AggregationStep:
     """Screens each result and combines a round's results, as ``config.robust`` says, and moves
     the global model with the run's server optimizer."""
@@ -322,12 +333,9 @@ class AggregationStep:
         return RoundDeltas(combiner, self.optimizer.needs_result_norms, self.adaptive_bound is not None)
 
     def combiner(self) -> Aggregator:
-        """A fresh aggregator of the configured kind."""
-        if self.robust.aggregator == "median":
-            return CoordinateMedian()
-        if self.robust.aggregator == "trimmed_mean":
-            return CoordinateTrimmedMean(self.robust.trim_fraction)
-        return WeightedMean()
+        """A fresh aggregator of the configured kind, its options read from the ``robust`` section."""
+        component = ROBUST_AGGREGATORS[self.robust.aggregator]
+        return component(**{option.name: getattr(self.robust, option.name) for option in component.options})
 
     def sample_cap(self, client_id: int) -> int | None:
         """The most training samples client ``client_id`` can have, if the server knows a bound."""
