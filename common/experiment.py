@@ -8,29 +8,20 @@ from dataclasses import dataclass
 from fedpart.common.algorithms import Algorithm, RoundContext, build_algorithm, has_global_model
 from fedpart.common.checkpoint import load_tensors
 from fedpart.common.config import ConfigError, RunConfig, check_dp_accounting
-from fedpart.common.data.datasets import class_counts, missing_dataset_files
+from fedpart.common.data.datasets import class_counts, dataset_spec, missing_dataset_files
 from fedpart.common.data.partition import check_partition
 from fedpart.common.importing import import_callable
 from fedpart.common.models.zoo import build_model
 from fedpart.common.split_model import HEAD, SplitModel
-
-# (input shape, classes) of the built-in datasets, so the server never has to read client data.
-BUILTIN_DIMS: dict[str, tuple[tuple[int, ...], int]] = {
-    "digits": ((1, 8, 8), 10),
-    "mnist": ((1, 28, 28), 10),
-    "cifar10": ((3, 32, 32), 10),
-    "cifar100": ((3, 32, 32), 100),
-    "tiny-imagenet": ((3, 64, 64), 200),
-}
-
 
 def dataset_dims(config: RunConfig) -> tuple[tuple[int, ...], int]:
     """Input shape and number of classes (0 = regression) of the configured dataset."""
     data = config.data
     if data.input_shape is not None and data.num_classes is not None:
         return tuple(data.input_shape), data.num_classes
-    if data.dataset in BUILTIN_DIMS:
-        return BUILTIN_DIMS[data.dataset]
+    if ":" not in data.dataset:
+        spec = dataset_spec(data.dataset)  # known without reading the data: the server never reads client data
+        return spec.input_shape, spec.num_classes
     raise ValueError(f"data.dataset {data.dataset!r} is custom: set data.input_shape and data.num_classes")
 
 
@@ -127,8 +118,8 @@ def check_experiment(config: RunConfig, clients_data: LocalData | None = None, s
 
 def _missing_files(dataset: str, root: str | None, splits: tuple[str, ...]) -> str | None:
     """What is missing of the files of ``splits`` under ``root`` (None: nothing)."""
-    if dataset == "digits":
-        return None  # embedded
+    if not dataset_spec(dataset).files:
+        return None  # shipped in the package
     if root is None:
         return f"no data root is set, and dataset {dataset!r} is read from files under one"
     missing = missing_dataset_files(dataset, root, splits)

@@ -176,16 +176,17 @@ class Registry(Mapping[str, Component]):
         self.kind = kind
         self.home = home
         self.description = description
-        self._components: dict[str, Component] = {}
+        self._builtin: dict[str, Component] = {}
+        self._plugins: dict[str, Component] = {}  # by name, once resolved by path
         self._paths: dict[str, Component] = {}
         KINDS[kind] = self
 
-    def add(self, component: Component) -> Component:
+    def add(self, component: Component, plugin: bool = False) -> Component:
         """Register ``component`` under its name (the same component again is a no-op)."""
-        held = self._components.get(component.name)
+        held = self._builtin.get(component.name) or self._plugins.get(component.name)
         if held is not None and held is not component:
             raise OptionError(f"{self.kind} {component.name!r} is registered already ({held.build!r})")
-        self._components[component.name] = component
+        (self._plugins if plugin else self._builtin)[component.name] = component
         return component
 
     def register(self, name: str, description: str, *options: Option, **extra: Any) -> Callable[[Any], Any]:
@@ -195,9 +196,13 @@ class Registry(Mapping[str, Component]):
             return build
         return decorate
 
-    def _loaded(self) -> dict[str, Component]:
+    def builtin(self) -> dict[str, Component]:
+        """fedpart's own components of this kind (those its home registers), by name."""
         importlib.import_module(self.home)
-        return self._components
+        return self._builtin
+
+    def _loaded(self) -> dict[str, Component]:
+        return {**self.builtin(), **self._plugins}
 
     def __getitem__(self, name: str) -> Component:
         """A registered component, by name or by a path already resolved (never imports a path:
@@ -214,15 +219,15 @@ class Registry(Mapping[str, Component]):
         return len(self._loaded())
 
     def selectable(self) -> list[str]:
-        """The names a run config may select."""
-        return [name for name, c in self._loaded().items() if not c.not_by_name]
+        """fedpart's own names that a run config may select."""
+        return [name for name, c in self.builtin().items() if not c.not_by_name]
 
     def resolve(self, name: str, setting: str) -> Component:
         """The component a run config names at ``setting``: a selectable name, or a
         ``package.module:name`` path to a :class:`Component`, which is registered too."""
         if ":" in name:
             return self._plug_in(name, setting)
-        component = self._loaded().get(name)
+        component = self.builtin().get(name)
         if component is None or component.not_by_name:
             hint = f" ({component.not_by_name})" if component is not None else ""
             raise OptionError(f"{setting}: unknown {self.kind} {name!r}; known: {', '.join(self.selectable())}, "
@@ -237,7 +242,7 @@ class Registry(Mapping[str, Component]):
                 raise OptionError(str(error)) from error
             if not isinstance(component, Component):
                 raise OptionError(f"{setting} {path!r} is not a fedpart.api.Component")
-            self._paths[path] = self.add(component)
+            self._paths[path] = self.add(component, plugin=True)
         return self._paths[path]
 
     def read(self, name: str, options: Mapping[str, Any], prefix: str, setting: str) -> dict[str, Any]:
@@ -264,3 +269,6 @@ SERVER_OPTIMIZERS = Registry("server optimizer", "fedpart.server.optimizers",
                              "The server step over a round's combined delta: `server_optimizer.name` and its options.")
 ROBUST_AGGREGATORS = Registry("robust aggregator", "fedpart.server.robust",
                               "How a round's deltas are combined: `robust.aggregator`.")
+DATASETS = Registry("dataset", "fedpart.common.data.datasets",
+                    "The data a run trains on: `data.dataset` and its options (`data.options`); a "
+                    "`package.module:function` path names a custom loader instead (docs/plugins.md).")

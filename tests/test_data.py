@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 
 from fedpart.common.data.datasets import (
-    CLASS_COUNTS,
-    DATASET_FILES,
     DATASET_NAMES,
     RestrictedUnpickler,
     class_counts,
+    dataset_spec,
     load_dataset,
     missing_dataset_files,
 )
@@ -332,7 +331,7 @@ def test_subset_class_counts_are_known_without_the_data() -> None:
     ds = load_dataset("digits", None, **options)
     train, test = class_counts("digits", options)
     assert train == tuple(np.bincount(ds.y_train)) and test == tuple(np.bincount(ds.y_test))
-    assert class_counts("digits", {}) == CLASS_COUNTS["digits"]
+    assert class_counts("digits", {}) == dataset_spec("digits").class_counts
 
 
 def test_subset_sizes_are_checked(tmp_path: Path) -> None:
@@ -367,14 +366,17 @@ def test_class_counts_are_those_of_the_files(name: str) -> None:
     if name == "mnist" and not (SHARED_DATA / "MNIST" / "raw" / "train-images-idx3-ubyte.gz").is_file():
         pytest.skip(f"no MNIST copy under {SHARED_DATA}")
     ds = load_dataset(name, root)
-    train, test = CLASS_COUNTS[name]
+    train, test = dataset_spec(name).class_counts
     assert tuple(np.bincount(ds.y_train, minlength=ds.num_classes)) == train
     assert tuple(np.bincount(ds.y_test, minlength=ds.num_classes)) == test
 
 
 def test_every_builtin_dataset_has_its_facts() -> None:
-    assert set(CLASS_COUNTS) == set(DATASET_NAMES)
-    assert set(DATASET_FILES) == set(DATASET_NAMES) - {"digits"}
+    for name in DATASET_NAMES:
+        spec = dataset_spec(name)
+        train, test = spec.class_counts
+        assert len(train) == len(test) == spec.num_classes and len(spec.input_shape) == 3, name
+        assert bool(spec.files) == (name != "digits"), name  # digits ships in the package
 
 
 def test_missing_files_are_listed_per_split(tmp_path: Path) -> None:

@@ -56,3 +56,10 @@ def test_every_bundled_config_is_listed():
     reference = (DOCS / "configuration.md").read_text()
     for config in (REPO / "configs").glob("*.yaml"):
         assert f"| `{config.stem}` |" in reference, config.stem
+
+
+def test_the_components_page_matches_the_registries():
+    from fedpart.common.reference import reference
+
+    assert (DOCS / "components.md").read_text() == reference(), \
+        "regenerate it: python -m fedpart.common.reference --markdown > docs/components.md"

@@ -4,7 +4,9 @@ Every loader returns an :class:`~fedpart.common.data.types.ArrayDataset` whose i
 stored dtype (``uint8`` stays ``uint8``); scaling and per-channel normalisation happen in
 ``ArrayDataset.features`` when a client slices its partition.
 
-Supported names (:data:`DATASET_NAMES`) and the files read under the data root (``data.root``):
+Each built-in dataset is one :class:`DatasetSpec` (files, input shape, samples per class,
+normalisation, reader) registered in :data:`fedpart.common.registry.DATASETS`: a new dataset is one
+spec. The names (:data:`DATASET_NAMES`) and the files read under the data root (``data.root``):
 
 - ``digits``: the 8x8 digits scikit-learn bundles, shipped in this package (no root needed).
 - ``mnist``: ``MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz`` (gzipped IDX).
@@ -30,21 +32,21 @@ import os
 import pickle
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedpart.common.importing import import_callable
+from fedpart.common.registry import DATASETS, Component, Option
 from fedpart.common.data.types import ArrayDataset
 
 try:
     from numpy._core.multiarray import _reconstruct
 except ImportError:  # numpy < 2
     from numpy.core.multiarray import _reconstruct
-
-DATASET_NAMES: tuple[str, ...] = ("digits", "mnist", "cifar10", "cifar100", "tiny-imagenet")
 
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_FILE = "digits.npz"  # images (uint8, 1797 x 8 x 8) and labels (uint8), in scikit-learn's order
@@ -54,77 +56,90 @@ DIGITS_SPLIT_SEED = 0
 SUBSET_SEED = 0
 SUBSET_OPTIONS = ("train_samples", "test_samples")
 
-# Per-channel statistics of the training images (after scaling to [0, 1]).
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
-CIFAR100_STD = (0.2673, 0.2564, 0.2762)
-# Tiny-ImageNet is conventionally normalised with the ImageNet statistics.
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-MNIST_MEAN = (0.1307,)
-MNIST_STD = (0.3081,)
-
-# What each built-in dataset reads under the data root, per split (a folder where it reads one).
-DATASET_FILES: dict[str, dict[str, tuple[str, ...]]] = {
-    "mnist": {"train": ("MNIST/raw/train-images-idx3-ubyte.gz", "MNIST/raw/train-labels-idx1-ubyte.gz"),
-              "test": ("MNIST/raw/t10k-images-idx3-ubyte.gz", "MNIST/raw/t10k-labels-idx1-ubyte.gz")},
-    "cifar10": {"train": tuple(f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)),
-                "test": ("cifar-10-batches-py/test_batch",)},
-    "cifar100": {"train": ("cifar-100-python/train",), "test": ("cifar-100-python/test",)},
-    "tiny-imagenet": {"train": ("tiny-imagenet-200/wnids.txt", "tiny-imagenet-200/train"),
-                      "test": ("tiny-imagenet-200/wnids.txt", "tiny-imagenet-200/val/val_annotations.txt",
-                               "tiny-imagenet-200/val/images")},
-}
-# Samples per class of the built-in datasets, (train, test): what a partition needs to know to
-# tell whether it can be cut, without reading the data (tests/test_data.py checks them against
-# the files).
-CLASS_COUNTS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "digits": ((142, 146, 142, 146, 145, 146, 145, 143, 139, 144), (36, 36, 35, 37, 36, 36, 36, 36, 35, 36)),
-    "mnist": ((5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949),
-              (980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009)),
-    "cifar10": ((5000,) * 10, (1000,) * 10),
-    "cifar100": ((500,) * 100, (100,) * 100),
-    "tiny-imagenet": ((500,) * 200, (50,) * 200),
-}
-# Loader options of the built-in datasets.
-DATASET_OPTIONS: dict[str, tuple[str, ...]] = {
-    name: SUBSET_OPTIONS + (() if name == "digits" else ("normalize",)) for name in DATASET_NAMES}
-
 _IDX_UINT8 = 0x08
 
 Root = str | os.PathLike[str]
+
+
+Stats = tuple[tuple[float, ...], tuple[float, ...]]  # per-channel (mean, std) after scaling to [0, 1]
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """What fedpart knows of a built-in dataset without reading it, and how it reads it.
+
+    ``files``: what it reads under the data root, per split (a folder where it reads one; empty:
+    shipped in this package, no root needed). ``class_counts``: samples per class (train, test),
+    what a partition is checked against before any data is read (tests/test_data.py checks them
+    against the files). ``normalization``: per-channel statistics that the ``normalize`` option
+    applies (None: no such option), on by ``normalize_default``. ``read(spec, base, root,
+    normalize)`` reads the files under ``base`` (the expanded ``root``)."""
+
+    name: str
+    description: str
+    input_shape: tuple[int, ...]
+    class_counts: tuple[tuple[int, ...], tuple[int, ...]]
+    read: Callable[[DatasetSpec, Path | None, Root | None, bool], ArrayDataset]
+    files: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    normalization: Stats | None = None
+    normalize_default: bool = False
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_counts[0])
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        """The loader options it takes."""
+        return SUBSET_OPTIONS + (("normalize",) if self.normalization is not None else ())
+
+    def stats(self, normalize: bool) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+        """(mean, std) to normalise with, or (None, None)."""
+        return self.normalization if normalize and self.normalization is not None else (None, None)
+
+    def __call__(self, root: Root | None = None, normalize: bool | None = None, train_samples: int | None = None,
+                 test_samples: int | None = None) -> ArrayDataset:
+        """The dataset read under ``root``, normalised or not, subsets drawn (options checked)."""
+        base = None
+        if self.files:
+            if root is None:
+                raise ValueError(f"data.root must be set to load dataset {self.name!r}")
+            base = Path(root).expanduser()
+        chosen = self.normalize_default if normalize is None else normalize
+        return stratified_subset(self.read(self, base, root, chosen), train_samples, test_samples)
+
+
+def register_dataset(spec: DatasetSpec) -> DatasetSpec:
+    """Register ``spec`` in :data:`~fedpart.common.registry.DATASETS` with its loader options."""
+    options = (Option("train_samples", int, "keep a class-stratified subset of this many training samples",
+                      default=None),
+               Option("test_samples", int, "keep a class-stratified subset of this many test samples", default=None))
+    if spec.normalization is not None:
+        options += (Option("normalize", bool, "normalise each channel with the dataset's mean and std",
+                           default=spec.normalize_default),)
+    DATASETS.add(Component(spec.name, spec.description, spec, options))
+    return spec
+
+
+def dataset_spec(name: str) -> DatasetSpec:
+    """The spec of built-in dataset ``name`` (a ValueError naming the known ones otherwise)."""
+    if name not in DATASETS.builtin():
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS.builtin())} "
+                         "or a custom 'package.module:function'")
+    return DATASETS.builtin()[name].build
 
 
 def load_dataset(name: str, root: Root | None, **options: Any) -> ArrayDataset:
     """Load dataset ``name`` (see :data:`DATASET_NAMES`, or ``package.module:function``).
 
     ``root`` is the data root (the ``data.root`` setting); ``options`` are loader options:
-    ``normalize`` (bool) for ``mnist`` (default False), ``cifar10``/``cifar100`` and
-    ``tiny-imagenet`` (default True); ``train_samples`` / ``test_samples`` (int) for every
-    built-in dataset (see :func:`stratified_subset`); anything for a custom loader.
+    ``normalize`` (bool) where the spec has statistics; ``train_samples`` / ``test_samples`` (int)
+    for every built-in dataset (see :func:`stratified_subset`); anything for a custom loader.
     """
     if ":" in name:
         return _load_custom(name, root, options)
     check_dataset_options(name, options)
-    sizes = {key: options.pop(key) for key in SUBSET_OPTIONS if key in options}
-    return stratified_subset(_load_builtin(name, root, **options), **sizes)
-
-
-def _load_builtin(name: str, root: Root | None, **options: Any) -> ArrayDataset:
-    if name == "digits":
-        return _load_digits()
-    if root is None:
-        raise ValueError(f"data.root must be set to load dataset {name!r}")
-    base = Path(root).expanduser()
-    normalize = options.get("normalize", name != "mnist")
-    if name == "mnist":
-        return _load_mnist(base, root, normalize)
-    if name == "cifar10":
-        return _load_cifar10(base, root, normalize)
-    if name == "cifar100":
-        return _load_cifar100(base, root, normalize)
-    return _load_tiny_imagenet(base, root, normalize)
+    return dataset_spec(name)(root, **options)
 
 
 def stratified_subset(dataset: ArrayDataset, train_samples: int | None = None,
@@ -168,7 +183,7 @@ def _stratified_quota(key: str, counts: np.ndarray, size: int) -> np.ndarray:
 def class_counts(name: str, options: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Samples per class (train, test) of built-in dataset ``name`` loaded with ``options``
     (after ``train_samples`` / ``test_samples``), without reading the data."""
-    counts = CLASS_COUNTS[name]
+    counts = dataset_spec(name).class_counts
     return tuple(tuple(int(k) for k in (split if options.get(key) is None
                                         else _stratified_quota(key, np.asarray(split), options[key])))
                  for key, split in zip(SUBSET_OPTIONS, counts))
@@ -177,15 +192,11 @@ def class_counts(name: str, options: dict[str, Any]) -> tuple[tuple[int, ...], t
 def check_dataset_options(name: str, options: dict[str, Any]) -> None:
     """Raise ``ValueError`` for an unknown built-in dataset or a bad loader option (no data
     read); a custom loader's options are its own."""
-    if name not in DATASET_NAMES:
-        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)} "
-                         "or a custom 'package.module:function'")
-    allowed = DATASET_OPTIONS[name]
+    allowed = dataset_spec(name).option_names
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        accepted = ", ".join(allowed) if allowed else "none"
         raise ValueError(f"unknown option(s) {', '.join(unknown)} for dataset {name!r} "
-                         f"(accepted: {accepted})")
+                         f"(accepted: {', '.join(allowed)})")
     normalize = options.get("normalize", False)
     if not isinstance(normalize, bool):
         raise ValueError(f"option normalize of dataset {name!r} must be true or false, "
@@ -200,7 +211,8 @@ def missing_dataset_files(name: str, root: Root, splits: tuple[str, ...] = ("tra
     """The files (or folders) of built-in dataset ``name``'s ``splits`` that are not under
     ``root``."""
     base = Path(root).expanduser()
-    wanted = dict.fromkeys(f for split in splits for f in DATASET_FILES.get(name, {}).get(split, ()))
+    files = dataset_spec(name).files
+    wanted = dict.fromkeys(f for split in splits for f in files.get(split, ()))
     return [base / f for f in wanted if not (base / f).exists()]
 
 
@@ -213,7 +225,7 @@ def _require(path: Path, root: Root) -> Path:
 # ----------------------------------------------------------------------------------------- digits
 
 
-def _load_digits() -> ArrayDataset:
+def _read_digits(spec: DatasetSpec, base: Path | None, root: Root | None, normalize: bool) -> ArrayDataset:
     """The 8x8 digits (1,797 samples, values 0..16; the test set of the UCI "Optical Recognition
     of Handwritten Digits" data, as scikit-learn bundles it) as float32 ``(N, 1, 8, 8)``, read from
     :data:`DIGITS_FILE` in this package, so no client needs scikit-learn.
@@ -230,8 +242,13 @@ def _load_digits() -> ArrayDataset:
     for c in np.unique(y):
         members = rng.permutation(np.flatnonzero(y == c))
         test_mask[members[: int(round(DIGITS_TEST_FRACTION * len(members)))]] = True
-    return ArrayDataset(name="digits", x_train=x[~test_mask], y_train=y[~test_mask],
-                        x_test=x[test_mask], y_test=y[test_mask], num_classes=10, scale=1.0 / 16)
+    return ArrayDataset(name=spec.name, x_train=x[~test_mask], y_train=y[~test_mask],
+                        x_test=x[test_mask], y_test=y[test_mask], num_classes=spec.num_classes, scale=1.0 / 16)
+
+
+register_dataset(DatasetSpec(
+    "digits", "The 8x8 digits scikit-learn bundles (1,797 samples), shipped in this package.", (1, 8, 8),
+    ((142, 146, 142, 146, 145, 146, 145, 143, 139, 144), (36, 36, 35, 37, 36, 36, 36, 36, 35, 36)), _read_digits))
 
 
 # ------------------------------------------------------------------------------------------ MNIST
@@ -261,8 +278,8 @@ def _read_idx(path: Path, ndim: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims).copy()  # writable
 
 
-def _mnist_split(base: Path, root: Root, split: str) -> tuple[np.ndarray, np.ndarray]:
-    images_path, labels_path = (_require(base / f, root) for f in DATASET_FILES["mnist"][split])
+def _mnist_split(spec: DatasetSpec, base: Path, root: Root, split: str) -> tuple[np.ndarray, np.ndarray]:
+    images_path, labels_path = (_require(base / f, root) for f in spec.files[split])
     images = _read_idx(images_path, 3)
     labels = _read_idx(labels_path, 1)
     if len(images) != len(labels):
@@ -273,14 +290,22 @@ def _mnist_split(base: Path, root: Root, split: str) -> tuple[np.ndarray, np.nda
     return images[:, None, :, :], labels.astype(np.int64)
 
 
-def _load_mnist(base: Path, root: Root, normalize: bool) -> ArrayDataset:
+def _read_mnist(spec: DatasetSpec, base: Path, root: Root, normalize: bool) -> ArrayDataset:
     """MNIST from the gzipped IDX files: uint8 ``(N, 1, 28, 28)``, scale 1/255."""
-    x_train, y_train = _mnist_split(base, root, "train")
-    x_test, y_test = _mnist_split(base, root, "test")
-    return ArrayDataset(name="mnist", x_train=x_train, y_train=y_train, x_test=x_test,
-                        y_test=y_test, num_classes=10, scale=1.0 / 255,
-                        mean=MNIST_MEAN if normalize else None,
-                        std=MNIST_STD if normalize else None)
+    x_train, y_train = _mnist_split(spec, base, root, "train")
+    x_test, y_test = _mnist_split(spec, base, root, "test")
+    mean, std = spec.stats(normalize)
+    return ArrayDataset(name=spec.name, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
+                        num_classes=spec.num_classes, scale=1.0 / 255, mean=mean, std=std)
+
+
+register_dataset(DatasetSpec(
+    "mnist", "MNIST handwritten digits, from the gzipped IDX files.", (1, 28, 28),
+    ((5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949),
+     (980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009)), _read_mnist,
+    {"train": ("MNIST/raw/train-images-idx3-ubyte.gz", "MNIST/raw/train-labels-idx1-ubyte.gz"),
+     "test": ("MNIST/raw/t10k-images-idx3-ubyte.gz", "MNIST/raw/t10k-labels-idx1-ubyte.gz")},
+    ((0.1307,), (0.3081,))))
 
 
 # ------------------------------------------------------------------------------------------ CIFAR
@@ -345,37 +370,37 @@ def _cifar_batch(path: Path, label_key: str, num_classes: int) -> tuple[np.ndarr
     return data.reshape(-1, 3, 32, 32), labels.astype(np.int64)
 
 
-def _cifar(name: str, root: Root, train_files: list[Path], test_file: Path,
-           label_key: str, num_classes: int,
-           stats: tuple[tuple[float, ...], tuple[float, ...]] | None) -> ArrayDataset:
-    for path in [*train_files, test_file]:
-        _require(path, root)
-    parts = [_cifar_batch(p, label_key, num_classes) for p in train_files]
-    x_test, y_test = _cifar_batch(test_file, label_key, num_classes)
-    return ArrayDataset(name=name, x_train=np.concatenate([x for x, _ in parts]),
-                        y_train=np.concatenate([y for _, y in parts]), x_test=x_test,
-                        y_test=y_test, num_classes=num_classes, scale=1.0 / 255,
-                        mean=stats[0] if stats else None, std=stats[1] if stats else None)
+def _cifar_reader(label_key: str) -> Callable[[DatasetSpec, Path, Root, bool], ArrayDataset]:
+    """A reader of the CIFAR python pickles with labels under ``label_key``: uint8
+    ``(N, 3, 32, 32)``, scale 1/255."""
+    def read(spec: DatasetSpec, base: Path, root: Root, normalize: bool) -> ArrayDataset:
+        train_files = [_require(base / f, root) for f in spec.files["train"]]
+        test_file = _require(base / spec.files["test"][0], root)
+        parts = [_cifar_batch(p, label_key, spec.num_classes) for p in train_files]
+        x_test, y_test = _cifar_batch(test_file, label_key, spec.num_classes)
+        mean, std = spec.stats(normalize)
+        return ArrayDataset(name=spec.name, x_train=np.concatenate([x for x, _ in parts]),
+                            y_train=np.concatenate([y for _, y in parts]), x_test=x_test, y_test=y_test,
+                            num_classes=spec.num_classes, scale=1.0 / 255, mean=mean, std=std)
+    return read
 
 
-def _load_cifar10(base: Path, root: Root, normalize: bool) -> ArrayDataset:
-    """CIFAR-10 python pickles: uint8 ``(N, 3, 32, 32)``, scale 1/255, per-channel mean/std."""
-    files = DATASET_FILES["cifar10"]
-    return _cifar("cifar10", root, [base / f for f in files["train"]], base / files["test"][0], "labels", 10,
-                  (CIFAR10_MEAN, CIFAR10_STD) if normalize else None)
-
-
-def _load_cifar100(base: Path, root: Root, normalize: bool) -> ArrayDataset:
-    """CIFAR-100 python pickles (fine labels): uint8 ``(N, 3, 32, 32)``, scale 1/255."""
-    files = DATASET_FILES["cifar100"]
-    return _cifar("cifar100", root, [base / f for f in files["train"]], base / files["test"][0], "fine_labels", 100,
-                  (CIFAR100_MEAN, CIFAR100_STD) if normalize else None)
+register_dataset(DatasetSpec(
+    "cifar10", "CIFAR-10, from the python pickles.", (3, 32, 32), ((5000,) * 10, (1000,) * 10),
+    _cifar_reader("labels"),
+    {"train": tuple(f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)),
+     "test": ("cifar-10-batches-py/test_batch",)},
+    ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)), normalize_default=True))
+register_dataset(DatasetSpec(
+    "cifar100", "CIFAR-100 (fine labels), from the python pickles.", (3, 32, 32), ((500,) * 100, (100,) * 100),
+    _cifar_reader("fine_labels"), {"train": ("cifar-100-python/train",), "test": ("cifar-100-python/test",)},
+    ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)), normalize_default=True))
 
 
 # ---------------------------------------------------------------------------------- Tiny-ImageNet
 
 
-def _load_tiny_imagenet(base: Path, root: Root, normalize: bool) -> ArrayDataset:
+def _read_tiny_imagenet(spec: DatasetSpec, base: Path, root: Root, normalize: bool) -> ArrayDataset:
     """Tiny-ImageNet-200 as uint8 ``(N, 3, 64, 64)``; the labelled ``val`` split is the test set.
 
     Class ``k`` is the ``k``-th wnid of ``wnids.txt`` in sorted order (the order torchvision's
@@ -433,13 +458,25 @@ def _load_tiny_imagenet(base: Path, root: Root, normalize: bool) -> ArrayDataset
                 out[i] = pixels
         return out
 
-    return ArrayDataset(name="tiny-imagenet", x_train=decode_all(train_paths),
+    mean, std = spec.stats(normalize)
+    return ArrayDataset(name=spec.name, x_train=decode_all(train_paths),
                         y_train=np.asarray(train_labels, dtype=np.int64),
                         x_test=decode_all(test_paths),
                         y_test=np.asarray(test_labels, dtype=np.int64),
-                        num_classes=len(wnids), scale=1.0 / 255,
-                        mean=IMAGENET_MEAN if normalize else None,
-                        std=IMAGENET_STD if normalize else None)
+                        num_classes=len(wnids), scale=1.0 / 255, mean=mean, std=std)
+
+
+register_dataset(DatasetSpec(
+    "tiny-imagenet", "Tiny-ImageNet-200 from its JPEG folders (the labelled val split is the test split).",
+    (3, 64, 64), ((500,) * 200, (50,) * 200), _read_tiny_imagenet,
+    {"train": ("tiny-imagenet-200/wnids.txt", "tiny-imagenet-200/train"),
+     "test": ("tiny-imagenet-200/wnids.txt", "tiny-imagenet-200/val/val_annotations.txt",
+              "tiny-imagenet-200/val/images")},
+    ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), normalize_default=True))  # ImageNet's statistics, as is usual
+
+
+DATASET_NAMES: tuple[str, ...] = tuple(DATASETS.builtin())
+"""The built-in datasets' names."""
 
 
 # ----------------------------------------------------------------------------------------- custom
