@@ -239,7 +239,17 @@ class DPConfig:
     Private Recurrent Language Models", ICLR 2018): each client's uploaded deltas are clipped to
     ``clip_norm`` in L2 over all of them, and the server adds Gaussian noise of standard deviation
     ``noise_multiplier * clip_norm`` to their sum and divides by the expected number of clients.
-    The budget is Google's dp-accounting (``fedpart.server.privacy``)."""
+    The budget is Google's dp-accounting (``fedpart.server.privacy``).
+
+    ``adaptive_clip``: adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, "Differentially
+    Private Learning with Adaptive Clipping", NeurIPS 2021), the geometric update. ``clip_norm`` is
+    the initial clip C_0; after each round C_{t+1} = C_t * exp(-clip_learning_rate * (b -
+    target_quantile)), b being the noised fraction of the round's results whose delta norm was
+    within C_t. The paper's defaults: ``target_quantile`` 0.5 (the median norm),
+    ``clip_learning_rate`` 0.2, ``count_stddev`` m / 20 for m expected clients a round (its
+    experiments start from C_0 = 0.1; ``clip_norm`` keeps its default 1.0). ``noise_multiplier`` z
+    stays the total that is accounted: the deltas are noised with z_delta = (z**-2 - (2 *
+    count_stddev)**-2)**-0.5, which needs 2 * count_stddev > z."""
 
     enabled: bool = False
     clip_norm: float = 1.0
@@ -249,10 +259,37 @@ class DPConfig:
     accountant: str = "rdp"               # dp-accounting's "rdp" or "pld" (Poisson sampling only)
     noise_seed: int | None = None         # None: a secret seed per run; set only for experiments (the
                                           # noise of a known seed can be taken out again: no privacy)
+    adaptive_clip: bool = False           # clip_norm is C_0 and adapts (see above); the server clips
+    target_quantile: float = 0.5          # gamma: the quantile of the delta norms the clip tracks
+    clip_learning_rate: float = 0.2       # eta_C of the geometric update
+    count_stddev: float | None = None     # sigma_b, the noise of the count of unclipped results;
+                                          # None: the expected clients per round / 20
 
     def resolved_delta(self, clients: int) -> float:
         """``delta``, or 1 / clients ** 1.1 where it is unset."""
         return self.delta if self.delta is not None else 1.0 / clients ** 1.1
+
+    def resolved_count_stddev(self, expected_clients: float) -> float:
+        """sigma_b: ``count_stddev``, or ``expected_clients`` / 20 (Andrew et al.) where it is unset."""
+        return self.count_stddev if self.count_stddev is not None else expected_clients / 20
+
+    def delta_noise_multiplier(self, expected_clients: float) -> float:
+        """The noise multiplier of the deltas: ``noise_multiplier`` without adaptive clipping; with it
+        z_delta = (z**-2 - (2 sigma_b)**-2)**-0.5, so that the deltas and the count together are the
+        Gaussian mechanism of multiplier z (Andrew et al., Theorem 1); 0 where z is 0. Raises
+        ValueError where the count's noise leaves none for the deltas (z**-2 <= (2 sigma_b)**-2, i.e.
+        2 sigma_b <= z)."""
+        z = self.noise_multiplier
+        if not self.adaptive_clip or not z:
+            return z
+        sigma_b = self.resolved_count_stddev(expected_clients)
+        rest = z ** -2 - (2 * sigma_b) ** -2 if sigma_b > 0 else -math.inf
+        if not rest > 0:
+            raise ValueError(f"the count noise sigma_b = {sigma_b:g} is too small for noise_multiplier {z:g}: "
+                             f"z_delta = (z**-2 - (2 sigma_b)**-2)**-0.5 needs 2 sigma_b > z; raise "
+                             f"privacy.dp.count_stddev above {z / 2:g}, or lower privacy.dp.noise_multiplier "
+                             f"below {2 * sigma_b:g}")
+        return rest ** -0.5
 
 
 @dataclass
@@ -506,6 +543,11 @@ def _check_privacy(config: RunConfig) -> None:
          "privacy.dp.target_epsilon must be a finite number > 0"),
         (dp.accountant in DP_ACCOUNTANTS, f"privacy.dp.accountant must be one of {', '.join(DP_ACCOUNTANTS)}, "
                                           f"got {dp.accountant!r}"),
+        (0 < dp.target_quantile < 1, "privacy.dp.target_quantile must be in (0, 1)"),
+        (math.isfinite(dp.clip_learning_rate) and dp.clip_learning_rate > 0,
+         "privacy.dp.clip_learning_rate must be a finite number > 0"),
+        (dp.count_stddev is None or (math.isfinite(dp.count_stddev) and dp.count_stddev >= 0),
+         "privacy.dp.count_stddev must be a finite number >= 0"),
     ]
     for ok, message in checks:
         if not ok:
@@ -548,6 +590,19 @@ def dp_refusals(config: RunConfig) -> list[str]:
     if config.server_optimizer.name == "fedexp":
         refusals.append("server_optimizer fedexp sets its step from each result's delta norm, which is not noised: "
                         "use plain, fedavgm, fedadam or fedyogi (steps on the noised mean are post-processing)")
+    dp = config.privacy.dp
+    if dp.adaptive_clip:
+        if config.privacy.secure_aggregation:
+            refusals.append("privacy.dp.adaptive_clip counts the results whose delta norm is within the clip, and "
+                            "under privacy.secure_aggregation the server sees no single delta: set "
+                            "privacy.dp.adaptive_clip: false (a fixed privacy.dp.clip_norm)")
+        # the expected clients a round, as fedpart.server.sampling.expected_clients (common imports no server module)
+        expected = (sampling.fraction * config.clients if sampling.scheme == "poisson"
+                    else float(max(1, int(sampling.fraction * config.clients + 1e-9))))
+        try:
+            dp.delta_noise_multiplier(expected)
+        except ValueError as error:
+            refusals.append(f"privacy.dp.adaptive_clip: {error}")
     if "feddyn" in config.algorithm.objective:
         refusals.append("algorithm.objective.feddyn brings a server step scaled by the number of results, which is "
                         "not noised: remove the feddyn term")
