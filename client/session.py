@@ -374,7 +374,7 @@ class Session:
             self._server_back()
             if received is None:
                 continue
-            if received.info.kind in (TaskKind.TRAIN, TaskKind.EVALUATE):
+            if received.info.kind != TaskKind.DONE:
                 self._held.add(received.info.task_id)
             return received
 

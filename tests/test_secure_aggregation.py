@@ -7,6 +7,9 @@ cannot serve. The in-process cases drive the coordinator with clients written ag
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import read_summary, run_fedpart, small_config
+from conftest import (
+    WAIT,
+    fedpart_command,
+    read_metrics,
+    read_summary,
+    run_fedpart,
+    small_config,
+    start_server,
+    write_config,
+)
 from fedpart.common.checkpoint import load_tensors
 from fedpart.common.config import ConfigError, config_from_dict
 from fedpart.common.plans import HostedClient, JoinInfo, ResultInfo, SecAggAnswer, SecAggStage, TaskKind
@@ -253,3 +265,50 @@ def test_a_real_run_under_secure_aggregation_matches_the_plain_run_within_the_bo
     assert body and max(float((plain[n] - secure[n]).abs().max()) for n in body) <= 1e-5
     assert summary["bytes"]["by_part"]["secagg"]["up"] > 0
     assert summary["bytes"]["logical"]["by_part"]["secagg"]["up"] > 0
+
+
+# A real client process that SIGKILLs itself once the server has taken its first masked update:
+# its clients have masked, and drop out before the unmasking step.
+KILLED_AFTER_MASKING = """
+import os
+import signal
+import sys
+
+from fedpart.client.runtime import ClientProcess
+
+server, clients, state_dir = sys.argv[1:]
+
+
+class KilledAfterMasking(ClientProcess):
+    def _secure_step(self, task):
+        answer = super()._secure_step(task)
+        if task.secagg.stage.name == "MASK":
+            answer.on_taken = lambda: os.kill(os.getpid(), signal.SIGKILL)
+        return answer
+
+
+sys.exit(KilledAfterMasking(server, [int(c) for c in clients.split(",")], state_dir=state_dir, threads=1).run())
+"""
+
+
+def test_a_client_process_killed_after_masking_does_not_stop_the_round(tmp_path, processes) -> None:
+    """Clients 0-3 in a fedpart client process; client 4 in a process that is SIGKILLed once its
+    masked update was taken. The round unmasks with the shares of the others as soon as the
+    server sees the process gone (its heartbeats stop), well before server.round_timeout."""
+    config = small_config(clients=5, rounds=1, processes=1, evaluate={"finetune_epochs": [1], "batch_size": 50},
+                          privacy={"secure_aggregation": True},
+                          server={"round_timeout": 600, "join_timeout": WAIT, "heartbeat_timeout": 4})
+    out = tmp_path / "run"
+    server, reader, address = start_server(processes, write_config(tmp_path / "run.yaml", config), out)
+    honest = processes.start(fedpart_command("client", "--server", address, "--clients", "0-3", "--threads", "1",
+                                             "--state-dir", str(tmp_path / "state")),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed = processes.start([sys.executable, "-c", KILLED_AFTER_MASKING, address, "4", str(tmp_path / "killed")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    reader.wait_for(r"round\s+1/1", timeout=WAIT)  # printed once the round's record is written
+    assert killed.wait(timeout=WAIT) == -signal.SIGKILL
+    record = read_metrics(out)[0]
+    assert record["completed"] == [0, 1, 2, 3, 4], "".join(reader.lines)  # client 4's masked update is in
+    assert record["seconds"] < 120  # server.round_timeout is 600 s
+    assert "secure aggregation failed" not in "".join(reader.lines)
+    assert honest.poll() is None  # the run goes on to the final evaluation (client 4 is gone: not awaited here)
