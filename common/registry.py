@@ -269,6 +269,8 @@ SERVER_OPTIMIZERS = Registry("server optimizer", "fedpart.server.optimizers",
                              "The server step over a round's combined delta: `server_optimizer.name` and its options.")
 ROBUST_AGGREGATORS = Registry("robust aggregator", "fedpart.server.robust",
                               "How a round's deltas are combined: `robust.aggregator`.")
+PARTITIONS = Registry("partition scheme", "fedpart.common.data.partition",
+                      "How the dataset is split over the clients: `data.partition.scheme` and its options.")
 DATASETS = Registry("dataset", "fedpart.common.data.datasets",
                     "The data a run trains on: `data.dataset` and its options (`data.options`); a "
                     "`package.module:function` path names a custom loader instead (docs/plugins.md).")

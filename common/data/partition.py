@@ -2,7 +2,8 @@
 
 :func:`make_partition` returns one :class:`~fedpart.common.data.types.ClientSplit` per client:
 sorted int64 indices into ``y_train`` / ``y_test``, disjoint across clients, identical for the same
-seed. Schemes (:data:`PARTITION_SCHEMES`) and their options:
+seed. Each scheme is a component of :data:`fedpart.common.registry.PARTITIONS` that declares its
+options (:data:`PARTITION_SCHEMES`: their names):
 
 - ``iid``: a seeded permutation cut into equal parts.
 - ``shards`` (``shards_per_client``): pathological non-IID shards of McMahan et al. 2017 as used by
@@ -26,32 +27,21 @@ from typing import Any
 import numpy as np
 
 from fedpart.common.data.types import ClientSplit
-
-PARTITION_SCHEMES: tuple[str, ...] = ("iid", "shards", "dirichlet", "dirichlet_prior", "contiguous")
-
-# scheme -> (required options, optional options)
-_OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "iid": ((), ()),
-    "shards": (("shards_per_client",), ()),
-    "dirichlet": (("alpha",), ("min_size", "max_tries")),
-    "dirichlet_prior": (("alpha",), ("samples_per_client", "test_samples_per_client")),
-    "contiguous": (("train_per_client", "test_per_client"), ()),
-}
-_LABEL_SCHEMES = ("shards", "dirichlet", "dirichlet_prior")
-
+from fedpart.common.registry import PARTITIONS, REQUIRED, Option
 
 def check_partition_options(scheme: str, options: dict[str, Any]) -> None:
     """Raise ``ValueError`` for an unknown scheme or an unknown or missing option (no data needed)."""
-    if scheme not in _OPTIONS:
+    component = PARTITIONS.builtin().get(scheme)
+    if component is None:
         raise ValueError(f"unknown partition scheme {scheme!r}; "
-                         f"known: {', '.join(PARTITION_SCHEMES)}")
-    required, optional = _OPTIONS[scheme]
-    unknown = sorted(set(options) - set(required) - set(optional))
+                         f"known: {', '.join(PARTITIONS.builtin())}")
+    declared = [o.name for o in component.options]
+    unknown = sorted(set(options) - set(declared))
     if unknown:
-        accepted = ", ".join(required + optional) or "none"
+        accepted = ", ".join(declared) or "none"
         raise ValueError(f"unknown option(s) {', '.join(unknown)} for partition scheme {scheme!r} "
                          f"(accepted: {accepted})")
-    missing = [k for k in required if k not in options]
+    missing = [o.name for o in component.options if o.default is REQUIRED and o.name not in options]
     if missing:
         raise ValueError(f"partition scheme {scheme!r} needs option(s) {', '.join(missing)}")
 
@@ -77,45 +67,24 @@ def make_partition(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, sc
     num_clients = _integer("num_clients", num_clients, 1)
     y_train = _labels("y_train", y_train)
     y_test = _labels("y_test", y_test)
-    if scheme in _LABEL_SCHEMES:
-        num_classes = _integer("num_classes", num_classes, 1)
-        for name, y in (("y_train", y_train), ("y_test", y_test)):
-            if y.dtype.kind not in "iu":
-                raise ValueError(f"scheme {scheme!r} needs integer class labels, "
-                                 f"{name} is {y.dtype}")
-            if y.size and (y.min() < 0 or y.max() >= num_classes):
-                raise ValueError(f"{name} has labels outside 0..{num_classes - 1}")
-        y_train, y_test = y_train.astype(np.int64), y_test.astype(np.int64)
     rng = np.random.default_rng(seed)
-
-    if scheme == "iid":
-        if len(y_train) < num_clients:
-            raise ValueError(f"iid: {len(y_train)} training samples cannot cover "
-                             f"{num_clients} clients")
-        train = np.array_split(rng.permutation(len(y_train)), num_clients)
-        test = np.array_split(rng.permutation(len(y_test)), num_clients)
-    elif scheme == "shards":
-        train, test = _shards(y_train, y_test, num_clients, num_classes, rng,
-                              _integer("shards_per_client", options["shards_per_client"], 1))
-    elif scheme == "dirichlet":
-        train, test = _dirichlet(y_train, y_test, num_clients, num_classes, rng,
-                                 alpha=_positive("alpha", options["alpha"]),
-                                 min_size=_integer("min_size", options.get("min_size", 10), 0),
-                                 max_tries=_integer("max_tries", options.get("max_tries", 1000), 1))
-    elif scheme == "dirichlet_prior":
-        train_size = options.get("samples_per_client", len(y_train) // num_clients)
-        test_size = options.get("test_samples_per_client", len(y_test) // num_clients)
-        train, test = _dirichlet_prior(
-            y_train, y_test, num_clients, num_classes, rng,
-            alpha=_positive("alpha", options["alpha"]),
-            train_size=_integer("samples_per_client", train_size, 1),
-            test_size=_integer("test_samples_per_client", test_size, 0))
-    else:
-        train, test = _contiguous(len(y_train), len(y_test), num_clients,
-                                  _integer("train_per_client", options["train_per_client"], 1),
-                                  _integer("test_per_client", options["test_per_client"], 0))
+    train, test = PARTITIONS.builtin()[scheme](y_train=y_train, y_test=y_test, num_clients=num_clients,
+                                                num_classes=num_classes, rng=rng, **options)
     return [ClientSplit(train=np.sort(tr).astype(np.int64), test=np.sort(te).astype(np.int64))
             for tr, te in zip(train, test)]
+
+
+def _class_labels(scheme: str, y_train: np.ndarray, y_test: np.ndarray,
+                  num_classes: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Integer class labels in ``0..num_classes - 1`` as int64, for a scheme that splits by class."""
+    num_classes = _integer("num_classes", num_classes, 1)
+    for name, y in (("y_train", y_train), ("y_test", y_test)):
+        if y.dtype.kind not in "iu":
+            raise ValueError(f"scheme {scheme!r} needs integer class labels, "
+                             f"{name} is {y.dtype}")
+        if y.size and (y.min() < 0 or y.max() >= num_classes):
+            raise ValueError(f"{name} has labels outside 0..{num_classes - 1}")
+    return y_train.astype(np.int64), y_test.astype(np.int64), num_classes
 
 
 def _integer(name: str, value: Any, minimum: int) -> int:
@@ -306,3 +275,65 @@ def _contiguous(n_train: int, n_test: int, num_clients: int, train_per_client: i
     return ([np.arange(i * train_per_client, (i + 1) * train_per_client)
              for i in range(num_clients)],
             [np.arange(i * test_per_client, (i + 1) * test_per_client) for i in range(num_clients)])
+
+
+Parts = tuple[list[np.ndarray], list[np.ndarray]]  # each client's train and test indices
+
+
+@PARTITIONS.register("iid", "A seeded permutation cut into equal parts.")
+def _iid(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, num_classes: int,
+         rng: np.random.Generator) -> Parts:
+    if len(y_train) < num_clients:
+        raise ValueError(f"iid: {len(y_train)} training samples cannot cover "
+                         f"{num_clients} clients")
+    return (np.array_split(rng.permutation(len(y_train)), num_clients),
+            np.array_split(rng.permutation(len(y_test)), num_clients))
+
+
+@PARTITIONS.register("shards", "Pathological non-IID shards (McMahan et al. 2017, as LG-FedAvg and FedBABU use).",
+                     Option("shards_per_client", int, "shards (of one class each) per client", default=REQUIRED))
+def _shards_scheme(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, num_classes: int,
+                   rng: np.random.Generator, shards_per_client: Any) -> Parts:
+    y_train, y_test, num_classes = _class_labels("shards", y_train, y_test, num_classes)
+    return _shards(y_train, y_test, num_clients, num_classes, rng, _integer("shards_per_client", shards_per_client, 1))
+
+
+@PARTITIONS.register("dirichlet", "Per-class Dirichlet split over clients (Yurochkin et al. 2019) with a minimum size.",
+                     Option("alpha", float, "concentration: smaller is more skewed", default=REQUIRED),
+                     Option("min_size", int, "least training samples a client gets (draws again below)", default=10),
+                     Option("max_tries", int, "draws before giving up on min_size", default=1000))
+def _dirichlet_scheme(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, num_classes: int,
+                      rng: np.random.Generator, alpha: Any, min_size: Any = 10, max_tries: Any = 1000) -> Parts:
+    y_train, y_test, num_classes = _class_labels("dirichlet", y_train, y_test, num_classes)
+    return _dirichlet(y_train, y_test, num_clients, num_classes, rng, alpha=_positive("alpha", alpha),
+                      min_size=_integer("min_size", min_size, 0), max_tries=_integer("max_tries", max_tries, 1))
+
+
+@PARTITIONS.register("dirichlet_prior", "Per-client Dirichlet class priors with fixed client sizes (Hsu et al. 2019).",
+                     Option("alpha", float, "concentration: smaller is more skewed", default=REQUIRED),
+                     Option("samples_per_client", int, "training samples per client (default: an equal share)",
+                            default=None),
+                     Option("test_samples_per_client", int, "test samples per client (default: an equal share)",
+                            default=None))
+def _dirichlet_prior_scheme(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, num_classes: int,
+                            rng: np.random.Generator, alpha: Any, samples_per_client: Any = None,
+                            test_samples_per_client: Any = None) -> Parts:
+    y_train, y_test, num_classes = _class_labels("dirichlet_prior", y_train, y_test, num_classes)
+    train_size = len(y_train) // num_clients if samples_per_client is None else samples_per_client
+    test_size = len(y_test) // num_clients if test_samples_per_client is None else test_samples_per_client
+    return _dirichlet_prior(y_train, y_test, num_clients, num_classes, rng, alpha=_positive("alpha", alpha),
+                            train_size=_integer("samples_per_client", train_size, 1),
+                            test_size=_integer("test_samples_per_client", test_size, 0))
+
+
+@PARTITIONS.register("contiguous", "Consecutive blocks in file order.",
+                     Option("train_per_client", int, "training samples per client", default=REQUIRED),
+                     Option("test_per_client", int, "test samples per client", default=REQUIRED))
+def _contiguous_scheme(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, num_classes: int,
+                       rng: np.random.Generator, train_per_client: Any, test_per_client: Any) -> Parts:
+    return _contiguous(len(y_train), len(y_test), num_clients, _integer("train_per_client", train_per_client, 1),
+                       _integer("test_per_client", test_per_client, 0))
+
+
+PARTITION_SCHEMES: tuple[str, ...] = tuple(PARTITIONS.builtin())
+"""The partition schemes' names."""
