@@ -271,6 +271,9 @@ ROBUST_AGGREGATORS = Registry("robust aggregator", "fedpart.server.robust",
                               "How a round's deltas are combined: `robust.aggregator`.")
 PARTITIONS = Registry("partition scheme", "fedpart.common.data.partition",
                       "How the dataset is split over the clients: `data.partition.scheme` and its options.")
+MODELS = Registry("model", "fedpart.common.models.zoo",
+                  "The model, cut into body units and a head: `model.name` and its options; a "
+                  "`package.module:function` path names a custom model factory instead (docs/plugins.md).")
 DATASETS = Registry("dataset", "fedpart.common.data.datasets",
                     "The data a run trains on: `data.dataset` and its options (`data.options`); a "
                     "`package.module:function` path names a custom loader instead (docs/plugins.md).")

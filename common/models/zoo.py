@@ -1,14 +1,14 @@
 """Built-in models, each cut into body units and a head (see :class:`SplitModel`).
 
 Every builder takes ``num_classes``, ``input_shape`` (one sample, e.g. ``(3, 32, 32)``) and its own
-keyword options. :func:`build_model` seeds the initialisation, so the same seed always gives
+keyword options; each registers in :data:`fedpart.common.registry.MODELS` with those options.
+:func:`build_model` seeds the initialisation, so the same seed always gives
 bit-identical weights, and also loads custom models from ``package.module:function`` import paths.
 The head is always the final ``nn.Linear`` with its bias and PyTorch's default initialisation.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fedpart.common.importing import import_callable
+from fedpart.common.registry import MODELS, Option
 from fedpart.common.split_model import SplitModel
 
 Units: TypeAlias = "OrderedDict[str, nn.Module]"
@@ -54,6 +55,8 @@ def _positive_int(option: str, value: object) -> int:
     return value
 
 
+@MODELS.register("mlp", "Two-hidden-layer perceptron, the 2NN of McMahan et al. 2017; any input shape (flattened).",
+                 Option("hidden", int, "width of both hidden layers"))
 def mlp(num_classes: int, input_shape: tuple[int, ...], *, hidden: int = 200) -> SplitModel:
     """Two-hidden-layer perceptron, the "2NN" of McMahan et al. 2017 (AISTATS, FedAvg).
 
@@ -71,6 +74,7 @@ def mlp(num_classes: int, input_shape: tuple[int, ...], *, hidden: int = 200) ->
     return SplitModel(units, nn.Linear(hidden, num_classes))
 
 
+@MODELS.register("cnn2", "Two-conv CNN of the layer-expansion paper (PFLlib's FedAvgCNN).")
 def cnn2(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
     """Two-conv CNN of the layer-expansion paper; PFLlib's ``FedAvgCNN``.
 
@@ -88,6 +92,7 @@ def cnn2(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
     return SplitModel(units, nn.Linear(512, num_classes))
 
 
+@MODELS.register("cnn4", "FedBABU's 4convNet (Oh et al., ICLR 2022).")
 def cnn4(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
     """FedBABU's "4convNet" (Oh et al., ICLR 2022) for CIFAR-10.
 
@@ -111,6 +116,7 @@ MOBILENET_CFG: tuple[int | tuple[int, int], ...] = (
 )
 
 
+@MODELS.register("mobilenet", "FedBABU's CIFAR MobileNet (Oh et al., ICLR 2022; after Howard et al. 2017).")
 def mobilenet(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
     """FedBABU's CIFAR MobileNet (Oh et al., ICLR 2022; after Howard et al. 2017).
 
@@ -162,6 +168,7 @@ def _two_conv_two_fc(name: str, num_classes: int, input_shape: tuple[int, ...], 
     return SplitModel(units, nn.Linear(hidden[1], num_classes))
 
 
+@MODELS.register("cnn5", "FedBug's standard CNN (Kao & Wang 2023).")
 def cnn5(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
     """FedBug's standard CNN (Kao & Wang 2023; the CNN of FedDyn-style CIFAR experiments).
 
@@ -172,6 +179,7 @@ def cnn5(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
     return _two_conv_two_fc("cnn5", num_classes, input_shape, convs=(64, 64), hidden=(384, 192))
 
 
+@MODELS.register("lenet5", "Modified LeNet-5 (LeCun et al. 1998), as in FedFTHA-style experiments.")
 def lenet5(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
     """Modified LeNet-5 (LeCun et al. 1998) as used in FedFTHA-style CIFAR-10 experiments.
 
@@ -255,6 +263,12 @@ def _resnet(
     return SplitModel(body, nn.Linear(RESNET_WIDTHS[-1], num_classes), head_joins_last_unit=True)
 
 
+_UNITS = Option("units", str, "body units: each 'stage' or each residual 'block'",
+                lambda value: value in ("stage", "block"), "must be 'stage' or 'block'")
+
+
+@MODELS.register("resnet18", "ResNet-18 with GroupNorm(2, C), as in FedBug (Kao & Wang 2023).",
+                 _UNITS)
 def resnet18(num_classes: int, input_shape: tuple[int, ...], *, units: str = "stage") -> SplitModel:
     """ResNet-18 (He et al. 2016) with GroupNorm(2, C) as in FedBug (Kao & Wang 2023).
 
@@ -263,6 +277,8 @@ def resnet18(num_classes: int, input_shape: tuple[int, ...], *, units: str = "st
     return _resnet("resnet18", (2, 2, 2, 2), num_classes, input_shape, units)
 
 
+@MODELS.register("resnet34", "ResNet-34 with GroupNorm(2, C), as in FedBug (Kao & Wang 2023).",
+                 _UNITS)
 def resnet34(num_classes: int, input_shape: tuple[int, ...], *, units: str = "stage") -> SplitModel:
     """ResNet-34 (He et al. 2016) with GroupNorm(2, C) as in FedBug (Kao & Wang 2023).
 
@@ -271,36 +287,25 @@ def resnet34(num_classes: int, input_shape: tuple[int, ...], *, units: str = "st
     return _resnet("resnet34", (3, 4, 6, 3), num_classes, input_shape, units)
 
 
-_BUILDERS: dict[str, Callable[..., SplitModel]] = {
-    "mlp": mlp,
-    "cnn2": cnn2,
-    "cnn4": cnn4,
-    "mobilenet": mobilenet,
-    "cnn5": cnn5,
-    "resnet18": resnet18,
-    "resnet34": resnet34,
-    "lenet5": lenet5,
-}
-
-MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+MODEL_NAMES: tuple[str, ...] = tuple(MODELS.builtin())
+"""The built-in models' names."""
 
 
 def _builtin(name: str, options: dict[str, object]) -> Callable[..., SplitModel]:
     """The builder of built-in model ``name``, after checking ``options`` against its keywords."""
-    if name not in _BUILDERS:
+    component = MODELS.builtin().get(name)
+    if component is None:
         raise ValueError(
             f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)} "
             "(or a 'package.module:function' path)"
         )
-    builder = _BUILDERS[name]
-    parameters = inspect.signature(builder).parameters.values()
-    allowed = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY]
+    allowed = [o.name for o in component.options]
     for option in options:
         if option not in allowed:
             raise ValueError(
                 f"unknown option {option!r} for model {name!r}; valid options: {allowed or 'none'}"
             )
-    return builder
+    return component.build
 
 
 def build_model(
