@@ -141,7 +141,10 @@ class Coordinator:
 
     def task_tensors(self, task: Task, held: Mapping[str, int]) -> tuple[list[TensorSpec], list[torch.Tensor]]:
         """Global tensors a task carries: shared ones newer than what the process holds, plus
-        the parts the client initialises its personal copy from."""
+        the parts the client initialises its personal copy from (none with a step of secure
+        aggregation: it works on the update the client kept)."""
+        if task.kind == TaskKind.SECAGG:
+            return [], []
         names = [n for n in self.shared_names if held.get(n, -1) < self.versions[n]]
         if task.personal_init:
             names += [n for n in self.personal_names
@@ -154,6 +157,8 @@ class Coordinator:
     def named_versions(self, task: Task) -> tuple[tuple[str, int], ...]:
         """Names and versions of every global tensor ``task`` names, whatever its process holds
         (what its logical bytes count), in the order of :meth:`task_tensors`."""
+        if task.kind == TaskKind.SECAGG:
+            return ()
         names = self.shared_names
         if task.personal_init:
             names = names + [n for n in self.personal_names if tensor_part(n) in task.personal_init]

@@ -259,12 +259,16 @@ def _final_model(tmp_path, name: str, **privacy) -> tuple[dict[str, torch.Tensor
 
 
 def test_a_real_run_under_secure_aggregation_matches_the_plain_run_within_the_bound(tmp_path) -> None:
-    plain, _ = _final_model(tmp_path, "plain")
+    plain, plain_summary = _final_model(tmp_path, "plain")
     secure, summary = _final_model(tmp_path, "secure", secure_aggregation=True)
     body = [n for n in plain if n.startswith("body.")]
     assert body and max(float((plain[n] - secure[n]).abs().max()) for n in body) <= 1e-5
     assert summary["bytes"]["by_part"]["secagg"]["up"] > 0
-    assert summary["bytes"]["logical"]["by_part"]["secagg"]["up"] > 0
+    logical, plain_logical = summary["bytes"]["logical"]["by_part"], plain_summary["bytes"]["logical"]["by_part"]
+    assert logical["secagg"]["up"] > 0 and logical["secagg"]["down"] > 0
+    # the steps carry no model: the model's logical bytes are the plain run's, and the masked
+    # update is as large as the plain one
+    assert logical["body"] == plain_logical["body"] and logical["head"] == plain_logical["head"]
 
 
 # A real client process that SIGKILLs itself once the server has taken its first masked update:
