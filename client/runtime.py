@@ -299,7 +299,7 @@ class ClientProcess:
                  f"{outcome.compute_seconds:.2f} s, loss {outcome.loss:.4f}")
         trained = {k: v.detach() for k, v in self.model.state_dict().items()}
         uploads = {n: trained[n] - self.cache[n] for n in plan.upload_deltas}
-        if self.config.privacy.dp.enabled:  # DP-FedAvg: the whole update clipped before any codec
+        if self.config.privacy.dp.enabled and not self.config.privacy.dp.adaptive_clip:  # clipped before any codec
             uploads = clip_deltas(uploads, self.config.privacy.dp.clip_norm)[0]
         secagg = None
         if task.secagg is not None:  # secure aggregation: the update waits for the MASK step

@@ -246,8 +246,9 @@ class DPConfig:
     the initial clip C_0; after each round C_{t+1} = C_t * exp(-clip_learning_rate * (b -
     target_quantile)), b being the noised fraction of the round's results whose delta norm was
     within C_t. The paper's defaults: ``target_quantile`` 0.5 (the median norm),
-    ``clip_learning_rate`` 0.2, ``count_stddev`` m / 20 for m expected clients a round (its
-    experiments start from C_0 = 0.1; ``clip_norm`` keeps its default 1.0). ``noise_multiplier`` z
+    ``clip_learning_rate`` 0.2, ``count_stddev`` m / 20 for m expected clients a round
+    (TensorFlow Federated's ``gaussian_adaptive`` starts from C_0 = 0.1; ``clip_norm`` keeps its
+    default 1.0, so set it). ``noise_multiplier`` z
     stays the total that is accounted: the deltas are noised with z_delta = (z**-2 - (2 *
     count_stddev)**-2)**-0.5, which needs 2 * count_stddev > z."""
 

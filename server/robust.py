@@ -380,14 +380,17 @@ class AggregationStep:
     def _screen_private(self, deltas: dict[str, torch.Tensor], samples: int, notes: tuple[str, ...],
                         samples_capped: bool) -> Screened:
         """Screening under ``privacy.dp``: the deltas clipped to the clip norm (counted as clipped
-        where the result was over it by more than a codec's rounding), weight 1."""
+        where the result was over it by more than a codec's rounding; under adaptive clipping, over
+        the round's clip at all), weight 1. The clipped deltas keep their norm before clipping
+        (:class:`~fedpart.server.privacy.ClippedDeltas`), which adaptive clipping counts when they are folded."""
         if not deltas:
             return Screened(deltas, samples, 1.0, False, samples_capped, notes)
         try:
             clipped, note = self.privacy.clip(deltas)
         except ValueError as error:
             raise ResultRefused(str(error)) from error
-        return Screened(clipped, samples, 1.0, note is not None, samples_capped, notes + ((note,) if note else ()))
+        was_clipped = note is not None or (self.privacy.adaptive is not None and not clipped.unclipped)
+        return Screened(clipped, samples, 1.0, was_clipped, samples_capped, notes + ((note,) if note else ()))
 
     def new_global(self, global_state: Mapping[str, torch.Tensor], deltas: RoundDeltas,
                    heads: HeadDictionary | None) -> dict[str, torch.Tensor]:
@@ -407,17 +410,23 @@ class AggregationStep:
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """The state the step carries from round to round, for the run state: the server
-        optimizer's, and the adaptive bound's medians (keys with :attr:`AdaptiveBound.STATE_PREFIX`)."""
+        optimizer's, the adaptive bound's medians (keys with :attr:`AdaptiveBound.STATE_PREFIX`)
+        and the adaptive clip of ``privacy.dp`` (keys :attr:`DifferentialPrivacy.STATE_KEYS`)."""
         bound = self.adaptive_bound.state() if self.adaptive_bound is not None else {}
-        return {**self.optimizer.state(), **bound}
+        privacy = self.privacy.state() if self.privacy is not None else {}
+        return {**self.optimizer.state(), **bound, **privacy}
 
     def restore_optimizer(self, state: Mapping[str, torch.Tensor]) -> None:
         """Continue with the state of a saved run (:meth:`optimizer_state`): the adaptive bound
-        goes on from the medians saved with it (none where no round had closed)."""
+        goes on from the medians saved with it (none where no round had closed), adaptive clipping
+        from the clip saved with it."""
         medians = {k: v for k, v in state.items() if k.startswith(AdaptiveBound.STATE_PREFIX)}
+        clip = {k: v for k, v in state.items() if k in DifferentialPrivacy.STATE_KEYS}
         try:
-            self.optimizer.load_state({k: v for k, v in state.items() if k not in medians})
+            self.optimizer.load_state({k: v for k, v in state.items() if k not in medians and k not in clip})
             if self.adaptive_bound is not None:
                 self.adaptive_bound.load_state(medians)
+            if self.privacy is not None:
+                self.privacy.load_state(clip)
         except ValueError as error:
             raise ResumeError(f"the saved server optimizer state does not fit the config: {error}") from error
