@@ -114,9 +114,10 @@ class SimulatedClient:
         self.coordinator.registry.leave(self.session, "killed")
 
 
-def _coordinator(**privacy) -> Coordinator:
+def _coordinator(train: dict | None = None, **privacy) -> Coordinator:
     config = small_config(clients=CLIENTS, rounds=1, model={"name": "mlp", "hidden": 8},
                           privacy={"secure_aggregation": True, **privacy})
+    config["train"].update(train or {})
     return Coordinator(config_from_dict(config), log=lambda message: None)
 
 
@@ -200,6 +201,24 @@ def test_clients_that_drop_after_sharing_or_after_masking_do_not_stop_the_round(
     kept = [c for c in clients if c.client != 1]
     error = _max_error(_moved(coordinator, before, clients[0].update), _weighted_mean(kept, 1.0))
     assert error <= 1e-5
+
+
+@pytest.mark.parametrize("noise", [0.0, 1.0])
+def test_with_dp_the_server_noises_the_unmasked_sum_over_the_fixed_denominator(one_torch_thread, noise) -> None:
+    """DP-FedAvg over secure aggregation: every result weighs 1, the noise goes on the unmasked sum,
+    which is divided by the expected number of clients (all 6 here)."""
+    dp = {"enabled": True, "noise_multiplier": noise, "clip_norm": 1.0, "noise_seed": 5}
+    coordinator = _coordinator(train={"weighting": "uniform"}, dp=dp)
+    clients = _clients(coordinator)
+    before = {n: t.clone() for n, t in coordinator.global_state.items()}
+    _run(coordinator, clients)
+    names = clients[0].update
+    expected = {n: sum(c.update[n].double().clamp(-1, 1) for c in clients) / CLIENTS for n in names}
+    error = _max_error(_moved(coordinator, before, names), expected)
+    if noise:
+        assert error > 0.1  # noise of standard deviation 1/6 on every coordinate
+    else:
+        assert error <= 1e-6
 
 
 def test_too_few_survivors_fail_the_round_clearly_and_keep_the_model(one_torch_thread) -> None:
