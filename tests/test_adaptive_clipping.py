@@ -306,6 +306,8 @@ def test_a_digits_run_adapts_the_clip_and_reports_it(tmp_path):
     for t in range(rounds - 1):
         assert clips[t + 1] == pytest.approx(clips[t] * math.exp(-0.2 * (fractions[t] - 0.5)))
     assert clips[-1] > clips[0]  # the digits mlp's first updates are far above 0.1
+    # the clients sent them unclipped (clipped to C_0 by the client, none would be over C_0 here)
+    assert records[0]["robust"]["clipped"] == len(records[0]["completed"]) > 0
     budget = PrivacyBudget(config_from_dict(config))
     assert [record["privacy"]["epsilon"] for record in records] == [budget.epsilon(r) for r in range(1, rounds + 1)]
     assert read_summary(out)["privacy"]["epsilon"] == budget.epsilon(rounds)
