@@ -15,7 +15,9 @@ from fedpart.common.config import ConfigError, config_from_dict
 from fedpart.common.experiment import build_run_model
 from fedpart.common.privacy import joint_norm
 from fedpart.server.privacy import AdaptiveClip, ClippedDeltas, DifferentialPrivacy, NoisedSum, PrivacyBudget
+from fedpart.server.coordinator import Coordinator
 from fedpart.server.robust import AggregationStep
+from fedpart.server.run_state import read_run_state, write_run_state
 from fedpart.server.sampling import expected_clients
 from test_robust import InProcessServer, RawClient
 
@@ -256,10 +258,11 @@ def test_a_resumed_step_continues_with_the_same_clip_and_noise():
 # ------------------------------------------------------------------------------------ runs
 
 
-def test_the_clip_settles_at_the_median_norm_of_the_clients_updates():
+def test_the_clip_settles_at_the_median_norm_of_the_clients_updates(tmp_path):
     """Four clients whose deltas have norms 1, 2, 3 and 4 (a raw client process, which does not
     clip): from C_0 = 0.5 the clip grows while fewer than half are within it and then stays in
-    [2, 3), where exactly half are; every round's clip_norm is in its record."""
+    [2, 3), where exactly half are; every round's clip_norm is in its record, and the run state
+    written after the last round carries the next round's clip to a resumed coordinator."""
     norms = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}
     rounds = 8
     server = InProcessServer(clients=4, rounds=rounds, train=_adaptive()["train"],
@@ -274,6 +277,10 @@ def test_the_clip_settles_at_the_median_norm_of_the_clients_updates():
             reference = {n: client.state[n] for n in header.train.upload_deltas}
             assert client.submit(header, _deltas(reference, norms[header.client_id]), 10).accepted
         server.wait()
+        write_run_state(tmp_path, server.coordinator.snapshot(rounds, 1.0))
+        resumed = Coordinator(server.config, log=lambda _: None)
+        resumed.restore(read_run_state(tmp_path, server.config.to_dict()))
+        assert resumed.aggregation.privacy.clip_norm == server.coordinator.aggregation.privacy.clip_norm
     finally:
         client.close()
         server.close()
