@@ -26,6 +26,7 @@ from typing import TypeVar
 
 import torch
 
+from fedpart.client import dp_sgd
 from fedpart.client.evaluation import evaluate_and_personalize
 from fedpart.client.local_data import ClientData, load_client_data
 from fedpart.client.placement import DeviceError, PeakMemory, Transfers, describe, resolve_device
@@ -294,9 +295,13 @@ class ClientProcess:
         self.activity.task(f"client {client} round {task.round}: training")
         outcome = train_local(self.model, data, plan, self.loss_fn, reference, self.unit_flops, objective, state,
                               build_augment(self.config.train.augment, plan.seed), self.speed,
-                              on_steps=self.activity.advance)
+                              on_steps=self.activity.advance, dp_sgd=self.config.privacy.dp_sgd)
+        # record-level DP-SGD: this client's epsilon over every round it trained (its ledger in the store)
+        private = dp_sgd.spend(self.store.root, client, task.round, outcome.dp_sgd, self.config.privacy.dp_sgd)
         self.log(f"client {client} round {task.round}: trained {outcome.steps} steps in "
-                 f"{outcome.compute_seconds:.2f} s, loss {outcome.loss:.4f}")
+                 f"{outcome.compute_seconds:.2f} s, loss {outcome.loss:.4f}"
+                 + (f", DP-SGD epsilon {private.get('dp_sgd_epsilon', float('inf')):.4g} at delta "
+                    f"{private['dp_sgd_delta']:.3g}" if private else ""))
         trained = {k: v.detach() for k, v in self.model.state_dict().items()}
         uploads = {n: trained[n] - self.cache[n] for n in plan.upload_deltas}
         if self.config.privacy.dp.enabled and not self.config.privacy.dp.adaptive_clip:  # clipped before any codec
@@ -312,7 +317,7 @@ class ClientProcess:
             self.objective_store.save_personal(client, task.round, state)
         metrics = {"loss": outcome.loss, "steps": outcome.steps, "compute_seconds": outcome.compute_seconds,
                    "trainable_parameters": outcome.trainable_parameters, "train_flops": outcome.flops,
-                   **peak.metrics()}
+                   **peak.metrics(), **private}
         answer = self._training_answer(task, outcome.samples, metrics, uploads)
         answer.secagg = secagg
         return answer

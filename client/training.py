@@ -8,6 +8,8 @@ unit the plan ever trains in the round; the longest frozen prefix of body units 
 for any algorithm. The loop never waits for the device: the loss is summed on the device and
 read once at the end, batches are index slices of on-device tensors, and the speed options
 (mixed precision, channels-last, a compiled forward; :mod:`fedpart.client.speed`) apply per step.
+Under ``privacy.dp_sgd`` the batches are Poisson samples and every step's gradient is clipped per
+example and noised (Opacus; :mod:`fedpart.client.dp_sgd`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from fedpart.client import dp_sgd as dpsgd
 from fedpart.client.local_data import ClientData
 from fedpart.client.speed import TrainingSpeed
 from fedpart.common.algorithms import unfrozen_units
+from fedpart.common.config import DPSGDConfig
 from fedpart.common.objectives import Objective, ObjectiveContext, ObjectiveSpec
 from fedpart.common.plans import TrainPlan
 from fedpart.common.split_model import SplitModel
@@ -43,6 +47,7 @@ class TrainOutcome:
     compute_seconds: float
     trainable_parameters: int
     flops: float
+    dp_sgd: dpsgd.DPSGDUsage | None = None  # what DP-SGD spent (None: it was off)
 
 
 def step_flops(unit_flops: Mapping[str, int], order: Sequence[str], trainable: set[str], batch: int) -> float:
@@ -70,12 +75,14 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
                 reference: Mapping[str, torch.Tensor], unit_flops: Mapping[str, int],
                 objective: Objective | None = None, state: dict[str, torch.Tensor] | None = None,
                 augment: Augment | None = None, speed: TrainingSpeed | None = None,
-                on_steps: StepsDone | None = None) -> TrainOutcome:
+                on_steps: StepsDone | None = None, dp_sgd: DPSGDConfig | None = None) -> TrainOutcome:
     """Train ``model`` in place following ``plan``; ``reference`` holds the global values of the
     shared tensors (the anchors of objective terms), ``state`` the client's objective state
     (updated in place), ``augment`` a transform of each training batch's inputs, ``speed`` the
     speed options (configured for this ``model``; default plain float32). ``on_steps`` is told the
-    local step count every :data:`PROGRESS_STEPS` steps (a count: no device sync)."""
+    local step count every :data:`PROGRESS_STEPS` steps (a count: no device sync). ``dp_sgd``
+    (enabled): DP-SGD steps on Poisson batches (:mod:`fedpart.client.dp_sgd`; raises DPSGDError
+    where Opacus is missing or the model cannot have per-example gradients)."""
     started = time.perf_counter()
     device = data.x_train.device
     speed = speed or TrainingSpeed(device)
@@ -92,13 +99,30 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
     optimizer = speed.sgd(parameters, plan.lr, plan.momentum, plan.weight_decay)
     scaled = speed.loss_scaled(optimizer)
     backward = scaled.backward if scaled is not None else torch.Tensor.backward
+    private = None
+    if dp_sgd is not None and dp_sgd.enabled:
+        dpsgd.check_model(model)
+        rate = dpsgd.sample_rate(n, plan.batch_size)
+        seed = dpsgd.run_seed(dp_sgd, plan.seed)
+        sampling = torch.Generator().manual_seed(seed)  # the Poisson batches (on the host, as Opacus draws them)
+        noise = torch.Generator(device=device).manual_seed(seed + 1)
+        private = dpsgd.PrivateGradients(model, optimizer, dp_sgd, min(plan.batch_size, n), noise)
 
     def gradients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
+        if private is not None:
+            private.clear()
+            if x.shape[0] == 0:  # an empty Poisson batch: the step is noise only
+                private.empty_batch()
+                private.privatize()
+                objective.adjust_gradients(ctx)
+                return torch.zeros((), device=device)
         forward = speed.forward(model, full_batch=x.shape[0] == plan.batch_size)
         with speed.autocast():
             loss = objective.batch_loss(ctx, forward(speed.layout(x), pieces=True), y)
         backward(loss)
+        if private is not None:
+            private.privatize()
         objective.adjust_gradients(ctx)
         if plan.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_([p for p in parameters if p.grad is not None], plan.grad_clip)
@@ -119,12 +143,16 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
         current: tuple[str, ...] | None = None
         step = 0
         for _ in range(phase.epochs):
-            for index in batches(n, plan.batch_size, generator, device):
+            epoch = (dpsgd.poisson_batches(n, rate, steps_per_epoch, sampling, device) if private is not None
+                     else batches(n, plan.batch_size, generator, device))
+            for index in epoch:
                 step += 1
                 wanted = unfrozen_units(steps_of_unfreezing, phase.unfreeze_fraction, step, total)
                 if wanted != current:
                     model.set_trainable(wanted)
                     current = wanted
+                    if private is not None:
+                        private.attach()  # Opacus' hooks on the units that train now
                     sample_flops = step_flops(unit_flops, order, set(wanted), 1)
                 x, y = data.x_train[index], data.y_train[index]
                 loss = objective.step_rule.step(ctx, augment(x) if augment else x, y, gradients, scaled or optimizer)
@@ -138,7 +166,11 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
     if on_steps is not None:
         on_steps(steps, all_steps)
     objective.end(ctx)
+    usage = None
+    if private is not None:
+        private.close()
+        usage = dpsgd.DPSGDUsage(dp_sgd.noise_multiplier, rate, private.steps, n)
     model.set_trainable(order)
     mean_loss = float(total_loss) / max(seen, 1)  # the loop's one wait for the device, before the clock stops
     trainable = sum(p.numel() for p in parameters)
-    return TrainOutcome(mean_loss, steps, n, time.perf_counter() - started, trainable, flops)
+    return TrainOutcome(mean_loss, steps, n, time.perf_counter() - started, trainable, flops, usage)

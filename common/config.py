@@ -293,6 +293,31 @@ class DPConfig:
         return rest ** -0.5
 
 
+DP_SGD_INSTALL = 'pip install -e ".[dp-sgd]"  (Opacus; or pip install "opacus>=1.5")'
+
+
+@dataclass
+class DPSGDConfig:
+    """Record-level differential privacy on the client, DP-SGD (Abadi et al., "Deep Learning with
+    Differential Privacy", CCS 2016) through Opacus (``fedpart.client.dp_sgd``): every local step
+    takes a Poisson sample of the client's training examples (each with probability batch_size /
+    samples), clips each example's gradient to ``max_grad_norm`` in L2 over the trained parameters,
+    adds Gaussian noise of standard deviation ``noise_multiplier * max_grad_norm`` to their sum and
+    divides by the expected batch size. Each client's epsilon, over every round it trained, comes
+    from Opacus' RDP accountant and goes into its training metrics (``dp_sgd_epsilon``)."""
+
+    enabled: bool = False
+    noise_multiplier: float = 1.0
+    max_grad_norm: float = 1.0
+    delta: float | None = None            # None: 1 / (the client's training samples) ** 1.1
+    noise_seed: int | None = None         # None: a secret seed per local training run (noise and
+                                          # Poisson batches); set only for experiments (no privacy)
+
+    def resolved_delta(self, samples: int) -> float:
+        """``delta``, or 1 / samples ** 1.1 where it is unset."""
+        return self.delta if self.delta is not None else 1.0 / max(samples, 1) ** 1.1
+
+
 @dataclass
 class PrivacyConfig:
     """Privacy of the clients' updates (docs/privacy.md).
@@ -303,6 +328,7 @@ class PrivacyConfig:
     into the ring of 2**32 (``fedpart.common.secagg``)."""
 
     dp: DPConfig = field(default_factory=DPConfig)
+    dp_sgd: DPSGDConfig = field(default_factory=DPSGDConfig)  # record-level DP-SGD on the client
     secure_aggregation: bool = False
     secure_aggregation_threshold: int | None = None   # shares that rebuild a secret; None: a majority
                                                       # of the neighbourhood (the client and its neighbours)
@@ -528,6 +554,7 @@ def _validate(config: RunConfig) -> None:
     _check_codec(config.compression.down, "compression.down")
     _check_server_optimizer(config)
     _check_privacy(config)
+    _check_dp_sgd(config)
     _check_secure_aggregation(config)
 
 
@@ -557,6 +584,65 @@ def _check_privacy(config: RunConfig) -> None:
         return
     for message in dp_refusals(config):
         raise ConfigError(f"privacy.dp: {message}")
+
+
+def _check_dp_sgd(config: RunConfig) -> None:
+    """Validate ``privacy.dp_sgd`` and, where it is on, refuse what per-example clipping cannot
+    serve (docs/privacy.md). Raises ConfigError naming the keys."""
+    dp_sgd = config.privacy.dp_sgd
+    checks = [
+        (math.isfinite(dp_sgd.noise_multiplier) and dp_sgd.noise_multiplier >= 0,
+         "privacy.dp_sgd.noise_multiplier must be a finite number >= 0"),
+        (math.isfinite(dp_sgd.max_grad_norm) and dp_sgd.max_grad_norm > 0,
+         "privacy.dp_sgd.max_grad_norm must be a finite number > 0"),
+        (dp_sgd.delta is None or 0 < dp_sgd.delta < 1, "privacy.dp_sgd.delta must be in (0, 1)"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if dp_sgd.enabled:
+        for message in dp_sgd_refusals(config):
+            raise ConfigError(f"privacy.dp_sgd: {message}")
+
+
+DP_SGD_BATCH_TERMS = {"feddecorr": "its penalty couples the examples of a batch, so no example has a gradient of its own",
+                      "fedrod": "its balanced softmax reads the class counts of all the client's examples, which the "
+                                "per-example clip does not cover"}
+
+
+def dp_sgd_refusals(config: RunConfig) -> list[str]:
+    """Why ``config`` cannot run with ``privacy.dp_sgd`` on (empty: it can). DP-SGD bounds each
+    example's influence on a step by clipping its own gradient; every setting below needs the
+    whole batch's gradient, or changes it outside the clip. (Models with BatchNorm, which mixes a
+    batch's examples, are refused by the client when it first trains: Opacus' ModuleValidator.)"""
+    from fedpart.common.algorithms import build_algorithm
+
+    train = config.train
+    refusals = []
+    if train.grad_clip > 0:
+        refusals.append("train.grad_clip clips the batch's gradient, which is redundant beside the per-example clip "
+                        "privacy.dp_sgd.max_grad_norm: set train.grad_clip: 0")
+    if train.amp != "off":
+        refusals.append(f"train.amp {train.amp!r}: mixed precision is not combined with Opacus' per-example gradients "
+                        "here (fp16's gradient scaler would scale them before the clip): set train.amp: off")
+    if train.compile:
+        refusals.append("train.compile: the compiled forward does not run Opacus' per-example gradient hooks: set "
+                        "train.compile: false")
+    try:
+        algorithm = build_algorithm(config.algorithm.name, config.algorithm.options, config.algorithm.objective)
+    except ValueError:
+        return refusals  # the algorithm check reports it
+    for name, _ in algorithm.objective.terms:
+        if name in DP_SGD_BATCH_TERMS:
+            refusals.append(f"the objective term {name}: {DP_SGD_BATCH_TERMS[name]}")
+    rule, options = algorithm.objective.step_rule
+    if rule == "ditto":
+        refusals.append("algorithm ditto trains its personal model with gradients of its own, outside the per-example "
+                        "clip and noise")
+    if rule == "perfedavg" and options.get("hessian", False):
+        refusals.append("algorithm perfedavg with hessian: true takes a Hessian-vector product of the batch outside the "
+                        "per-example clip and noise: set hessian: false")
+    return refusals
 
 
 def dp_refusals(config: RunConfig) -> list[str]:
