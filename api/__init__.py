@@ -10,9 +10,13 @@ names and gives a deprecation period when one changes. ``docs/plugins.md`` docum
 - **model** (``model.name: package.module:function``): ``function(num_classes=...,
   input_shape=..., **model.options)`` returns a :class:`SplitModel`.
 - **loss** (``train.loss: package.module:function``): ``function()`` returns a :data:`LossFn`.
-- **codec**, **server optimizer** (``compression.up.codec``, ``server_optimizer.name``: a name or
-  ``package.module:name``): a :class:`Component` with its :class:`Option` s, building a
-  :class:`Codec` or a :class:`ServerOptimizer` (docs/components.md lists the built-in ones).
+- **codec**, **server optimizer**, **robust aggregator** (``compression.up.codec``,
+  ``server_optimizer.name``, ``robust.aggregator``: a name or ``package.module:name``): a
+  :class:`Component` with its :class:`Option` s made by the kind's registry
+  (``CODECS.component(...)``), building a :class:`Codec`, a :class:`ServerOptimizer` or an
+  aggregator (tests/fixtures/plugin_codec.py is one such module). Every kind's registry (:data:`CODECS`,
+  :data:`SERVER_OPTIMIZERS`, :data:`ROBUST_AGGREGATORS`, :data:`DATASETS`, :data:`PARTITIONS`,
+  :data:`MODELS`) lists fedpart's own components (docs/components.md).
 - **algorithm**, **objective term**, **step rule**: the types below describe them; they are
   chosen by name from fedpart's own registries, which a run config cannot extend yet
   (``docs/plugins.md`` says what exists).
@@ -51,13 +55,26 @@ from fedpart.common.objectives import (
     Term,
 )
 from fedpart.common.plans import Phase
-from fedpart.common.registry import CODECS, Component, Option, OptionError, Options, Registry
+from fedpart.common.registry import (
+    CODECS,
+    DATASETS,
+    MODELS,
+    PARTITIONS,
+    ROBUST_AGGREGATORS,
+    SERVER_OPTIMIZERS,
+    Component,
+    Option,
+    OptionError,
+    Options,
+    Registry,
+)
 from fedpart.common.split_model import HEAD, ModelOutput, SplitModel
 from fedpart.server.optimizers import OPTIMIZERS, RoundDelta, ServerOptimizer, StatefulOptimizer, apply_deltas
 
 __all__ = [
     # the registries of components and their options
-    "Component", "Option", "Options", "OptionError", "Registry", "CODECS",
+    "Component", "Option", "Options", "OptionError", "Registry", "CODECS", "SERVER_OPTIMIZERS", "ROBUST_AGGREGATORS",
+    "DATASETS", "PARTITIONS", "MODELS",
     # datasets
     "ArrayDataset", "ClientSplit", "DATASET_NAMES", "load_dataset", "make_partition",
     # models

@@ -23,7 +23,7 @@ from torch import nn
 
 from fedpart.common.objectives import ObjectiveSpec, checked
 from fedpart.common.plans import Phase
-from fedpart.common.registry import Options
+from fedpart.common.registry import ALGORITHMS, Options, describe
 from fedpart.common.split_model import HEAD, SplitModel, tensor_part, tensor_unit
 
 
@@ -313,33 +313,25 @@ def _ditto(o: Options) -> Algorithm:
                      objective=ObjectiveSpec(step_rule=("ditto", {"lambda": o.get("lambda", 0.1)})))
 
 
-ALGORITHMS: dict[str, Callable[[Options], Algorithm]] = {
-    "fedavg": _fedavg,
-    "fedbabu": _fedbabu,
-    "fedprox": _fedprox,
-    "fedprox_babu": _fedprox_babu,
-    "fedbug": _fedbug,
-    "layer_expansion_vanilla": _layer_expansion("vanilla"),
-    "layer_expansion_anti": _layer_expansion("anti"),
-    "fedper": _fedper,
-    "fedrep": _fedrep,
-    "lg_fedavg": _lg_fedavg,
-    "fedftha": _fedftha,
-    "local_only": _local_only,
-    "fedrod": _fedrod,
-    "perfedavg": _perfedavg,
-    "ditto": _ditto,
-}
+for _name, _factory in (
+    ("fedavg", _fedavg), ("fedbabu", _fedbabu), ("fedprox", _fedprox), ("fedprox_babu", _fedprox_babu),
+    ("fedbug", _fedbug), ("layer_expansion_vanilla", _layer_expansion("vanilla")),
+    ("layer_expansion_anti", _layer_expansion("anti")), ("fedper", _fedper), ("fedrep", _fedrep),
+    ("lg_fedavg", _lg_fedavg), ("fedftha", _fedftha), ("local_only", _local_only), ("fedrod", _fedrod),
+    ("perfedavg", _perfedavg), ("ditto", _ditto),
+):
+    ALGORITHMS.add(ALGORITHMS.component(_name, describe(_factory), _factory))
 
 
 def build_algorithm(name: str, options: Mapping[str, Any] | None = None,
                     objective: Mapping[str, Mapping[str, Any] | None] | None = None) -> Algorithm:
     """The algorithm ``name`` with its options validated, plus the objective terms ``objective``
     (``algorithm.objective`` of the run config)."""
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}")
+    known = ALGORITHMS.builtin()
+    if name not in known:
+        raise ValueError(f"unknown algorithm {name!r}; known: {sorted(known)}")
     reader = Options("algorithm.", f"algorithm {name}", options or {})
-    algorithm = ALGORITHMS[name](reader)
+    algorithm = known[name].build(reader)
     reader.done()
     spec = algorithm.objective.with_terms(objective) if objective else checked(algorithm.objective)
     return replace(algorithm, objective=spec)

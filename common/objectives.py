@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedpart.common.registry import Options
+from fedpart.common.registry import STEP_RULES, TERMS, Options, Registry, describe
 from fedpart.common.split_model import ModelOutput, SplitModel
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -306,22 +306,20 @@ class DittoStep(StepRule):
         return {name[len(prefix):]: value for name, value in state.items() if name.startswith(prefix)}
 
 
-TERMS: dict[str, Callable[[Options], Term]] = {
-    term.name: term for term in (Proximal, FedDyn, FedDecorr, FedRoDLoss)
-}
-STEP_RULES: dict[str, Callable[[Options], StepRule]] = {
-    rule.name: rule for rule in (SGDStep, PerFedAvgStep, DittoStep)
-}
+for _piece in (Proximal, FedDyn, FedDecorr, FedRoDLoss):
+    TERMS.add(TERMS.component(_piece.name, describe(_piece), _piece))
+for _piece in (SGDStep, PerFedAvgStep, DittoStep):
+    STEP_RULES.add(STEP_RULES.component(_piece.name, describe(_piece), _piece))
 
 
-def _build(kind: str, registry: Mapping[str, Callable[[Options], Any]], name: str,
-           options: Mapping[str, Any] | None, prefix: str) -> Any:
-    if name not in registry:
-        raise ValueError(f"unknown {kind} {name!r}; known: {sorted(registry)}")
+def _build(kind: str, registry: Registry, name: str, options: Mapping[str, Any] | None, prefix: str) -> Any:
+    known = registry.builtin()
+    if name not in known:
+        raise ValueError(f"unknown {kind} {name!r}; known: {sorted(known)}")
     if not isinstance(options, Mapping) and options is not None:
         raise ValueError(f"{prefix}: the options of {kind} {name!r} must be a mapping, got {options!r}")
     reader = Options(f"{prefix}.", f"{kind} {name}", options or {})
-    built = registry[name](reader)
+    built = known[name].build(reader)
     reader.done()
     return built
 

@@ -5,8 +5,8 @@ A component (:class:`Component`) is a builder registered under a name; its optio
 (:class:`Option`: name, type, default, check) are read by one reader (:class:`Options`) that
 types them and names the offending key in every error. A run config selects a component by its
 name or by a ``package.module:name`` path to a :class:`Component` of a module outside fedpart,
-which is then registered under its own name (so that, for example, a plug-in codec's encoding
-is known to the receiver that configured it).
+made by that kind's :meth:`Registry.component`, which is then registered under its own name (so
+that, for example, a plug-in codec's encoding is known to the receiver that configured it).
 
 Each kind's registry is declared here with the module that registers its built-in components
 (its *home*), imported by name at the first lookup: the configuration in ``fedpart.common``
@@ -87,7 +87,8 @@ class Option:
 
 @dataclass(frozen=True)
 class Component:
-    """A named builder with its declared options. ``check`` returns what is wrong with a whole
+    """A named builder with its declared options, made by its kind's :meth:`Registry.component`.
+    ``check`` returns what is wrong with a whole
     set of options (rules over several of them), or None; ``not_by_name``, where set, says why a
     run config cannot select the component by name (another setting brings it)."""
 
@@ -97,8 +98,10 @@ class Component:
     options: tuple[Option, ...] = ()
     check: Callable[[Mapping[str, Any]], str | None] | None = None
     not_by_name: str = ""
+    kind: str = ""  # the kind of registry it belongs to (see Registry.component)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "__doc__", self.description)  # help() and listings show what it does
         parameters = inspect.signature(self.build).parameters
         resolved = tuple(replace(o, default=_builder_default(parameters, o.name)) if o.default is FROM_BUILDER
                          else o for o in self.options)
@@ -111,6 +114,14 @@ class Component:
     def __call__(self, **options: Any) -> Any:
         """The component built with ``options`` over the defaults."""
         return self.build(**{**self.defaults(), **options})
+
+
+def describe(build: Callable[..., Any]) -> str:
+    """The first sentence of ``build``'s docstring, on one line: a component's description where
+    its builder documents it already."""
+    paragraph = " ".join((build.__doc__ or "").strip().split("\n\n")[0].split())
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[:end + 1]
 
 
 def _builder_default(parameters: Mapping[str, inspect.Parameter], name: str) -> Any:
@@ -189,10 +200,16 @@ class Registry(Mapping[str, Component]):
         (self._plugins if plugin else self._builtin)[component.name] = component
         return component
 
+    def component(self, name: str, description: str, build: Callable[..., Any], *options: Option,
+                  **extra: Any) -> Component:
+        """A component of this kind (not registered: a plug-in module holds it, a run config names
+        it by ``package.module:name``)."""
+        return Component(name, description, build, options, kind=self.kind, **extra)
+
     def register(self, name: str, description: str, *options: Option, **extra: Any) -> Callable[[Any], Any]:
         """A decorator that registers a builder (a class or a function) and returns it unchanged."""
         def decorate(build: Any) -> Any:
-            self.add(Component(name, description, build, options, **extra))
+            self.add(self.component(name, description, build, *options, **extra))
             return build
         return decorate
 
@@ -240,8 +257,9 @@ class Registry(Mapping[str, Component]):
                 component = import_attribute(path, setting)
             except (ImportError, ValueError) as error:
                 raise OptionError(str(error)) from error
-            if not isinstance(component, Component):
-                raise OptionError(f"{setting} {path!r} is not a fedpart.api.Component")
+            if not isinstance(component, Component) or component.kind != self.kind:
+                raise OptionError(f"{setting} {path!r} is not a {self.kind}: a Component made by the "
+                                  f"{self.kind} registry's component()")
             self._paths[path] = self.add(component, plugin=True)
         return self._paths[path]
 
@@ -263,6 +281,13 @@ class Registry(Mapping[str, Component]):
         return self[name](**options)
 
 
+ALGORITHMS = Registry("algorithm", "fedpart.common.algorithms",
+                      "What is federated, trained and kept: `algorithm.name`; each reads its own options "
+                      "(docs/algorithms.md lists them).")
+TERMS = Registry("objective term", "fedpart.common.objectives",
+                 "A piece of the local loss, added to any algorithm by `algorithm.objective: {term: {options}}`.")
+STEP_RULES = Registry("step rule", "fedpart.common.objectives",
+                      "How a local step updates the parameters; an algorithm brings its own.")
 CODECS = Registry("codec", "fedpart.common.codecs",
                   "How a tensor travels: `compression.up.codec` and `compression.down.codec` with their options.")
 SERVER_OPTIMIZERS = Registry("server optimizer", "fedpart.server.optimizers",

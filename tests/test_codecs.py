@@ -254,6 +254,8 @@ def test_a_plug_in_codec_with_a_parameter_crosses_the_wire_without_a_proto_chang
     assert torch.equal(decoded["w"], (x * 16).round() / 16)
     with pytest.raises(ConfigError, match=re.escape("compression.up.fraction_bits must be in [0, 24]")):
         config_from_dict(small_config(compression={"up": {"codec": "plugin_codec:fixed_point", "fraction_bits": 30}}))
+    with pytest.raises(ConfigError, match="'plugin_optimizer:signed' is not a codec"):
+        config_from_dict(small_config(compression={"up": {"codec": "plugin_optimizer:signed"}}))
 
 
 def test_an_encoding_named_by_a_path_is_never_imported_from_the_wire() -> None:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from fedpart.common.importing import import_callable
-from fedpart.common.registry import DATASETS, Component, Option
+from fedpart.common.registry import DATASETS, Option
 from fedpart.common.data.types import ArrayDataset
 
 try:
@@ -117,7 +117,7 @@ def register_dataset(spec: DatasetSpec) -> DatasetSpec:
     if spec.normalization is not None:
         options += (Option("normalize", bool, "normalise each channel with the dataset's mean and std",
                            default=spec.normalize_default),)
-    DATASETS.add(Component(spec.name, spec.description, spec, options))
+    DATASETS.add(DATASETS.component(spec.name, spec.description, spec, *options))
     return spec
 
 
