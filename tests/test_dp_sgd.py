@@ -9,10 +9,13 @@ import importlib.util
 import json
 import math
 import re
+from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fedpart.client import dp_sgd as dpsgd
 from fedpart.client.local_data import ClientData
@@ -20,6 +23,7 @@ from fedpart.client.training import train_local
 from fedpart.common.config import ConfigError, DPSGDConfig, config_from_dict
 from fedpart.common.models.zoo import build_model, unit_forward_flops
 from fedpart.common.plans import Phase, TrainPlan
+from fedpart.common.split_model import SplitModel
 
 from conftest import read_metrics, run_fedpart, small_config
 
@@ -255,3 +259,22 @@ def test_a_digits_run_reports_each_clients_epsilon_growing_over_the_rounds(tmp_p
     for c in range(4):
         series = [r["clients"][str(c)]["dp_sgd_epsilon"] for r in records]
         assert series == pytest.approx(logged[c], rel=1e-3) and series == sorted(series)
+
+
+def batchnorm_mlp(num_classes: int, input_shape: tuple[int, ...]) -> SplitModel:
+    """A model with a BatchNorm layer (``model.name: test_dp_sgd:batchnorm_mlp``)."""
+    features = math.prod(input_shape)
+    units = OrderedDict(fc1=nn.Sequential(nn.Flatten(), nn.Linear(features, 16), nn.BatchNorm1d(16), nn.ReLU()))
+    return SplitModel(units, nn.Linear(16, num_classes))
+
+
+@needs_opacus
+def test_a_run_of_a_batchnorm_model_stops_with_the_clients_reason(tmp_path, monkeypatch):
+    """The config check builds no model (the server needs no Opacus): the client refuses at its
+    first training task, and fedpart run stops at once with the client's log saying why."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the children import this module's model
+    config = small_config(model={"name": "test_dp_sgd:batchnorm_mlp"}, rounds=1,
+                          privacy={"dp_sgd": {"enabled": True}})
+    result, out = run_fedpart(config, tmp_path)
+    assert result.returncode != 0
+    assert re.search(r"DPSGDError: privacy.dp_sgd: .*BatchNorm layers \(body\.fc1\.2\)", result.stdout + result.stderr)
