@@ -47,6 +47,7 @@ from fedpart.common.split_model import SplitModel, tensor_part
 from fedpart.common.wire import TensorSpec, named_specs
 from fedpart.server.accounting import DIRECTIONS, PROCESS, ByteLedger
 from fedpart.server.aggregation import Aggregator, HeadDictionary
+from fedpart.server.final_evaluation import FinalEvaluation
 from fedpart.server.registry import REAP_INTERVAL_SECONDS, ProcessRegistry
 from fedpart.server.robust import AggregationStep, ResultRefused, RobustCounts
 from fedpart.server.run_state import EARLIER_ROUNDS, ResumeError, RunState
@@ -98,9 +99,7 @@ class Coordinator:
         self._sampled = 0                        # clients sampled in the current round
         self._results: RoundResults | None = None
         self._secure: SecureRound | None = None   # the current round's secure aggregation, if on
-        self._evaluating = False
-        self._rehosted: set[int] = set()         # clients hosted anew during the final evaluation
-        self._evaluations: dict[int, dict[str, float]] = {}
+        self.evaluation = FinalEvaluation(config, self.registry, self.board, self._cond, log, self._evaluation_task)
         self._failures: list[str] = []
         self._train_samples: dict[int, int] = {}  # last training sample count each client reported
         self.round_plan(1, 0)  # a schedule that does not fit the model fails now, not in round 1
@@ -134,9 +133,7 @@ class Coordinator:
                 # a part trained only in a round the server lost is initialised again
                 held = set(hosted.personal_parts) if request.state_run_id == self.run_id else set()
                 self._personal[hosted.id] = self._personal.get(hosted.id, set()) & held
-            if self._evaluating:
-                self._rehosted.update(process.clients)
-                self._cond.notify_all()
+            self.evaluation.rehosted(process.clients)
         return process.session
 
     def task_tensors(self, task: Task, held: Mapping[str, int]) -> tuple[list[TensorSpec], list[torch.Tensor]]:
@@ -193,7 +190,7 @@ class Coordinator:
         if task.kind == TaskKind.EVALUATE:
             with self._cond:
                 self.board.claim(task)
-                self._evaluations[task.client_id] = metrics
+                self.evaluation.reports[task.client_id] = metrics
                 commit()
                 self._finish(task)
             return
@@ -461,63 +458,18 @@ class Coordinator:
         ).to_json()
 
     def evaluate_all(self) -> dict[int, dict[str, float]]:
-        """Every client evaluates and personalises the final model on its own data.
-
-        A client whose process is lost before it answers is asked again once a process hosts it
-        again (a restarted process taking over, or the process joining again), until
-        ``server.evaluation_timeout``. While no evaluation is open, the server waits at most
-        ``server.join_timeout`` for the lost clients to be hosted again.
-        """
+        """Every client evaluates and personalises the final model on its own data
+        (:meth:`FinalEvaluation.run`); returns each client's report."""
         ev = self.config.evaluate
         plan = EvalPlan(finetune_epochs=tuple(sorted(set(ev.finetune_epochs))), part=ev.part, lr=ev.lr,
                         momentum=ev.momentum, batch_size=ev.batch_size, headless=ev.headless, seed=self.config.training_seed)
-        deadline = time.monotonic() + self.config.server.evaluation_timeout
-        asked: dict[int, Task] = {}  # the latest evaluation task of each client
-        unhosted_since: float | None = None
         with self._cond:
             self._round = self.config.rounds + 1
-            self._evaluations = {}
-            self._evaluating = True
-            self._rehosted = set(range(self.config.clients))
-            while True:
-                self.registry.reap_silent()
-                if self._rehosted:
-                    self._ask_for_evaluations(plan, asked, sorted(self._rehosted))
-                    self._rehosted = set()
-                now = time.monotonic()
-                if len(self._evaluations) >= self.config.clients or now >= deadline:
-                    break
-                if self.board.awaiting:
-                    unhosted_since = None
-                elif all(self.registry.host(c) for c in range(self.config.clients) if c not in self._evaluations):
-                    break  # their processes answered what they could; nobody else will
-                else:
-                    unhosted_since = unhosted_since or now
-                    if now - unhosted_since >= self.config.server.join_timeout:
-                        break
-                self._cond.wait(min(deadline - now, REAP_INTERVAL_SECONDS))
-            self._evaluating = False
-            self.board.close({t.task_id for t in asked.values()})
-            return dict(self._evaluations)
+        return self.evaluation.run(plan, self._round)
 
-    def _ask_for_evaluations(self, plan: EvalPlan, asked: dict[int, Task], clients: list[int]) -> None:
-        """Queue an evaluation for each of ``clients`` not yet evaluated whose current process
-        has not been asked (holds the lock)."""
-        tasks = []
-        for client in clients:
-            host = self.registry.host(client)
-            if client in self._evaluations or host is None:
-                continue
-            previous = asked.get(client)
-            if previous is not None and previous.session == host.session:
-                continue
-            task = Task(TaskKind.EVALUATE, next(self._task_ids), self._round, client, evaluate=plan,
-                        personal_init=self._personal_init(client), session=host.session)
-            asked[client] = task
-            tasks.append(task)
-            if previous is not None:
-                self.log(f"client {client}: its process was lost during the evaluation; asking {host.name} again")
-        self.board.dispatch(tasks)
+    def _evaluation_task(self, client: int, session: str, plan: EvalPlan) -> Task:
+        return Task(TaskKind.EVALUATE, next(self._task_ids), self._round, client, evaluate=plan,
+                    personal_init=self._personal_init(client), session=session)
 
     def finish(self, outcome: RunOutcome = RunOutcome.COMPLETED) -> None:
         """Tell every process the run is over and how it ended (their next poll returns DONE);
@@ -533,8 +485,8 @@ class Coordinator:
         totals = self.ledger.totals()
         clients = self.config.clients
         with self._cond:
-            if self._evaluating:
-                stage, done, total = "evaluating", len(self._evaluations), clients
+            if self.evaluation.active:
+                stage, done, total = "evaluating", len(self.evaluation.reports), clients
             elif self._round > self._completed_rounds or self._round_seconds:
                 stage, total = "training", self._sampled
                 done = len(self._results.metrics) if self._results is not None else total

@@ -477,7 +477,7 @@ def test_evaluation_results_are_validated(secure, metrics, message) -> None:
         stub.SubmitResult(_result(session, header, {}, metrics=metrics), timeout=BOUND)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in error.value.details()
-    assert header.client_id not in harness.coordinator._evaluations
+    assert header.client_id not in harness.coordinator.evaluation.reports
 
 
 def test_client_strings_cannot_forge_log_lines(secure) -> None:
