@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpart.common.algorithms import ALGORITHMS
+from fedpart.common.records import read_rounds, read_summary
 from fedpart.deploy.launcher import failure, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
@@ -185,19 +186,19 @@ def run_row(variant: str, codec: str, overrides: list[str], out: Path, timeout: 
 
 def read_run(variant: str, codec: str, out: Path, wall: float) -> Result:
     """The numbers of a finished run from ``summary.json`` and ``metrics.jsonl``."""
-    summary = json.loads((out / "summary.json").read_text())
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = read_summary(out / "summary.json")
+    records = read_rounds(out / "metrics.jsonl")
     if not records:
         raise ValueError("metrics.jsonl has no rounds")
-    accuracy = summary["accuracy"]
+    accuracy = summary.accuracy
 
     def mean(values: list[float]) -> float:
         return statistics.fmean(values)
 
     def part_up(part: str) -> float:
-        return mean([r["bytes_by_part"].get(part, {}).get("up", 0) for r in records])
+        return mean([r.bytes_by_part.get(part, {}).get("up", 0) for r in records])
 
-    trainable = [r["trainable_parameters"] for r in records]
+    trainable = [r.trainable_parameters for r in records]
     return Result(
         variant=variant,
         codec=codec,
@@ -206,16 +207,16 @@ def read_run(variant: str, codec: str, out: Path, wall: float) -> Result:
         initial=accuracy["initial"],
         personalized=accuracy["personalized"],
         global_accuracy=accuracy.get("global", {}).get(accuracy["metric"]),
-        bytes_down_per_round=mean([r["bytes_down"] for r in records]),
-        bytes_up_per_round=mean([r["bytes_up"] for r in records]),
+        bytes_down_per_round=mean([r.bytes_down for r in records]),
+        bytes_up_per_round=mean([r.bytes_up for r in records]),
         body_up_per_round=part_up("body"),
         head_up_per_round=part_up("head"),
-        client_compute_seconds_per_round=mean([r["client_compute_seconds"] for r in records]),
+        client_compute_seconds_per_round=mean([r.client_compute_seconds for r in records]),
         trainable_parameters_first=trainable[0],
         trainable_parameters_last=trainable[-1],
-        round_seconds=mean([r["seconds"] for r in records]),
-        up_compression_ratio=summary["bytes"]["compression_ratio"].get("up"),
-        failures=summary["failures"],
+        round_seconds=mean([r.seconds for r in records]),
+        up_compression_ratio=summary.bytes["compression_ratio"].get("up"),
+        failures=summary.failures,
     )
 
 

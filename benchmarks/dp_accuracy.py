@@ -19,7 +19,6 @@ after one epoch of fine-tuning (*personalized*), and the wall seconds. Runs go o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from fedpart.common.records import read_summary
 from fedpart.deploy.launcher import failure, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,9 +78,9 @@ def measure(args: argparse.Namespace, work: Path, algorithm: str, noise: float) 
     code, seconds = run_bounded(command, log_path, args.timeout, cwd=REPO)
     if code != 0:
         return Row(algorithm, noise, seconds, error=failure(code, args.timeout, log_path))
-    summary = json.loads((out / "summary.json").read_text())
-    accuracy = summary["accuracy"]
-    return Row(algorithm, noise, seconds, epsilon=summary["privacy"]["epsilon"], delta=summary["privacy"]["delta"],
+    summary = read_summary(out / "summary.json")
+    accuracy = summary.accuracy
+    return Row(algorithm, noise, seconds, epsilon=summary.privacy["epsilon"], delta=summary.privacy["delta"],
                global_acc=accuracy.get("global", {}).get("acc"), initial=accuracy["initial"]["mean"],
                personalized=accuracy["personalized"]["1"]["mean"])
 

@@ -60,6 +60,7 @@ from fedpart.common.data.datasets import load_dataset
 from fedpart.common.data.partition import make_partition
 from fedpart.common.evaluation import EVAL_BATCH
 from fedpart.common.experiment import build_run_model
+from fedpart.common.records import read_rounds, read_summary
 from fedpart.common.split_model import SplitModel
 from fedpart.server.aggregation import WeightedMean
 
@@ -141,8 +142,7 @@ def _finished(out: Path, settings: Mapping[str, Any]) -> bool:
 
 
 def _global_accuracy(out: Path) -> float | None:
-    summary = json.loads((out / "summary.json").read_text())
-    return summary["accuracy"].get("global", {}).get("acc")
+    return read_summary(out / "summary.json").accuracy.get("global", {}).get("acc")
 
 
 def run_pairs(settings: Sequence[str], seeds: Sequence[int], out_root: Path, size: str, rounds: int,
@@ -359,9 +359,8 @@ def analyse_pair(fedftha_run: Path, fedavg_run: Path) -> HeadAnalysis:
     def accuracy_with(head: Head) -> float:
         return _accuracy(predictions(model, with_head(head), x_test), y_test)
 
-    metrics = [json.loads(line) for line in (fedftha_run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    last = max((m for m in metrics if "completed" in m), key=lambda m: m["round"])
-    last_round = {c: ftha.heads[c] for c in last["completed"] if c in ftha.heads}
+    last = max(read_rounds(fedftha_run / "metrics.jsonl"), key=lambda m: m.round)
+    last_round = {c: ftha.heads[c] for c in last.completed if c in ftha.heads}
     personal, own_classes = [], []
     for client, head in ftha.heads.items():
         predicted = predictions(model, with_head(head), x_test)
@@ -382,9 +381,9 @@ def analyse_pair(fedftha_run: Path, fedavg_run: Path) -> HeadAnalysis:
         "fedavg_global": _accuracy(predictions(model, avg.global_state, x_test), y_test),
         "own_classes": float(np.mean(own_classes)) if own_classes else math.nan,
     }
-    summary = json.loads((fedftha_run / "summary.json").read_text())
+    summary = read_summary(fedftha_run / "summary.json")
     return HeadAnalysis(
-        label=_pair_label(config), rows=rows, reported=summary["accuracy"].get("global", {}).get("acc"),
+        label=_pair_label(config), rows=rows, reported=summary.accuracy.get("global", {}).get("acc"),
         fedftha_per_class=_per_class(predictions(model, body, x_test), y_test, num_classes),
         fedavg_per_class=_per_class(predictions(model, avg.global_state, x_test), y_test, num_classes),
         holders=[sum(k in held for held in classes.values()) for k in range(num_classes)],

@@ -66,6 +66,7 @@ from fedpart.common.config import config_from_dict
 from fedpart.common.experiment import build_run_model, run_algorithm
 from fedpart.common.limits import client_threads
 from fedpart.common.models.zoo import build_model
+from fedpart.common.records import RoundRecord, read_rounds
 from fedpart.common.client_ids import split_clients
 from fedpart.deploy.launcher import stop_processes
 
@@ -151,7 +152,7 @@ def task_seed(round_number: int, client: int) -> int:
 # --------------------------------------------------------------------------------------- fedpart
 
 
-def run_fedpart(config: dict, devices: list[str], work_dir: Path, name: str) -> list[dict]:
+def run_fedpart(config: dict, devices: list[str], work_dir: Path, name: str) -> list[RoundRecord]:
     """``fedpart run`` of ``config`` with one client process per entry of ``devices``; its round
     records. Raises RuntimeError with the end of its output when it fails."""
     path = work_dir / f"{name}.yaml"
@@ -171,7 +172,7 @@ def run_fedpart(config: dict, devices: list[str], work_dir: Path, name: str) -> 
     if code != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"fedpart run {name} failed ({'timeout' if code is None else code}):\n{tail}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return read_rounds(out / "metrics.jsonl")
 
 
 # ----------------------------------------------------------------------------------------- plain
@@ -274,10 +275,10 @@ def measure_throughput(work: Workload, data_root: Path, device: torch.device, wo
     before = plain_rounds(work, data_root, device)
     records = run_fedpart(run_config(work, data_root, 1), [str(device)], work_dir, f"{work.model}_{work.schedule}")
     after = plain_rounds(work, data_root, device)
-    fedpart = [work.epochs * r["train_samples"] / r["client_compute_seconds"] for r in records]
+    fedpart = [work.epochs * r.train_samples / r.client_compute_seconds for r in records]
     plain = statistics.median(before[1:] + after[1:] if len(before) > 1 else before + after)
     ours = median_after_first(fedpart)
-    compute = [r["client_compute_seconds"] for r in records]
+    compute = [r.client_compute_seconds for r in records]
     return ThroughputRow(work.model, work.schedule, ours, compute[0] - median_after_first(compute), plain,
                          ours / plain)
 
@@ -286,11 +287,11 @@ def measure_sharing(work: Workload, data_root: Path, device: torch.device, proce
                     work_dir: Path) -> SharingRow:
     records = run_fedpart(run_config(work, data_root, processes), [str(device)] * processes, work_dir,
                           f"{work.model}_shared_{processes}")
-    seconds = median_after_first([r["seconds"] for r in records])
-    samples = work.epochs * records[-1]["train_samples"]
+    seconds = median_after_first([r.seconds for r in records])
+    samples = work.epochs * records[-1].train_samples
     peaks: dict[str, int] = {}
     for record in records:
-        for name, peak in record.get("gpu_peak_bytes", {}).items():
+        for name, peak in (record.gpu_peak_bytes or {}).items():
             peaks[name] = max(peaks.get(name, 0), peak)
     return SharingRow(work.model, processes, seconds, samples / seconds, [p / 2**20 for p in peaks.values()])
 

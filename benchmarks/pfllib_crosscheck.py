@@ -184,15 +184,14 @@ def read_pfllib_dataset(dataset_dir: Path, client_id: int, split: str) -> tuple[
 def read_schedule(run_dir: Path) -> list[list[int]]:
     """The clients fedpart sampled in each round, in round order (``metrics.jsonl``). A round that
     folded fewer clients than it sampled is refused: replaying it would not be the same run."""
+    from fedpart.common.records import read_rounds
+
     schedule = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if sorted(record["completed"]) != sorted(record["sampled"]):
-            raise ValueError(f"{run_dir}: round {record['round']} folded {record['completed']} "
-                             f"of the sampled {record['sampled']}")
-        schedule.append([int(c) for c in record["sampled"]])
+    for record in read_rounds(run_dir / "metrics.jsonl"):
+        if sorted(record.completed) != sorted(record.sampled):
+            raise ValueError(f"{run_dir}: round {record.round} folded {record.completed} "
+                             f"of the sampled {record.sampled}")
+        schedule.append([int(c) for c in record.sampled])
     return schedule
 
 
@@ -281,9 +280,10 @@ def fedpart_overrides(algorithm: str, seed: int, setting: Setting) -> list[str]:
 
 def run_fedpart(algorithm: str, seed: int, setting: Setting, run_dir: Path, timeout: float) -> None:
     """``fedpart run`` into ``run_dir`` (kept when it already holds a completed run)."""
+    from fedpart.common.records import read_summary
     from fedpart.deploy.launcher import failure, run_bounded
 
-    if (run_dir / "summary.json").is_file() and json.loads((run_dir / "summary.json").read_text())["status"] == "completed":
+    if (run_dir / "summary.json").is_file() and read_summary(run_dir / "summary.json").status == "completed":
         return
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = run_dir.parent / f"{run_dir.name}.log"
@@ -296,9 +296,11 @@ def run_fedpart(algorithm: str, seed: int, setting: Setting, run_dir: Path, time
 
 def fedpart_results(run_dir: Path) -> dict[str, Any]:
     """The accuracies of a finished fedpart run, from its ``summary.json``."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    accuracy_section = summary["accuracy"]
-    per_client = summary["per_client"]
+    from fedpart.common.records import read_summary
+
+    summary = read_summary(run_dir / "summary.json")
+    accuracy_section = summary.accuracy
+    per_client = summary.per_client
     return {
         "global": accuracy_section.get("global", {}).get("acc"),
         "initial": accuracy_section["initial"],

@@ -459,27 +459,29 @@ def measure(run: Run) -> tuple[dict[str, float | None], list[dict[str, float]]]:
     global accuracy with the cumulative bytes and FLOPs up to that round."""
     if run.summary is None:
         raise ValueError("the run has no summary.json")
-    accuracy = run.summary["accuracy"]
+    summary = run.summary
+    accuracy = summary.accuracy
     values: dict[str, float | None] = {
         "initial": accuracy["initial"]["mean"],
         "headless": accuracy.get("headless", {}).get("mean"),
         "global": run.final_global_accuracy(),
-        "up_mb": run.summary["bytes"]["up"] / 1e6,
-        "down_mb": run.summary["bytes"]["down"] / 1e6,
-        "gflops": run.summary["compute"]["train_flops"] / 1e9,
-        "seconds": run.summary["seconds"],
+        "up_mb": summary.bytes["up"] / 1e6,
+        "down_mb": summary.bytes["down"] / 1e6,
+        "gflops": summary.compute["train_flops"] / 1e9,
+        "seconds": summary.seconds,
     }
     for epochs, stats in accuracy["personalized"].items():
         values[f"ft{epochs}"] = stats["mean"]
     personal = [v for v in (values["initial"], values.get("ft5")) if v is not None]
     values["personal_best"] = max(personal) if personal else None
-    losses = [record.get("train_loss") for record in run.rounds]
+    losses = [record.train_loss for record in run.rounds]
     values["nonfinite_loss_rounds"] = float(sum(loss is not None and not math.isfinite(loss) for loss in losses))
     curve, up, down, flops = [], 0, 0, 0.0
     for record in run.rounds:
-        up, down, flops = up + record["bytes_up"], down + record["bytes_down"], flops + record["train_flops"]
-        if "acc" in record.get("global", {}):
-            curve.append({"round": record["round"], "acc": record["global"]["acc"], "up_mb": up / 1e6,
+        up, down, flops = up + record.bytes_up, down + record.bytes_down, flops + record.train_flops
+        accuracy = (record.global_metrics or {}).get("acc")
+        if accuracy is not None:
+            curve.append({"round": record.round, "acc": accuracy, "up_mb": up / 1e6,
                           "down_mb": down / 1e6, "gflops": flops / 1e9})
     return values, curve
 
@@ -542,7 +544,7 @@ def collect_study(study: Study, seeds: Sequence[int], out_root: Path) -> list[Re
                 try:
                     run = read_run(out)
                     record.values, record.curve = measure(run)
-                    record.wall_seconds = float(run.summary["seconds"])
+                    record.wall_seconds = float(run.summary.seconds)
                 except (ReportError, KeyError, TypeError, ValueError) as error:
                     record.error = f"no finished run in {out}: {error}"
                 records.append(record)
@@ -568,7 +570,7 @@ def run_study(study: Study, seeds: Sequence[int], out_root: Path, data_root: Pat
                         records.append(record)
                         print(f"{study.name} seed {seed} {cell.key} {variant.label}: skipped, {record.error}", flush=True)
                         continue
-                    last = read_run(origin.out).summary["rounds"]
+                    last = read_run(origin.out).summary.rounds
                     settings["model.init_checkpoint"] = str(Path(origin.out) / "checkpoints" / f"round_{last:04d}.safetensors")
                 record = run_one(study, cell, variant, seed, out, settings, timeout)
                 done[variant.label] = record

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import multiprocessing as mp
 import os
 import resource
@@ -66,6 +65,7 @@ from torch.nn.utils import parameters_to_vector
 from fedpart.common.checkpoint import load_tensors
 from fedpart.common.limits import client_threads
 from fedpart.common.models.zoo import build_model
+from fedpart.common.records import RoundRecord, read_rounds
 from fedpart.common.client_ids import split_clients
 
 MODEL = "cnn2"
@@ -354,7 +354,7 @@ class FedpartRun:
     """One ``fedpart run``: its per-round records (``metrics.jsonl``), round times, final global
     weights and the foreign CPU during it."""
 
-    records: list[dict]
+    records: list[RoundRecord]
     times: RoundTimes
     final: dict[str, torch.Tensor]
     foreign_cores: float
@@ -380,13 +380,13 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
         reason = f"exit code {code}" if code is not None else f"no end within {timeout:.0f} s"
         raise RuntimeError(f"fedpart run failed ({reason}); last lines of its output:\n{tail}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read_rounds(out / "metrics.jsonl")
     # Round 1 has no CPU figure: its start is not observable from outside, and the client
     # processes are still starting up in it.
     cpu = [None] + [cpu_at_lines[n] - cpu_at_lines[n - 1] if {n - 1, n} <= cpu_at_lines.keys() else None
                     for n in range(2, len(records) + 1)]
-    times = RoundTimes([r["seconds"] for r in records],
-                       [r["client_compute_seconds"] / processes for r in records], cpu)
+    times = RoundTimes([r.seconds for r in records],
+                       [r.client_compute_seconds / processes for r in records], cpu)
     final = load_tensors(out / "checkpoints" / f"round_{rounds:04d}.safetensors")
     return FedpartRun(records, times, final, foreign.cores)
 
@@ -459,7 +459,7 @@ def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
     print(f"{'':>6}" + "".join(f"  {f'{name} ({cores:.2f} foreign)':^26}" for name, _, cores in runs))
     print(f"{'round':>6}" + f"  {'wall s':>8} {'train s':>8} {'cpu s':>8}" * len(runs))
     for index, record in enumerate(fed.records):
-        print(f"{record['round']:>6}" + "".join(
+        print(f"{record.round:>6}" + "".join(
             f"  {t.seconds[index]:>8.3f} {t.train_seconds[index]:>8.3f} {_seconds(t.cpu_seconds[index], 8)}"
             for _, t, _ in runs))
     print(f"{'median':>6}" + "".join(
@@ -486,13 +486,13 @@ def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
               f"{fed_cpu / floor_cpu:.3f} (medians)")
     print(f"same work check             max |floor - fedpart| over the final weights: "
           f"{max(_max_difference(f.final, fed.final) for f in floors):.3g}")
-    client_rounds = sum(len(r["completed"]) for r in fed.records)
+    client_rounds = sum(len(r.completed) for r in fed.records)
     print()
     print(f"bytes per client-round (all messages of the round / completed clients; raw float32 model "
           f"{RAW_MODEL_BYTES:,} B)")
     for direction in ("down", "up"):
-        total = sum(r[f"bytes_{direction}"] for r in fed.records) / client_rounds
-        tensors = sum(v[direction] for r in fed.records for part, v in r["bytes_by_part"].items()
+        total = sum(r.bytes_in(direction) for r in fed.records) / client_rounds
+        tensors = sum(v[direction] for r in fed.records for part, v in r.bytes_by_part.items()
                       if part != "control") / client_rounds
         print(f"  {direction:<4} {total:>14,.0f} B = {total / RAW_MODEL_BYTES:.3f} x raw  "
               f"(tensor bytes {tensors:,.0f}, control {total - tensors:,.0f})")

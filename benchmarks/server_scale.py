@@ -78,6 +78,7 @@ import yaml
 
 from fedpart.common.config import apply_overrides, config_from_dict
 from fedpart.common.experiment import build_run_model
+from fedpart.common.records import RunSummary, read_rounds, read_summary
 from fedpart.common.client_ids import split_clients
 from fedpart.deploy.launcher import stop_processes
 from fedpart.server.aggregation import WeightedMean
@@ -394,14 +395,14 @@ def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: floa
     """Read what the row's processes left behind into its result."""
     problems = []
     metrics_path = out / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.is_file() else []
+    records = read_rounds(metrics_path) if metrics_path.is_file() else []
     if len(records) < args.rounds:
         problems.append(f"{len(records)} of {args.rounds} rounds completed")
-    problems += [f"round {r['round']}: {len(r['completed'])} of {len(r['sampled'])} results" for r in records
-                 if len(r["completed"]) < len(r["sampled"])]
+    problems += [f"round {r.round}: {len(r.completed)} of {len(r.sampled)} results" for r in records
+                 if len(r.completed) < len(r.sampled)]
     summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    evaluated = sum(client["test_samples"] is not None for client in summary.get("per_client", []))
+    summary = read_summary(summary_path) if summary_path.is_file() else RunSummary()
+    evaluated = sum(client["test_samples"] is not None for client in summary.per_client or [])
     if evaluated < row.clients:
         problems.append(f"{evaluated} of {row.clients} clients evaluated")
     if args.relay and relay_counts is None:
@@ -411,8 +412,7 @@ def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: floa
                         "ended before the later offsets)")
     lines = server_lines.snapshot()
     round_lines = {int(m.group(1)): t for t, line in lines if (m := _ROUND_LINE.search(line))}
-    windows = [(round_lines[r["round"]] - r["seconds"], round_lines[r["round"]]) for r in records
-               if r["round"] in round_lines]
+    windows = [(round_lines[r.round] - r.seconds, round_lines[r.round]) for r in records if r.round in round_lines]
     cpu = [sampler.cpu_at(end) - sampler.cpu_at(start) for start, end in windows]
     generators_cpu = [sum(each.cpu_at(end) - each.cpu_at(start) for each in generator_samplers)
                       for start, end in windows]
@@ -441,10 +441,10 @@ def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: floa
         problems.append(f"{len(load['failures'])} virtual processes failed, e.g. {load['failures'][0]}")
     return RowResult(
         row=row, generators=len(generators), server_exit=server.returncode,
-        results_per_round=[len(r["completed"]) for r in records],
-        sampled_per_round=[len(r["sampled"]) for r in records],
+        results_per_round=[len(r.completed) for r in records],
+        sampled_per_round=[len(r.sampled) for r in records],
         joined_in=max(load["join_times"]) - go if len(load["join_times"]) == row.processes else None,
-        round_seconds=[r["seconds"] for r in records],
+        round_seconds=[r.seconds for r in records],
         peak_rss_bytes=sampler.peak_rss_bytes,
         cpu_per_round=statistics.fmean(cpu) if cpu else None,
         generators_cpu_per_round=statistics.fmean(generators_cpu) if generators_cpu else None,
@@ -452,8 +452,8 @@ def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: floa
         evaluation_seconds=evaluation,
         generator_exits=[generator.returncode for generator, _ in generators],
         load=load, problems=problems, evaluated=evaluated,
-        delivery_per_round=[r.get("delivery", {}) for r in records],
-        evaluation_delivery=summary.get("delivery", {}).get("evaluation", {}),
+        delivery_per_round=[r.delivery or {} for r in records],
+        evaluation_delivery=(summary.delivery or {}).get("evaluation", {}),
         planned_cuts=planned_cuts, relay=relay_counts,
         relay_cpu_per_round=statistics.fmean(relay_cpu) if relay_cpu else None,
     )

@@ -20,7 +20,6 @@ to its summary. So the ratio is an upper bound of the framing overhead, by a few
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import re
@@ -36,6 +35,7 @@ from typing import Any
 import yaml
 
 from fedpart.common.client_ids import split_clients
+from fedpart.common.records import read_summary
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.deploy.relay import RelayThread
 
@@ -152,10 +152,10 @@ def measure(config: dict[str, Any], work: Path, tls: bool = True, timeout: float
             if process.poll() is None:
                 process.terminate()
                 process.wait(timeout=30)
-    summary = json.loads((out / "summary.json").read_text())
+    summary = read_summary(out / "summary.json")
     return Measurement(config["algorithm"]["name"], tls, {"down": counts.down, "up": counts.up},
-                       {d: summary["bytes"][d] for d in DIRECTIONS},
-                       {d: summary["bytes"]["logical"][d] for d in DIRECTIONS}, counts.relayed)
+                       {d: summary.bytes[d] for d in DIRECTIONS},
+                       {d: summary.bytes["logical"][d] for d in DIRECTIONS}, counts.relayed)
 
 
 def format_table(measurements: list[Measurement]) -> str:

@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedpart.common.records import RunSummary, read_summary
+
 if TYPE_CHECKING:
     from fedpart.common.config import RunConfig
 
@@ -61,7 +63,8 @@ def run_export(args: argparse.Namespace) -> int:
     if not (run_dir / "config.yaml").is_file():
         raise ExportError(f"{run_dir} is not a run directory (no config.yaml)")
     config = load_config(run_dir / "config.yaml")
-    summary = _read_json(run_dir / "summary.json")
+    summary_path = run_dir / "summary.json"
+    summary = read_summary(summary_path) if summary_path.is_file() else RunSummary()
     state_dirs = _state_dirs(run_dir, args.state_dir)
     run_id = _run_id(run_dir, state_dirs)
     found = _personalized_models(state_dirs, run_id)
@@ -131,7 +134,7 @@ def _personalized_models(state_dirs: list[Path], run_id: str) -> dict[int, Path]
     return dict(sorted(found.items()))
 
 
-def _write_models(config: RunConfig, summary: dict[str, Any], run_id: str, found: dict[int, Path], run_dir: Path,
+def _write_models(config: RunConfig, summary: RunSummary, run_id: str, found: dict[int, Path], run_dir: Path,
                   out: Path) -> list[dict[str, Any]]:
     """Write one exported model per client; returns the manifest's client entries."""
     from fedpart.api.exported import EXPORT_FORMAT, write_exported_model
@@ -139,8 +142,8 @@ def _write_models(config: RunConfig, summary: dict[str, Any], run_id: str, found
     from fedpart.common.experiment import dataset_dims
 
     input_shape, num_classes = dataset_dims(config)
-    per_client = {entry["id"]: entry for entry in summary.get("per_client", [])}
-    metric = summary.get("accuracy", {}).get("metric")
+    per_client = {entry["id"]: entry for entry in summary.per_client or []}
+    metric = (summary.accuracy or {}).get("metric")
     evaluate = config.evaluate
     common = {
         "format": EXPORT_FORMAT,
@@ -186,11 +189,11 @@ def _label(process_dir: Path, run_dir: Path) -> str:
         return str(process_dir.resolve())
 
 
-def _run_basics(config: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
+def _run_basics(config: RunConfig, summary: RunSummary) -> dict[str, Any]:
     """The run's name, status and accuracy summary (from summary.json where it exists)."""
     basics = {"name": config.name, "algorithm": config.algorithm.name, "model": config.model.name,
               "dataset": config.data.dataset, "clients": config.clients, "rounds": config.rounds}
-    for key in ("status", "rounds_completed", "seeds", "parameters", "accuracy"):
-        if key in summary:
-            basics[key] = summary[key]
+    recorded = {"status": summary.status, "rounds_completed": summary.rounds_completed, "seeds": summary.seeds,
+                "parameters": summary.parameters, "accuracy": summary.accuracy}
+    basics.update({key: value for key, value in recorded.items() if value is not None})
     return basics
