@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 # Nothing heavy at import time (console is standard library only): ``fedpart --help`` and
 # ``fedpart CMD --help`` load neither torch nor grpc; each command imports what it needs when it runs.
-from fedpart.common.console import PROGRESS_MODES
+from fedpart.common.console import PROGRESS_MODES, set_log_level
 from fedpart.cli.export import add_export_parser
 
 if TYPE_CHECKING:
@@ -437,11 +437,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("configs", help="list the bundled configs (name them instead of a file)").set_defaults(
         handler=_configs)
     commands.add_parser("algorithms", help="list the algorithms (algorithm.name)").set_defaults(handler=_algorithms)
-    verbose_help = (f"show gRPC's own log lines (handshake failures, ...) on stderr, for this command and the "
-                    f"processes it starts (or set {VERBOSE_ENV}=1); by default gRPC stays quiet")
-    parser.add_argument("--verbose", action="store_true", help=verbose_help)
-    for command in commands.choices.values():  # also after the command: fedpart client ... --verbose
-        command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
+    verbose_help = (f"log everything, and show gRPC's own log lines (handshake failures, ...) on stderr, for this "
+                    f"command and the processes it starts (or set {VERBOSE_ENV}=1); by default gRPC stays quiet")
+    quiet_help = ("log only warnings and errors (no round lines), for this command and the processes it starts; "
+                  "tables and results are still printed")
+    for target, default in [(parser, False), *((command, argparse.SUPPRESS) for command in commands.choices.values())]:
+        volume = target.add_mutually_exclusive_group()  # also after the command: fedpart client ... --verbose
+        volume.add_argument("--verbose", action="store_true", default=default, help=verbose_help)
+        volume.add_argument("--quiet", action="store_true", default=default, help=quiet_help)
     return parser
 
 
@@ -461,6 +464,8 @@ def quiet_grpc_logging(verbose: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_grpc_logging(args.verbose)
+    if args.quiet or args.verbose:
+        set_log_level("quiet" if args.quiet else "verbose")
     from fedpart.common.exit_codes import ExitCode, Stopped, stop_on_signals
 
     try:

@@ -112,10 +112,10 @@ class ClientProcess:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.cache: dict[str, torch.Tensor] = {}  # global tensors, on the device
         self.activity = ClientActivity()
-        self.display = Display(lambda: render_client(self.activity))
+        self.display = Display(lambda: render_client(self.activity), logger="fedpart.client")
 
     def log(self, message: str) -> None:
-        self.display.log(f"[client {self.name}] {message}")
+        self.display.log(message, source=f"[client {self.name}] ")
 
     def _join_request(self) -> pb.JoinRequest:
         """The join, announcing the personal state an earlier process of the same run left on disk."""

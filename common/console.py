@@ -12,12 +12,23 @@ live progress display on a terminal.
   machine-readable lines (:meth:`RunProgress.line`, every :data:`PROGRESS_SECONDS` while it
   changes), which the launcher parses (:meth:`RunProgress.parse`) and renders itself.
 
+Log lines are stdlib :mod:`logging` records of the ``fedpart`` logger (``fedpart.server``,
+``fedpart.client``, ``fedpart.launcher``), at the level their text says: a line that starts
+``error:`` is an ERROR, ``warning:`` a WARNING, anything else INFO (:func:`level_of`). The
+:data:`DISPLAY_HANDLER` on the ``fedpart`` logger prints each through the display that logged it,
+so the live view stays below them. ``--quiet`` / ``--verbose`` set the logger's level
+(:func:`set_log_level`; the processes a command starts inherit it through
+:data:`LOG_LEVEL_ENV`). A program that embeds fedpart may add its own handlers to the ``fedpart``
+logger, and remove :data:`DISPLAY_HANDLER` to take the lines over.
+
 ``rich`` is imported only when a live view starts, so a command's ``--help`` stays light.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import threading
 import time
@@ -29,6 +40,9 @@ TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 PROGRESS_PREFIX = "fedpart-progress "
 PROGRESS_SECONDS = 0.5  # how often a progress line or the live view is refreshed
 PROGRESS_MODES = ("auto", "plain", "json")  # --progress: live on a terminal, plain lines, machine lines
+LOGGER = "fedpart"
+LOG_LEVEL_ENV = "FEDPART_LOG_LEVEL"  # set by --quiet / --verbose, read by the processes a command starts
+LOG_LEVELS = {"quiet": logging.WARNING, "normal": logging.INFO, "verbose": logging.DEBUG}
 
 
 def stamp(message: str) -> str:
@@ -143,6 +157,44 @@ def render_client(activity: ClientActivity) -> Any:
     return grid
 
 
+def level_of(message: str) -> int:
+    """The level of a log line from its text: fedpart writes problems as ``error: ...`` and
+    ``warning: ...``."""
+    if message.startswith("error:"):
+        return logging.ERROR
+    if message.startswith("warning:"):
+        return logging.WARNING
+    return logging.INFO
+
+
+class DisplayHandler(logging.Handler):
+    """Prints ``fedpart`` log records as stamped lines: through the :class:`Display` that logged
+    one (above its live view), else on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = stamp(self.format(record))
+            display = getattr(record, "display", None)
+            if display is not None:
+                display.print(line)
+            else:
+                print(line, file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - logging must not raise; the handler reports it
+            self.handleError(record)
+
+
+DISPLAY_HANDLER = DisplayHandler()
+logging.getLogger(LOGGER).addHandler(DISPLAY_HANDLER)
+logging.getLogger(LOGGER).setLevel(LOG_LEVELS.get(os.environ.get(LOG_LEVEL_ENV, ""), logging.INFO))
+
+
+def set_log_level(name: str) -> None:
+    """Set the ``fedpart`` logger to ``name`` (:data:`LOG_LEVELS`), here and in the processes this
+    one starts."""
+    logging.getLogger(LOGGER).setLevel(LOG_LEVELS[name])
+    os.environ[LOG_LEVEL_ENV] = name
+
+
 class Display:
     """Log lines, with a live view below them while the output is a terminal.
 
@@ -151,9 +203,11 @@ class Display:
     display prints plain lines only. Use as a context manager: the live view runs inside the block.
     """
 
-    def __init__(self, view: Callable[[], Any] | None = None, stream: IO[str] | None = None) -> None:
+    def __init__(self, view: Callable[[], Any] | None = None, stream: IO[str] | None = None,
+                 logger: str = LOGGER) -> None:
         self.stream = stream or sys.stdout
         self.view = view
+        self.logger = logging.getLogger(logger)
         self._live_view = None
         self._lock = threading.Lock()
 
@@ -189,9 +243,10 @@ class Display:
             else:
                 print(text, file=self.stream, flush=True)
 
-    def log(self, message: str) -> None:
-        """Print a log line (:func:`stamp`)."""
-        self.print(stamp(message))
+    def log(self, message: str, source: str = "") -> None:
+        """Log ``message`` (prefixed with ``source``) at the level its text says (:func:`level_of`);
+        :data:`DISPLAY_HANDLER` prints it here, stamped (:func:`stamp`)."""
+        self.logger.log(level_of(message), f"{source}{message}", extra={"display": self})
 
 
 class ProgressLines:

@@ -167,7 +167,7 @@ class Launch:
         self.placed = placed
         self.metrics_port = metrics_port
         self.progress: RunProgress | None = None
-        self.display = Display(lambda: render_run(self.progress))
+        self.display = Display(lambda: render_run(self.progress), logger="fedpart.launcher")
         self.lines: queue.Queue = queue.Queue()
         self.clients: list[subprocess.Popen] = []
         self.client_logs: list[Path] = []

@@ -28,7 +28,7 @@ import grpc
 
 from fedpart.common.algorithms import has_global_model
 from fedpart.common.config import RunConfig
-from fedpart.common.console import Display, ProgressLines, render_run
+from fedpart.common.console import Display, ProgressLines, render_run, stamp
 from fedpart.common.exit_codes import ExitCode, Stopped
 from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.plans import RunOutcome
@@ -271,7 +271,7 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
     saved = read_run_state(out_dir, config.to_dict()) if resume else None
     if not resume:
         check_new_run_dir(out_dir, overwrite)
-    display = Display()
+    display = Display(logger="fedpart.server")
     coordinator = Coordinator(config, log=display.log)  # builds model and algorithm: bad settings fail here
     if progress == "auto":
         display.view = lambda: render_run(coordinator.progress())
@@ -304,7 +304,9 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
         stack.enter_context(display)
         if progress == "json":
             stack.enter_context(ProgressLines(coordinator.progress, display))
-        display.log(f"fedpart server listening on {server.address} (run {coordinator.run_id}, out {run_dir.path})")
+        # printed whatever the log level: launchers and scripts read the address from it
+        display.print(stamp(f"fedpart server listening on {server.address} (run {coordinator.run_id}, "
+                            f"out {run_dir.path})"))
         display.log(f"{'warning: ' if not security.tls else ''}transport: {security.describe()}")
         if server.health_address is not None:
             display.log(f"health checks (grpc.health.v1 Check, plaintext) on {server.health_address}")
