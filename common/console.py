@@ -16,10 +16,10 @@ Log lines are stdlib :mod:`logging` records of the ``fedpart`` logger (``fedpart
 ``fedpart.client``, ``fedpart.launcher``), at the level their text says: a line that starts
 ``error:`` is an ERROR, ``warning:`` a WARNING, anything else INFO (:func:`level_of`). The
 :data:`DISPLAY_HANDLER` on the ``fedpart`` logger prints each through the display that logged it,
-so the live view stays below them. ``--quiet`` / ``--verbose`` set the logger's level
-(:func:`set_log_level`; the processes a command starts inherit it through
-:data:`LOG_LEVEL_ENV`). A program that embeds fedpart may add its own handlers to the ``fedpart``
-logger, and remove :data:`DISPLAY_HANDLER` to take the lines over.
+so the live view stays below them; the records do not propagate to the root logger. ``--quiet`` /
+``--verbose`` set the logger's level (:func:`set_log_level`; the processes a command starts inherit
+it through :data:`LOG_LEVEL_ENV`). A program that embeds fedpart may add its own handlers to the
+``fedpart`` logger, and remove :data:`DISPLAY_HANDLER` to take the lines over.
 
 ``rich`` is imported only when a live view starts, so a command's ``--help`` stays light.
 """
@@ -185,6 +185,9 @@ class DisplayHandler(logging.Handler):
 
 DISPLAY_HANDLER = DisplayHandler()
 logging.getLogger(LOGGER).addHandler(DISPLAY_HANDLER)
+# not also through the root logger: a library that configures it (Opacus calls basicConfig) would
+# print every line twice; a program that embeds fedpart adds its handlers to the fedpart logger
+logging.getLogger(LOGGER).propagate = False
 logging.getLogger(LOGGER).setLevel(LOG_LEVELS.get(os.environ.get(LOG_LEVEL_ENV, ""), logging.INFO))
 
 

@@ -449,7 +449,10 @@ class Coordinator:
             bytes_by_unit=self.ledger.by_unit(round_number),
             clients={str(c): {**self.ledger.totals(round_number, c),
                               **{f"logical_{d}": n for d, n in self.ledger.logical_totals(round_number, c).items()},
-                              "compute_seconds": metrics.get(c, {}).get("compute_seconds")} for c in sampled},
+                              "compute_seconds": metrics.get(c, {}).get("compute_seconds"),
+                              # privacy.dp_sgd: the client's own epsilon over the rounds it trained, delta, steps
+                              **{k: v for k, v in metrics.get(c, {}).items() if k.startswith("dp_sgd_")}}
+                     for c in sampled},
             robust=results.robust.as_dict(),
             delivery=self.board.delivery_counts(round_number).as_dict(),
             server_step=self.aggregation.step_report(),

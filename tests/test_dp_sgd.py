@@ -252,10 +252,6 @@ def test_a_digits_run_reports_each_clients_epsilon_growing_over_the_rounds(tmp_p
         assert logged[client][-1] == pytest.approx(accountant.get_epsilon(1 / samples ** 1.1), rel=1e-3)
         assert logged[client] == sorted(logged[client]) and logged[client][0] < logged[client][-1]
     records = read_metrics(out)
-    per_client = [r["clients"][str(c)].get("dp_sgd_epsilon") for r in records for c in range(4)]
-    if any(v is None for v in per_client):
-        pytest.xfail("the round record's per-client entries (server/coordinator.py _round_record) do not carry "
-                     "the clients' dp_sgd_epsilon yet; the clients report it in their training metrics")
     for c in range(4):
         series = [r["clients"][str(c)]["dp_sgd_epsilon"] for r in records]
         assert series == pytest.approx(logged[c], rel=1e-3) and series == sorted(series)
