@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -26,6 +27,35 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # A wait ends as soon as what it waits for happens; the bound only turns a hang into a failure.
 # FEDPART_TEST_WAIT_SCALE multiplies it on a slower machine (e.g. 2).
 WAIT = 300.0 * float(os.environ.get("FEDPART_TEST_WAIT_SCALE", "1"))
+
+
+class EventWaiter:
+    """An in-process long poll's waiter (what the service's loop waiter is to the task board)."""
+
+    superseded = False
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def wake(self) -> None:
+        self.event.set()
+
+
+def poll_task(coordinator: Any, session: str, held: tuple[int, ...] = (), wait: float = 60.0) -> Any:
+    """Poll an in-process coordinator's task board as process ``session`` (holding the tasks
+    ``held``) until a task comes; None once ``wait`` seconds passed without one."""
+    waiter = EventWaiter()
+    deadline = time.monotonic() + wait
+    try:
+        while True:
+            waiter.event.clear()
+            task = coordinator.board.poll(session, waiter, held=held)
+            if task is not None:
+                return task
+            if not waiter.event.wait(max(0.0, deadline - time.monotonic())):
+                return None
+    finally:
+        coordinator.board.end_poll(session, waiter)
 
 
 def load_script(path: Path) -> ModuleType:

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import small_config
+from conftest import poll_task, small_config
 from fedpart.common.config import config_from_dict
 from fedpart.common.plans import HostedClient, JoinInfo, ResultInfo, TaskKind
 from fedpart.common.protocol import PROTOCOL_VERSION
@@ -30,18 +30,6 @@ from fedpart.server.task_board import Task
 BOUND = 60.0  # seconds: every wait here is bounded
 
 
-class EventWaiter:
-    """A long poll's waiter for in-process polls."""
-
-    superseded = False
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-
-    def wake(self) -> None:
-        self.event.set()
-
-
 def _coordinator(**server) -> Coordinator:
     config = small_config(clients=1, server={"heartbeat_timeout": 30, "round_timeout": 120, **server})
     return Coordinator(config_from_dict(config), log=lambda message: None)
@@ -53,19 +41,7 @@ def _join(coordinator: Coordinator, instance: str = "same") -> str:
 
 
 def _poll(coordinator: Coordinator, session: str, held: tuple[int, ...] = (), wait: float = BOUND) -> Task | None:
-    """Poll until a task comes, or None once ``wait`` seconds passed without one."""
-    waiter = EventWaiter()
-    deadline = time.monotonic() + wait
-    try:
-        while True:
-            waiter.event.clear()
-            task = coordinator.board.poll(session, waiter, held=held)
-            if task is not None:
-                return task
-            if not waiter.event.wait(max(0.0, deadline - time.monotonic())):
-                return None
-    finally:
-        coordinator.board.end_poll(session, waiter)
+    return poll_task(coordinator, session, held, wait)
 
 
 def _round_in_background(coordinator: Coordinator) -> tuple[threading.Thread, list[dict]]:

@@ -21,6 +21,7 @@ from conftest import (
     LineReader,
     Processes,
     fedpart_command,
+    poll_task,
     read_metrics,
     read_summary,
     small_config,
@@ -283,30 +284,11 @@ def test_a_process_lost_during_the_final_evaluation_is_asked_again(tmp_path: Pat
     assert summary["failures"] == []
 
 
-class EventWaiter:
-    """A long poll that blocks the test's thread until the coordinator wakes it."""
-
-    def __init__(self) -> None:
-        self.superseded = False
-        self.event = threading.Event()
-
-    def wake(self) -> None:
-        self.event.set()
-
-
 def _next_task(coordinator: Coordinator, session: str, timeout: float) -> Task:
     """Poll until the coordinator hands this process a task (bounded)."""
-    waiter = EventWaiter()
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            waiter.event.clear()
-            task = coordinator.board.poll(session, waiter)
-            if task is not None:
-                return task
-            assert waiter.event.wait(deadline - time.monotonic()), f"no task within {timeout} s"
-    finally:
-        coordinator.board.end_poll(session, waiter)
+    task = poll_task(coordinator, session, wait=timeout)
+    assert task is not None, f"no task within {timeout} s"
+    return task
 
 
 def test_an_evaluation_taken_by_a_process_that_restarts_is_asked_again(one_torch_thread) -> None:

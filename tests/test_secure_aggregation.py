@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ import torch
 from conftest import (
     WAIT,
     fedpart_command,
+    poll_task,
     read_metrics,
     read_summary,
     run_fedpart,
@@ -39,31 +39,6 @@ BOUND = 60.0
 CLIENTS = 6
 
 
-class _Waiter:
-    superseded = False
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-
-    def wake(self) -> None:
-        self.event.set()
-
-
-def _poll(coordinator: Coordinator, session: str, wait: float = BOUND) -> Task | None:
-    waiter = _Waiter()
-    deadline = time.monotonic() + wait
-    try:
-        while True:
-            waiter.event.clear()
-            task = coordinator.board.poll(session, waiter)
-            if task is not None:
-                return task
-            if not waiter.event.wait(max(0.0, deadline - time.monotonic())):
-                return None
-    finally:
-        coordinator.board.end_poll(session, waiter)
-
-
 class SimulatedClient:
     """One client in a process of its own, answering the round's steps with a fixed update."""
 
@@ -78,7 +53,7 @@ class SimulatedClient:
         self.quantized: np.ndarray | None = None
 
     def answer_next(self) -> tuple[Task, ResultInfo, dict[str, torch.Tensor]]:
-        task = _poll(self.coordinator, self.session)
+        task = poll_task(self.coordinator, self.session, wait=BOUND)
         assert task is not None
         step = task.secagg
         tensors: dict[str, torch.Tensor] = {}
