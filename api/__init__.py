@@ -13,13 +13,16 @@ names and gives a deprecation period when one changes. ``docs/plugins.md`` docum
 - **codec**, **server optimizer**, **robust aggregator** (``compression.up.codec``,
   ``server_optimizer.name``, ``robust.aggregator``: a name or ``package.module:name``): a
   :class:`Component` with its :class:`Option` s made by the kind's registry
-  (``CODECS.component(...)``), building a :class:`Codec`, a :class:`ServerOptimizer` or an
-  aggregator (tests/fixtures/plugin_codec.py is one such module). Every kind's registry (:data:`CODECS`,
-  :data:`SERVER_OPTIMIZERS`, :data:`ROBUST_AGGREGATORS`, :data:`DATASETS`, :data:`PARTITIONS`,
-  :data:`MODELS`) lists fedpart's own components (docs/components.md).
-- **algorithm**, **objective term**, **step rule**: the types below describe them; they are
-  chosen by name from fedpart's own registries, which a run config cannot extend yet
-  (``docs/plugins.md`` says what exists).
+  (``CODECS.component(...)``), building a :class:`Codec` (every option with a default: the
+  receiver decodes with the defaults), a :class:`ServerOptimizer` or an :class:`Aggregator`
+  (its options are keys of the ``robust`` section) (tests/fixtures/plugin_codec.py is one such
+  module).
+- **algorithm**, **objective term**, **step rule**, **partition scheme**: the types below
+  describe the first three; they are chosen by built-in name from fedpart's own registries,
+  which a run config cannot extend yet (``docs/plugins.md`` says what exists).
+- Every kind's registry (:data:`CODECS`, :data:`SERVER_OPTIMIZERS`, :data:`ROBUST_AGGREGATORS`,
+  :data:`DATASETS`, :data:`MODELS`, :data:`PARTITIONS`, :data:`ALGORITHMS`, :data:`TERMS`,
+  :data:`STEP_RULES`) lists fedpart's own components (docs/components.md).
 - :func:`load_model` rebuilds a model ``fedpart export`` wrote, in plain PyTorch.
 """
 
@@ -69,6 +72,7 @@ from fedpart.common.registry import (
     Registry,
 )
 from fedpart.common.split_model import HEAD, ModelOutput, SplitModel
+from fedpart.server.aggregation import Aggregator
 from fedpart.server.optimizers import OPTIMIZERS, RoundDelta, ServerOptimizer, StatefulOptimizer, apply_deltas
 
 __all__ = [
@@ -87,6 +91,8 @@ __all__ = [
     "with_parts",
     # objective terms and step rules
     "Term", "StepRule", "ObjectiveContext", "ObjectiveSpec", "TERMS", "STEP_RULES",
+    # robust aggregators
+    "Aggregator",
     # server optimizers
     "ServerOptimizer", "StatefulOptimizer", "RoundDelta", "apply_deltas", "OPTIMIZERS",
     # codecs

@@ -274,9 +274,17 @@ _DECODERS: dict[str, Codec] = {}
 
 def _decoder_of(encoding: str) -> Codec | None:
     """The decoder of a registered encoding, built with its defaults (options only matter when
-    encoding: a payload's spec carries its wire arguments); None when unknown."""
+    encoding: a payload's spec carries its wire arguments, and :data:`CODECS` refuses a codec with
+    an option that has no default); None when unknown. A codec that cannot be built from its
+    defaults is a CodecError."""
     if encoding not in _DECODERS:
-        codec = CODECS[encoding]() if encoding in CODECS else None
+        if encoding not in CODECS:
+            return None
+        try:
+            codec = CODECS[encoding]()
+        except Exception as error:  # a plug-in's builder: whatever it raises, the payload is refused
+            raise CodecError(f"encoding {encoding!r}: the decoder cannot be built from the codec's defaults "
+                             f"({type(error).__name__}: {error})") from error
         if codec is None:
             return None
         _DECODERS[encoding] = codec

@@ -18,7 +18,15 @@ from typing import Any
 
 import yaml
 
-from fedpart.common.registry import CODECS, ROBUST_AGGREGATORS, SERVER_OPTIMIZERS, OptionError, Registry, coerce
+from fedpart.common.registry import (
+    ALGORITHMS,
+    CODECS,
+    ROBUST_AGGREGATORS,
+    SERVER_OPTIMIZERS,
+    OptionError,
+    Registry,
+    coerce,
+)
 
 # The registries the checks below read (algorithms, objectives, augmentations: torch) are imported
 # when a config is validated, not with this module: ``fedpart --help`` loads no torch.
@@ -545,11 +553,12 @@ def _validate(config: RunConfig) -> None:
         check_partition_options(config.data.partition.scheme, config.data.partition.options)
     except ValueError as error:
         raise ConfigError(f"data.partition: {error}") from error
+    _check_algorithm_name(config.algorithm.name)
     try:
         check_objective(config.algorithm.objective)
     except ValueError as error:
         raise ConfigError(f"algorithm.objective: {error}") from error
-    _check_robust_aggregator(config.robust.aggregator)
+    _check_robust_aggregator(config.robust)
     _check_codec(config.compression.up, "compression.up")
     _check_codec(config.compression.down, "compression.down")
     _check_server_optimizer(config)
@@ -674,9 +683,10 @@ def dp_refusals(config: RunConfig) -> list[str]:
     if up.codec == "topk" and up.options.get("error_feedback", True):
         refusals.append("compression.up topk with error feedback keeps what a round did not send and adds it to a "
                         "later upload, outside the round's clip: set compression.up.error_feedback: false")
-    if config.server_optimizer.name == "fedexp":
-        refusals.append("server_optimizer fedexp sets its step from each result's delta norm, which is not noised: "
-                        "use plain, fedavgm, fedadam or fedyogi (steps on the noised mean are post-processing)")
+    if needs_result_norms(config):
+        refusals.append(f"server_optimizer {config.server_optimizer.name} sets its step from each result's delta "
+                        "norm, which is not noised: use plain, fedavgm, fedadam or fedyogi (steps on the noised mean "
+                        "are post-processing)")
     dp = config.privacy.dp
     if dp.adaptive_clip:
         if config.privacy.secure_aggregation:
@@ -740,8 +750,9 @@ def secure_aggregation_refusals(config: RunConfig) -> list[str]:
     if config.compression.up.codec != "none":
         refusals.append(f"compression.up {config.compression.up.codec!r}: the masked update is a vector of the ring "
                         "of 2**32 that no codec may round: set compression.up.codec: none")
-    if config.server_optimizer.name == "fedexp":
-        refusals.append("server_optimizer fedexp needs each result's delta norm, which the server cannot see")
+    if needs_result_norms(config):
+        refusals.append(f"server_optimizer {config.server_optimizer.name} needs each result's delta norm, which the "
+                        "server cannot see")
     if config.sampling.fraction * config.clients < 2 and config.sampling.probability is None:
         refusals.append("fewer than 2 clients a round: the sum of one masked update is that client's update")
     try:
@@ -752,6 +763,16 @@ def secure_aggregation_refusals(config: RunConfig) -> list[str]:
         refusals.append(f"algorithm {config.algorithm.name} uploads its {', '.join(algorithm.collected_parts)} values "
                         "into a per-client dictionary, which a sum cannot give")
     return refusals
+
+
+def needs_result_norms(config: RunConfig) -> bool:
+    """Whether the server optimizer ``config`` selects (a name, or a plug-in's path) declares that
+    its step reads each result's delta norm: its builder's ``needs_result_norms`` (FedExP's)."""
+    try:
+        component = SERVER_OPTIMIZERS.resolve(config.server_optimizer.name, "server_optimizer.name")
+    except OptionError:
+        return False  # the server optimizer check reports it
+    return bool(getattr(component.build, "needs_result_norms", False))
 
 
 def check_dp_accounting(config: RunConfig) -> None:
@@ -786,15 +807,41 @@ def _check_server_optimizer(config: RunConfig) -> None:
                           "server step (remove the server_optimizer settings)")
 
 
-def _check_robust_aggregator(name: str) -> None:
-    """Refuse a ``robust.aggregator`` that names no robust aggregator (its options are keys of
-    the ``robust`` section, checked with the section)."""
+def _check_algorithm_name(name: str) -> None:
+    """Refuse an ``algorithm.name`` that is not one of fedpart's algorithms (a run config cannot
+    name one by path); its options are checked with the model (``check_experiment``)."""
+    if name not in ALGORITHMS.selectable():
+        path = " (algorithms are chosen by built-in name only, not by a 'package.module:name' path)" \
+            if ":" in name else ""
+        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; known: "
+                          f"{', '.join(ALGORITHMS.selectable())}{path}")
+
+
+def _check_robust_aggregator(robust: RobustConfig) -> None:
+    """Refuse a ``robust.aggregator`` that names no robust aggregator, and one whose declared
+    options are not keys of the ``robust`` section (the server passes each option the section's
+    value of the same name) or whose values there it refuses."""
+    name = robust.aggregator
     try:
-        ROBUST_AGGREGATORS.resolve(name, "robust.aggregator")
+        component = ROBUST_AGGREGATORS.resolve(name, "robust.aggregator")
     except OptionError as error:
         known = ", ".join(ROBUST_AGGREGATORS.selectable())
         raise ConfigError(str(error) if ":" in name else f"robust.aggregator must be one of {known} (or a "
                           f"'package.module:name' path), got {name!r}") from error
+    keys = [f.name for f in dataclasses.fields(RobustConfig) if f.name != "aggregator"]
+    values = {}
+    for option in component.options:
+        if option.name not in keys:
+            raise ConfigError(f"robust.aggregator {name!r} declares the option {option.name!r}, which is not a key "
+                              f"of the robust section (its options take the robust keys of the same name: "
+                              f"{', '.join(keys)})")
+        try:
+            values[option.name] = option.take(getattr(robust, option.name), f"robust.{option.name}")
+        except OptionError as error:
+            raise ConfigError(f"{error} (robust.aggregator {name!r})") from error
+    problem = component.check(values) if component.check else None
+    if problem:
+        raise ConfigError(f"robust: {problem}")
 
 
 def _check_codec(section: CodecConfig, key: str) -> None:

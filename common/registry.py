@@ -3,10 +3,14 @@ options it declares, in a registry of its kind.
 
 A component (:class:`Component`) is a builder registered under a name; its options
 (:class:`Option`: name, type, default, check) are read by one reader (:class:`Options`) that
-types them and names the offending key in every error. A run config selects a component by its
-name or by a ``package.module:name`` path to a :class:`Component` of a module outside fedpart,
-made by that kind's :meth:`Registry.component`, which is then registered under its own name (so
-that, for example, a plug-in codec's encoding is known to the receiver that configured it).
+types them and names the offending key in every error. What a run config may name depends on the
+kind (:attr:`Registry.paths`): a component's name for every kind; for codecs, server optimizers
+and robust aggregators (:data:`BY_COMPONENT`) also a ``package.module:name`` path to a
+:class:`Component` of a module outside fedpart, made by that kind's :meth:`Registry.component`,
+which is then registered under its own name (so that, for example, a plug-in codec's encoding is
+known to the receiver that configured it); for datasets and models (:data:`BY_FUNCTION`) a path
+to a plain function, which their own loaders call (the registry lists the built-in ones only);
+partition schemes, algorithms, objective terms and step rules take built-in names only.
 
 Each kind's registry is declared here with the module that registers its built-in components
 (its *home*), imported by name at the first lookup: the configuration in ``fedpart.common``
@@ -33,6 +37,18 @@ REQUIRED: Any = type("Required", (), {"__repr__": lambda self: "REQUIRED"})()
 """An :class:`Option` default that says the option must be given."""
 
 _KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+BY_NAME = ""
+"""A :attr:`Registry.paths`: the kind's built-in names only."""
+
+BY_FUNCTION = "function"
+"""A :attr:`Registry.paths`: a ``package.module:function`` path names a plain function, which the
+kind's own loader calls (datasets, models); the registry holds the built-in components only."""
+
+BY_COMPONENT = "component"
+"""A :attr:`Registry.paths`: a ``package.module:name`` path names a :class:`Component` of the
+kind, made by :meth:`Registry.component`, which :meth:`Registry.resolve` imports and registers."""
 
 
 class OptionError(ValueError):
@@ -181,19 +197,49 @@ KINDS: dict[str, "Registry"] = {}
 
 class Registry(Mapping[str, Component]):
     """The components of one kind by name (built-in ones, and plug-ins once resolved by path).
-    ``home`` registers the built-in components; it is imported at the first lookup."""
+    ``home`` registers the built-in components; it is imported at the first lookup. ``paths``
+    says what a ``package.module:name`` path at the kind's setting names (:data:`BY_COMPONENT`,
+    :data:`BY_FUNCTION`, or :data:`BY_NAME`: none); ``defaults_needed``, where set, says why every
+    option of a component of this kind needs a default (a component with a required option is
+    then refused when it is made or registered)."""
 
-    def __init__(self, kind: str, home: str, description: str) -> None:
+    def __init__(self, kind: str, home: str, description: str, paths: str = BY_NAME,
+                 defaults_needed: str = "") -> None:
+        if paths not in (BY_NAME, BY_FUNCTION, BY_COMPONENT):
+            raise ValueError(f"paths must be BY_NAME, BY_FUNCTION or BY_COMPONENT, got {paths!r}")
         self.kind = kind
         self.home = home
         self.description = description
+        self.paths = paths
+        self.defaults_needed = defaults_needed
         self._builtin: dict[str, Component] = {}
         self._plugins: dict[str, Component] = {}  # by name, once resolved by path
         self._paths: dict[str, Component] = {}
         KINDS[kind] = self
 
+    def accepts(self) -> str:
+        """What a run config may name for this kind, as a sentence (docs/components.md)."""
+        if self.paths == BY_COMPONENT:
+            return ("A run config names one of these, or a `package.module:name` path to a `fedpart.api.Component` "
+                    "made by this kind's registry (`component()`), which selects a component from outside fedpart "
+                    "(docs/plugins.md).")
+        if self.paths == BY_FUNCTION:
+            return ("A run config names one of these, or a `package.module:function` path to a plain function (not "
+                    "a `fedpart.api.Component`), which fedpart calls instead (docs/plugins.md).")
+        return "Built-in names only: no `package.module:name` path selects one."
+
+    def _admit(self, component: Component) -> Component:
+        """``component``, unless this kind needs a default for every option and one has none."""
+        if self.defaults_needed:
+            required = [o.name for o in component.options if o.default is REQUIRED]
+            if required:
+                raise OptionError(f"{self.kind} {component.name!r}: option {required[0]!r} has no default, and every "
+                                  f"option of a {self.kind} needs one: {self.defaults_needed}")
+        return component
+
     def add(self, component: Component, plugin: bool = False) -> Component:
         """Register ``component`` under its name (the same component again is a no-op)."""
+        self._admit(component)
         held = self._builtin.get(component.name) or self._plugins.get(component.name)
         if held is not None and held is not component:
             raise OptionError(f"{self.kind} {component.name!r} is registered already ({held.build!r})")
@@ -204,7 +250,7 @@ class Registry(Mapping[str, Component]):
                   **extra: Any) -> Component:
         """A component of this kind (not registered: a plug-in module holds it, a run config names
         it by ``package.module:name``)."""
-        return Component(name, description, build, options, kind=self.kind, **extra)
+        return self._admit(Component(name, description, build, options, kind=self.kind, **extra))
 
     def register(self, name: str, description: str, *options: Option, **extra: Any) -> Callable[[Any], Any]:
         """A decorator that registers a builder (a class or a function) and returns it unchanged."""
@@ -240,15 +286,18 @@ class Registry(Mapping[str, Component]):
         return [name for name, c in self.builtin().items() if not c.not_by_name]
 
     def resolve(self, name: str, setting: str) -> Component:
-        """The component a run config names at ``setting``: a selectable name, or a
-        ``package.module:name`` path to a :class:`Component`, which is registered too."""
-        if ":" in name:
+        """The component a run config names at ``setting``: a selectable name, or (where
+        :attr:`paths` is :data:`BY_COMPONENT`) a ``package.module:name`` path to a
+        :class:`Component`, which is registered too."""
+        if ":" in name and self.paths == BY_COMPONENT:
             return self._plug_in(name, setting)
         component = self.builtin().get(name)
         if component is None or component.not_by_name:
             hint = f" ({component.not_by_name})" if component is not None else ""
-            raise OptionError(f"{setting}: unknown {self.kind} {name!r}; known: {', '.join(self.selectable())}, "
-                              f"or a 'package.module:name' path{hint}")
+            path = ", or a 'package.module:name' path" if self.paths == BY_COMPONENT else \
+                " (built-in names only: no 'package.module:name' path)" if ":" in name else ""
+            raise OptionError(f"{setting}: unknown {self.kind} {name!r}; known: {', '.join(self.selectable())}"
+                              f"{path}{hint}")
         return component
 
     def _plug_in(self, path: str, setting: str) -> Component:
@@ -289,16 +338,18 @@ TERMS = Registry("objective term", "fedpart.common.objectives",
 STEP_RULES = Registry("step rule", "fedpart.common.objectives",
                       "How a local step updates the parameters; an algorithm brings its own.")
 CODECS = Registry("codec", "fedpart.common.codecs",
-                  "How a tensor travels: `compression.up.codec` and `compression.down.codec` with their options.")
+                  "How a tensor travels: `compression.up.codec` and `compression.down.codec` with their options.",
+                  BY_COMPONENT, "the receiver builds its decoder from the defaults (a payload carries what decoding "
+                                "needs in its codec_args, the codec's wire_args)")
 SERVER_OPTIMIZERS = Registry("server optimizer", "fedpart.server.optimizers",
-                             "The server step over a round's combined delta: `server_optimizer.name` and its options.")
+                             "The server step over a round's combined delta: `server_optimizer.name` and its options.",
+                             BY_COMPONENT)
 ROBUST_AGGREGATORS = Registry("robust aggregator", "fedpart.server.robust",
-                              "How a round's deltas are combined: `robust.aggregator`.")
+                              "How a round's deltas are combined: `robust.aggregator`; its options are keys of the "
+                              "`robust` section of the same name.", BY_COMPONENT)
 PARTITIONS = Registry("partition scheme", "fedpart.common.data.partition",
                       "How the dataset is split over the clients: `data.partition.scheme` and its options.")
 MODELS = Registry("model", "fedpart.common.models.zoo",
-                  "The model, cut into body units and a head: `model.name` and its options; a "
-                  "`package.module:function` path names a custom model factory instead (docs/plugins.md).")
+                  "The model, cut into body units and a head: `model.name` and its options.", BY_FUNCTION)
 DATASETS = Registry("dataset", "fedpart.common.data.datasets",
-                    "The data a run trains on: `data.dataset` and its options (`data.options`); a "
-                    "`package.module:function` path names a custom loader instead (docs/plugins.md).")
+                    "The data a run trains on: `data.dataset` and its options (`data.options`).", BY_FUNCTION)

@@ -334,8 +334,9 @@ class AggregationStep:
 
     def combiner(self) -> Aggregator:
         """A fresh aggregator of the configured kind, its options read from the ``robust`` section."""
-        component = ROBUST_AGGREGATORS[self.robust.aggregator]
-        return component(**{option.name: getattr(self.robust, option.name) for option in component.options})
+        component = ROBUST_AGGREGATORS[self.robust.aggregator]  # its options checked by the config's validation
+        return component(**{option.name: option.take(getattr(self.robust, option.name), f"robust.{option.name}")
+                            for option in component.options})
 
     def sample_cap(self, client_id: int) -> int | None:
         """The most training samples client ``client_id`` can have, if the server knows a bound."""

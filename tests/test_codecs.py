@@ -258,6 +258,63 @@ def test_a_plug_in_codec_with_a_parameter_crosses_the_wire_without_a_proto_chang
         config_from_dict(small_config(compression={"up": {"codec": "plugin_optimizer:signed"}}))
 
 
+REQUIRED_OPTION_CODEC = """
+from fedpart.api import CODECS, Component, Option
+
+
+class Scaled:
+    name, sparse, error_feedback, wire_args = "scaled_required", False, False, ()
+
+    def __init__(self, scale):
+        self.scale = scale
+
+
+made_directly = Component("scaled_required", "A codec whose scale has no default.", Scaled,
+                          (Option("scale", float),), kind="codec")
+"""
+
+
+def test_a_codec_option_without_a_default_is_refused_where_the_codec_is_made(tmp_path, monkeypatch) -> None:
+    """The receiver builds a decoder from the codec's defaults (CODECS[encoding]()), so a codec
+    option without one would fail decoding with a TypeError: the registry refuses such a codec when
+    it is made by CODECS.component, and a Component made otherwise when a run config names it."""
+    from fedpart.common.registry import CODECS, Option, OptionError
+
+    class Scaled:
+        def __init__(self, scale: float) -> None:
+            self.scale = scale
+
+    with pytest.raises(OptionError) as error:
+        CODECS.component("scaled", "A codec whose scale has no default.", Scaled, Option("scale", float))
+    assert str(error.value).startswith("codec 'scaled': option 'scale' has no default, and every option of a codec "
+                                       "needs one: the receiver builds its decoder from the defaults")
+    assert CODECS.component("scaled", "With a default.", Scaled, Option("scale", float, default=1.0))().scale == 1.0
+    (tmp_path / "required_option_codec.py").write_text(REQUIRED_OPTION_CODEC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="codec 'scaled_required': option 'scale' has no default"):
+        config_from_dict(small_config(compression={"up": {"codec": "required_option_codec:made_directly",
+                                                          "scale": 2.0}}))
+    assert "scaled_required" not in CODECS
+
+
+def test_a_decoder_that_cannot_be_built_from_the_defaults_is_a_codec_error(monkeypatch) -> None:
+    """Whatever a codec's builder raises when the receiver builds its decoder is a CodecError (a
+    refused payload), never a TypeError out of the receiver."""
+    from fedpart.common import codecs
+    from fedpart.common.registry import CODECS
+
+    def broken() -> None:
+        raise TypeError("broken() missing 1 required positional argument: 'scale'")
+
+    component = CODECS.component("broken_defaults", "Cannot be built from its defaults.", broken)
+    monkeypatch.setitem(CODECS._plugins, "broken_defaults", component)
+    encoded = Encoded("broken_defaults", torch.zeros(4, dtype=torch.uint8), {})
+    with pytest.raises(CodecError, match=re.escape("encoding 'broken_defaults': the decoder cannot be built from the "
+                                                   "codec's defaults (TypeError: broken() missing 1")):
+        decode(encoded, torch.empty(1))
+    assert "broken_defaults" not in codecs._DECODERS
+
+
 def test_an_encoding_named_by_a_path_is_never_imported_from_the_wire() -> None:
     spec = pb.TensorSpec(name="w", dtype="float32", shape=[2], encoding="plugin_codec:unconfigured")
     with pytest.raises(WireError, match="unknown encoding"):

@@ -295,3 +295,63 @@ def test_scientific_notation_is_a_number(tmp_path):
 def test_scientific_notation_with_dot_is_a_number(tmp_path):
     config = load_config(_write(tmp_path, "train:\n  lr: 1.0e-3\n"))
     assert config.train.lr == 1e-3
+
+
+# ------------------------------------------------------------- components checked at config time
+
+
+def test_an_unknown_algorithm_is_refused_with_the_known_names():
+    from fedpart.common.registry import ALGORITHMS
+
+    known = ", ".join(ALGORITHMS.selectable())
+    with pytest.raises(ConfigError) as error:
+        config_from_dict({"algorithm": {"name": "fedsgd"}})
+    assert str(error.value) == f"algorithm.name: unknown algorithm 'fedsgd'; known: {known}"
+    with pytest.raises(ConfigError) as error:  # algorithms are built-in names only: a path is not imported
+        config_from_dict({"algorithm": {"name": "no_such_package.algorithms:mine"}})
+    assert str(error.value) == (f"algorithm.name: unknown algorithm 'no_such_package.algorithms:mine'; known: "
+                                f"{known} (algorithms are chosen by built-in name only, not by a "
+                                "'package.module:name' path)")
+    assert config_from_dict({"algorithm": {"name": "fedbabu"}}).algorithm.name == "fedbabu"
+
+
+NORM_OPTIMIZER = '''
+from fedpart.api import SERVER_OPTIMIZERS, RoundDelta, ServerOptimizer, apply_deltas
+
+
+class NormScaled(ServerOptimizer):
+    """Steps by the mean over the root of the results' second moment."""
+
+    name = "norm_scaled"
+    needs_result_norms = True
+
+    def step(self, global_state, delta: RoundDelta):
+        return apply_deltas(global_state, delta.mean, 1.0 / max(delta.second_moment, 1e-12) ** 0.5)
+
+
+norm_scaled = SERVER_OPTIMIZERS.component("norm_scaled", "Steps scaled by the results' norms.", NormScaled)
+'''
+
+
+def test_a_server_optimizer_that_needs_result_norms_is_refused_by_secure_aggregation_and_dp(tmp_path, monkeypatch):
+    """Not only fedexp by name: any server optimizer whose builder declares needs_result_norms,
+    a plug-in's included; one that does not (plugin_optimizer:signed) is accepted."""
+    from conftest import FIXTURES, small_config
+
+    (tmp_path / "norm_optimizer_plugin.py").write_text(NORM_OPTIMIZER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    uniform = {**small_config()["train"], "weighting": "uniform"}
+    for name in ("norm_optimizer_plugin:norm_scaled", "fedexp"):
+        with pytest.raises(ConfigError) as error:
+            config_from_dict(small_config(privacy={"secure_aggregation": True}, server_optimizer={"name": name}))
+        assert str(error.value) == (f"privacy.secure_aggregation: server_optimizer {name} needs each result's "
+                                    "delta norm, which the server cannot see")
+        with pytest.raises(ConfigError) as error:
+            config_from_dict(small_config(train=uniform, privacy={"dp": {"enabled": True}},
+                                          server_optimizer={"name": name}))
+        assert str(error.value).startswith(f"privacy.dp: server_optimizer {name} sets its step from each "
+                                           "result's delta norm, which is not noised")
+    signed = {"name": "plugin_optimizer:signed"}
+    config_from_dict(small_config(privacy={"secure_aggregation": True}, server_optimizer=signed))
+    config_from_dict(small_config(train=uniform, privacy={"dp": {"enabled": True}}, server_optimizer=signed))

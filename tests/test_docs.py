@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,3 +64,61 @@ def test_the_components_page_matches_the_registries():
 
     assert (DOCS / "components.md").read_text() == reference(), \
         "regenerate it: python -m fedpart.common.reference --markdown > docs/components.md"
+
+
+ROBUST_PLUGIN = '''
+from fedpart.api import ROBUST_AGGREGATORS
+from fedpart.server.aggregation import WeightedMean
+
+mean_again = ROBUST_AGGREGATORS.component("docs_mean_again", "The weighted mean, from outside.", WeightedMean)
+'''
+
+
+def _path_config(kind: str, path: str) -> dict:
+    """A small run config that names ``path`` at the setting of ``kind``."""
+    from conftest import small_config
+
+    return {"codec": small_config(compression={"up": {"codec": path}}),
+            "server optimizer": small_config(server_optimizer={"name": path}),
+            "robust aggregator": small_config(robust={"aggregator": path}),
+            "model": small_config(model={"name": path}),
+            "dataset": small_config(data={"dataset": path, "input_shape": [8], "num_classes": 0,
+                                          "partition": {"scheme": "iid"}}),
+            "partition scheme": small_config(data={"dataset": "digits", "partition": {"scheme": path}}),
+            "algorithm": small_config(algorithm={"name": path}),
+            "objective term": small_config(algorithm={"name": "fedavg", "objective": {path: {}}})}[kind]
+
+
+def test_what_the_components_page_says_each_kind_takes_is_what_a_run_config_takes(tmp_path, monkeypatch):
+    """docs/components.md says, kind by kind, whether a path selects a Component, a plain function
+    or nothing; a run config naming a path at each kind's setting is accepted or refused
+    accordingly (step rules have no setting: an algorithm brings its own)."""
+    from conftest import FIXTURES
+    from fedpart.common.config import ConfigError, config_from_dict
+    from fedpart.common.registry import BY_COMPONENT, BY_FUNCTION, BY_NAME, KINDS
+
+    (tmp_path / "docs_robust_plugin.py").write_text(ROBUST_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    page = (DOCS / "components.md").read_text()
+    assert "A `package.module:name` path to a\n`fedpart.api.Component` selects a component" not in page
+    plugins = {"codec": "plugin_codec:fixed_point", "server optimizer": "plugin_optimizer:signed",
+               "robust aggregator": "docs_robust_plugin:mean_again", "model": "custom_components:regression_model",
+               "dataset": "custom_components:regression_dataset"}
+    expected = {BY_COMPONENT: {"codec", "server optimizer", "robust aggregator"}, BY_FUNCTION: {"model", "dataset"},
+                BY_NAME: {"algorithm", "objective term", "step rule", "partition scheme"}}
+    for paths, kinds in expected.items():
+        assert {kind for kind, registry in KINDS.items() if registry.paths == paths} == kinds
+    for kind, registry in KINDS.items():
+        section = page.split(f"\n## {kind.capitalize()}s\n", 1)[1].split("\n### ", 1)[0]
+        assert registry.accepts() in section, kind
+        if kind == "step rule":
+            continue
+        if registry.paths == BY_NAME:
+            with pytest.raises(ConfigError, match="unknown"):
+                config_from_dict(_path_config(kind, "custom_components:regression_model"))
+            assert "Built-in names only" in section
+        else:
+            config_from_dict(_path_config(kind, plugins[kind]))
+            wanted = "`fedpart.api.Component`" if registry.paths == BY_COMPONENT else "plain function"
+            assert wanted in section and "Built-in names only" not in section

@@ -149,3 +149,20 @@ def test_a_plugin_module_written_against_the_old_path_still_imports(tmp_path: Pa
 def test_every_public_name_resolves() -> None:
     assert sorted(set(fedpart.api.__all__)) == sorted(fedpart.api.__all__)
     assert [name for name in fedpart.api.__all__ if not hasattr(fedpart.api, name)] == []
+
+
+def test_every_registry_and_the_aggregator_protocol_are_exported_and_documented() -> None:
+    """fedpart.api exports every kind's registry and names each in its docstring, and exports the
+    Aggregator protocol a robust aggregator implements."""
+    from fedpart.common.registry import KINDS, Registry
+    from fedpart.server.aggregation import Aggregator
+
+    exported = {name: getattr(fedpart.api, name) for name in fedpart.api.__all__}
+    registries = {name for name, value in exported.items() if isinstance(value, Registry)} - {"OPTIMIZERS"}
+    assert {exported[name].kind for name in registries} == set(KINDS)
+    assert registries == {"ALGORITHMS", "TERMS", "STEP_RULES", "CODECS", "SERVER_OPTIMIZERS", "ROBUST_AGGREGATORS",
+                          "PARTITIONS", "MODELS", "DATASETS"}
+    for name in registries:
+        assert f":data:`{name}`" in fedpart.api.__doc__, name
+    assert exported["Aggregator"] is Aggregator
+    assert ":class:`Aggregator`" in fedpart.api.__doc__

@@ -180,6 +180,63 @@ def test_bad_robust_settings_name_the_key(robust, message):
     assert message in str(error.value)
 
 
+PLUGIN_AGGREGATORS = """
+import threading
+
+import torch
+from fedpart.api import ROBUST_AGGREGATORS, Option
+
+
+class CappedMean:
+    \"\"\"The unweighted mean of each tensor, every element limited to [-cap, cap].\"\"\"
+
+    def __init__(self, norm_bound=0.0, window=3):
+        self.cap, self.window = norm_bound or float("inf"), window
+        self.sums, self.held, self.lock = {}, {}, threading.Lock()
+
+    def add(self, tensors, weight):
+        with self.lock:
+            for name, tensor in tensors.items():
+                self.sums[name] = self.sums.get(name, 0) + tensor.to(torch.float64).clamp(-self.cap, self.cap)
+                self.held[name] = self.held.get(name, 0) + 1
+
+    def result(self):
+        return {name: total / self.held[name] for name, total in self.sums.items()}
+
+    def counts(self):
+        return dict(self.held)
+
+
+capped = ROBUST_AGGREGATORS.component(
+    "capped_mean", "The unweighted mean of elements limited to robust.norm_bound.", CappedMean,
+    Option("norm_bound", float, "the element cap (0: none)", lambda v: v <= 100, "must be at most 100"))
+windowed = ROBUST_AGGREGATORS.component(
+    "windowed_mean", "Declares an option that is not a robust key.", CappedMean, Option("window", int))
+"""
+
+
+def test_a_plug_in_aggregators_options_are_the_robust_keys_checked_at_config_time(tmp_path, monkeypatch):
+    """The server builds a plug-in aggregator with the ``robust`` keys of its options' names; an
+    option that is no such key, or a value its Option refuses, is a ConfigError naming the key
+    when the config is validated, not an AttributeError once the server has started."""
+    (tmp_path / "aggregator_plugins.py").write_text(PLUGIN_AGGREGATORS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as error:
+        config_from_dict(small_config(robust={"aggregator": "aggregator_plugins:windowed"}))
+    assert str(error.value).startswith("robust.aggregator 'aggregator_plugins:windowed' declares the option "
+                                       "'window', which is not a key of the robust section (its options take the "
+                                       "robust keys of the same name: trim_fraction, norm_bound, ")
+    with pytest.raises(ConfigError) as error:
+        config_from_dict(small_config(robust={"aggregator": "aggregator_plugins:capped", "norm_bound": 500.0}))
+    assert str(error.value) == "robust.norm_bound must be at most 100 (robust.aggregator 'aggregator_plugins:capped')"
+    step = _step(aggregator="aggregator_plugins:capped", norm_bound=2)
+    deltas = step.new_aggregator()
+    assert (type(deltas.combiner).__name__, deltas.combiner.cap) == ("CappedMean", 2.0)
+    deltas.add({"w": torch.tensor([5.0, -1.0])}, 1.0)
+    deltas.add({"w": torch.tensor([1.0, -9.0])}, 7.0)
+    assert deltas.result()["w"].tolist() == [1.5, -1.5]
+
+
 # ---------------------------------------------------------------------- the default adaptive bound
 
 
