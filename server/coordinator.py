@@ -49,7 +49,7 @@ from fedpart.server.accounting import DIRECTIONS, PROCESS, ByteLedger
 from fedpart.server.aggregation import Aggregator, HeadDictionary
 from fedpart.server.final_evaluation import FinalEvaluation
 from fedpart.server.registry import REAP_INTERVAL_SECONDS, ProcessRegistry
-from fedpart.server.robust import AggregationStep, ResultRefused, RobustCounts
+from fedpart.server.robust import AggregationStep, ResultRefused, RobustCounts, Screened
 from fedpart.server.run_state import EARLIER_ROUNDS, ResumeError, RunState
 from fedpart.server.secure_aggregation import SecureRound, SecureRoundFailed
 from fedpart.server.sampling import round_target, sample_clients
@@ -206,27 +206,18 @@ class Coordinator:
                 if self._results is not None and self.board.is_outstanding(task):
                     self._results.robust.rejected += 1
             raise Rejected(str(error)) from error
-        with self._cond:
-            self.board.claim(task)  # from here on the round waits for this fold
-            results = self._results
-            self._folding += 1
-        try:
+
+        def fold(results: RoundResults) -> None:
             if screened.deltas:
                 results.deltas.add(screened.deltas, screened.weight)
             if values:
                 self.heads.store(task.client_id, values, screened.weight)
-        finally:
-            with self._cond:
-                self._folding -= 1
-                results.metrics[task.client_id] = metrics
-                results.samples[task.client_id] = screened.samples
-                results.robust.clipped += screened.clipped
-                results.robust.samples_capped += screened.samples_capped
-                self._train_samples[task.client_id] = int(result.num_samples)
-                commit()
-                self._finish(task)
-                if not self._folding:
-                    self._cond.notify_all()
+
+        def record(results: RoundResults) -> None:
+            self._record_training(results, task.client_id, metrics, screened, int(result.num_samples))
+            results.robust.clipped += screened.clipped
+
+        self._fold(task, fold, record, commit)
         for note in screened.notes:
             self.log(f"warning: round {task.round} client {task.client_id}: {note}")
 
@@ -250,26 +241,46 @@ class Coordinator:
             secure.take_shares(task.client_id, result)
         elif stage == SecAggStage.UNMASK:
             secure.take_revealed(task.client_id, result)
+
+        def fold(results: RoundResults) -> None:
+            if stage == SecAggStage.MASK:
+                results.deltas.add(tensors, 1.0)
+                secure.take_masked(task.client_id)
+
+        def record(results: RoundResults) -> None:
+            if screened is not None:
+                self._record_training(results, task.client_id, dict(result.metrics), screened,
+                                      int(result.num_samples))
+
+        self._fold(task, fold, record, commit)
+
+    def _fold(self, task: Task, fold: Callable[[RoundResults], None], record: Callable[[RoundResults], None],
+              commit: Callable[[], None]) -> None:
+        """Claim ``task`` (from then on its round waits for this fold), ``fold`` its result into the
+        round's results outside the lock, then under it ``record`` what the result says, count its
+        bytes (``commit``) and close the task."""
         with self._cond:
             self.board.claim(task)
             results = self._results
             self._folding += 1
         try:
-            if stage == SecAggStage.MASK:
-                results.deltas.add(tensors, 1.0)
-                secure.take_masked(task.client_id)
+            fold(results)
         finally:
             with self._cond:
                 self._folding -= 1
-                if screened is not None:
-                    results.metrics[task.client_id] = dict(result.metrics)
-                    results.samples[task.client_id] = screened.samples
-                    results.robust.samples_capped += screened.samples_capped
-                    self._train_samples[task.client_id] = int(result.num_samples)
+                record(results)
                 commit()
                 self._finish(task)
                 if not self._folding:
                     self._cond.notify_all()
+
+    def _record_training(self, results: RoundResults, client: int, metrics: dict[str, float], screened: Screened,
+                         reported_samples: int) -> None:
+        """What a training result says: its metrics, its counted samples (holds the lock)."""
+        results.metrics[client] = metrics
+        results.samples[client] = screened.samples
+        results.robust.samples_capped += screened.samples_capped
+        self._train_samples[client] = reported_samples
 
     def _secure_tag(self, round_number: int) -> bytes:
         return f"{self.run_id}/round-{round_number}".encode()
