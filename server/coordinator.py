@@ -49,7 +49,8 @@ from fedpart.server.accounting import DIRECTIONS, PROCESS, ByteLedger
 from fedpart.server.aggregation import Aggregator, HeadDictionary
 from fedpart.server.final_evaluation import FinalEvaluation
 from fedpart.server.registry import REAP_INTERVAL_SECONDS, ProcessRegistry
-from fedpart.server.robust import AggregationStep, ResultRefused, RobustCounts, Screened
+from fedpart.server.policy import Screened, ServerPolicy
+from fedpart.server.robust import ResultRefused, RobustCounts
 from fedpart.server.run_state import EARLIER_ROUNDS, ResumeError, RunState
 from fedpart.server.secure_aggregation import SecureRound, SecureRoundFailed
 from fedpart.server.sampling import round_target, sample_clients
@@ -84,7 +85,7 @@ class Coordinator:
         self.run_id = uuid.uuid4().hex[:12]
         self.ledger = ByteLedger(self.model.schedule_units)  # the service records into it; rounds and resume read it
         self.heads = HeadDictionary()
-        self.aggregation = AggregationStep(config, log)
+        self.aggregation = ServerPolicy(config, log)
 
         self._cond = threading.Condition()  # the lock of the whole state machine; the round loop waits on it
         self.registry = ProcessRegistry(config, self._cond, log)

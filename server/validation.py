@@ -13,8 +13,8 @@ is never trusted for more than its shape):
    training, finite tensors and at least one sample when it uploads anything; for an evaluation,
    a report that fits its plan (:func:`check_evaluation`).
 
-What a valid result may still weigh (sample caps, norm bounds) is the aggregation step's
-(``server/robust.py``). A broken rule raises :class:`~fedpart.common.protocol.InvalidResult`.
+What a valid result may still weigh (sample caps, norm bounds) is the server policy's
+(``server/policy.py``). A broken rule raises :class:`~fedpart.common.protocol.InvalidResult`.
 Strings from clients are made safe for one log line (:func:`printable`) before they are logged.
 """
 

@@ -16,7 +16,7 @@ from fedpart.common.experiment import build_run_model
 from fedpart.common.privacy import joint_norm
 from fedpart.server.privacy import AdaptiveClip, ClippedDeltas, DifferentialPrivacy, NoisedSum, PrivacyBudget
 from fedpart.server.coordinator import Coordinator
-from fedpart.server.robust import AggregationStep
+from fedpart.server.policy import ServerPolicy
 from fedpart.server.run_state import read_run_state, write_run_state
 from fedpart.server.sampling import expected_clients
 from test_robust import InProcessServer, RawClient
@@ -182,12 +182,12 @@ def test_lossy_upload_codecs_are_accepted(up):
 # ------------------------------------------------------------------------------------ the server's step
 
 
-def _step(dp: dict, **overrides) -> tuple[AggregationStep, dict[str, torch.Tensor]]:
+def _step(dp: dict, **overrides) -> tuple[ServerPolicy, dict[str, torch.Tensor]]:
     config = config_from_dict(_adaptive(dp, **overrides))
-    return AggregationStep(config, **QUIET), dict(build_run_model(config).state_dict())
+    return ServerPolicy(config, **QUIET), dict(build_run_model(config).state_dict())
 
 
-def _round(step: AggregationStep, round_number: int, state: dict[str, torch.Tensor], norms: list[float]) -> dict:
+def _round(step: ServerPolicy, round_number: int, state: dict[str, torch.Tensor], norms: list[float]) -> dict:
     """One round of ``norms`` folded through screening and the noised sum; returns the new global state."""
     deltas = step.new_aggregator(round_number, state)
     for norm in norms:

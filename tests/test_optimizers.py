@@ -24,7 +24,7 @@ from fedpart.server.optimizers import (
     Plain,
     RoundDelta,
 )
-from fedpart.server.robust import AggregationStep, RoundDeltas
+from fedpart.server.policy import RoundAggregate, ServerPolicy
 from fedpart.server.run_state import read_run_state, write_run_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,8 +44,8 @@ def _two_rounds(optimizer, first: list[float], second: list[float]) -> tuple[tor
     return one, two - one
 
 
-def _step(**sections) -> AggregationStep:
-    return AggregationStep(config_from_dict(small_config(**sections)), log=lambda line: None)
+def _step(**sections) -> ServerPolicy:
+    return ServerPolicy(config_from_dict(small_config(**sections)), log=lambda line: None)
 
 
 # ------------------------------------------------------------------------------------- the steps
@@ -115,7 +115,7 @@ def test_feddyn_h_and_update_by_hand():
 
 
 def _fedexp_round(weights: list[float], deltas: list[list[float]], combiner=None) -> tuple[FedExp, torch.Tensor]:
-    recorder = RoundDeltas(WeightedMean() if combiner is None else combiner, record_norms=True)
+    recorder = RoundAggregate(WeightedMean() if combiner is None else combiner, record_norms=True)
     for weight, values in zip(weights, deltas):
         recorder.add({"a": torch.tensor(values[:1]), "b": torch.tensor(values[1:])}, weight)
     optimizer = FedExp(eps=1e-3)

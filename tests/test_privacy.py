@@ -16,7 +16,7 @@ from fedpart.common.checkpoint import load_tensors
 from fedpart.common.config import ConfigError, check_dp_accounting, config_from_dict
 from fedpart.common.privacy import clip_deltas, joint_norm
 from fedpart.server.privacy import DifferentialPrivacy, NoisedSum, PrivacyBudget
-from fedpart.server.robust import AggregationStep
+from fedpart.server.policy import ServerPolicy
 from fedpart.server.sampling import expected_clients, sample_clients
 from test_robust import InProcessServer, RawClient, _filled
 
@@ -81,7 +81,7 @@ def test_a_non_finite_update_cannot_be_clipped():
 
 
 def test_the_server_clips_a_result_that_ignored_the_clip():
-    step = AggregationStep(config_from_dict(_dp_config({"clip_norm": 2.0, "noise_multiplier": 0.0})), log=lambda _: None)
+    step = ServerPolicy(config_from_dict(_dp_config({"clip_norm": 2.0, "noise_multiplier": 0.0})), log=lambda _: None)
     assert step.adaptive_bound is None  # the clip is the bound under DP
     hostile = {"body.0.weight": torch.full((32, 64), 1e6)}
     screened = step.screen(0, hostile, 10)

@@ -44,25 +44,25 @@ from fedpart.server.coordinator import Coordinator
 from fedpart.server.main import start_grpc
 from fedpart.server.robust import (
     AdaptiveBound,
-    AggregationStep,
     ResultRefused,
     delta_norm,
     partition_train_sizes,
     screening_norm,
     upload_key,
 )
+from fedpart.server.policy import ServerPolicy
 from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
 
 BOUND = 60.0  # seconds: every wait in these tests is bounded
 HUGE_SAMPLES = 2**62
 
 
-def _step(clients: int = 10, train: dict | None = None, **robust) -> AggregationStep:
+def _step(clients: int = 10, train: dict | None = None, **robust) -> ServerPolicy:
     """An aggregation step of the small config; the adaptive bound is off unless ``robust`` sets
     it (most cases here screen made-up tensors that the model does not have)."""
     robust.setdefault("adaptive_bound", 0.0)
     overrides = {"train": train} if train else {}
-    return AggregationStep(config_from_dict(small_config(clients=clients, robust=robust, **overrides)),
+    return ServerPolicy(config_from_dict(small_config(clients=clients, robust=robust, **overrides)),
                            log=lambda line: None)
 
 
@@ -148,7 +148,7 @@ def test_without_the_dataset_the_server_says_so_and_falls_back_to_the_configured
     raw = small_config(data={"dataset": "mnist", "root": str(tmp_path), "partition": {"scheme": "iid"}},
                        robust={"max_samples": 600})
     lines: list[str] = []
-    step = AggregationStep(config_from_dict(raw), log=lines.append)
+    step = ServerPolicy(config_from_dict(raw), log=lines.append)
     assert step.partition_sizes is None
     assert len(lines) == 1 and "cannot compute the partition" in lines[0] and "robust.max_samples (600)" in lines[0]
     assert step.screen(0, {}, HUGE_SAMPLES).samples == 600
@@ -240,11 +240,11 @@ def test_a_plug_in_aggregators_options_are_the_robust_keys_checked_at_config_tim
 # ---------------------------------------------------------------------- the default adaptive bound
 
 
-def _default_step() -> tuple[AggregationStep, dict[str, torch.Tensor]]:
+def _default_step() -> tuple[ServerPolicy, dict[str, torch.Tensor]]:
     """An aggregation step of the small config with the default robust section, and the initial
     global model."""
     config = config_from_dict(small_config(clients=10))
-    return AggregationStep(config, log=lambda line: None), build_run_model(config).state_dict()
+    return ServerPolicy(config, log=lambda line: None), build_run_model(config).state_dict()
 
 
 def _of_norm(shapes: Mapping[str, torch.Tensor], norm: float) -> dict[str, torch.Tensor]:
@@ -253,7 +253,7 @@ def _of_norm(shapes: Mapping[str, torch.Tensor], norm: float) -> dict[str, torch
     return {name: torch.full_like(tensor, norm / math.sqrt(count)) for name, tensor in shapes.items()}
 
 
-def _fold_round(step: AggregationStep, global_state: dict[str, torch.Tensor], norms: list[float]) -> None:
+def _fold_round(step: ServerPolicy, global_state: dict[str, torch.Tensor], norms: list[float]) -> None:
     """Screen and fold one result of each delta norm in ``norms`` (of all of ``global_state``'s
     tensors) and close the round, as the coordinator does."""
     deltas = step.new_aggregator()
