@@ -182,7 +182,7 @@ class ClientProcess:
         return self._loop.call(coroutine)
 
     def _joined(self, reply: pb.JoinReply) -> int:
-        self.config = config_from_dict(json.loads(reply.run_config_json))
+        self.config = config_from_dict(json.loads(reply.run_config_json), server_parts=False)
         self.log(f"joined run {reply.run_id} hosting clients {format_id_ranges(self.client_ids)}")
         server = self.config.server
         self._call(self.session.joined_run(server.call_timeout, server.heartbeat_timeout))  # beats while data loads

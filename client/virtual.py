@@ -165,7 +165,7 @@ class Payloads:
     (the model's shapes and dtypes); one :class:`EncodedUpload` per upload list."""
 
     def __init__(self, run_config_json: str) -> None:
-        self.config = config_from_dict(json.loads(run_config_json))
+        self.config = config_from_dict(json.loads(run_config_json), server_parts=False)
         model = build_run_model(self.config)
         self.global_state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
         self.classification = dataset_dims(self.config)[1] > 0

@@ -470,7 +470,7 @@ def _build(cls: type, raw: Any, prefix: str):
     return cls(**kwargs)
 
 
-def _validate(config: RunConfig) -> None:
+def _validate(config: RunConfig, server_parts: bool = True) -> None:
     from fedpart.common.data.augment import AUGMENTATIONS
     from fedpart.common.data.datasets import DATASET_NAMES, check_dataset_options
     from fedpart.common.data.partition import check_partition_options
@@ -558,16 +558,18 @@ def _validate(config: RunConfig) -> None:
         check_objective(config.algorithm.objective)
     except ValueError as error:
         raise ConfigError(f"algorithm.objective: {error}") from error
-    _check_robust_aggregator(config.robust)
+    if server_parts:
+        _check_robust_aggregator(config.robust)
     _check_codec(config.compression.up, "compression.up")
     _check_codec(config.compression.down, "compression.down")
-    _check_server_optimizer(config)
-    _check_privacy(config)
+    if server_parts:
+        _check_server_optimizer(config)
+    _check_privacy(config, server_parts)
     _check_dp_sgd(config)
-    _check_secure_aggregation(config)
+    _check_secure_aggregation(config, server_parts)
 
 
-def _check_privacy(config: RunConfig) -> None:
+def _check_privacy(config: RunConfig, server_parts: bool = True) -> None:
     """Validate ``privacy.dp`` and refuse what cannot be private as configured: each refusal says
     why and what to set instead (docs/privacy.md). Raises ConfigError naming the keys."""
     dp = config.privacy.dp
@@ -591,7 +593,7 @@ def _check_privacy(config: RunConfig) -> None:
             raise ConfigError(message)
     if not dp.enabled:
         return
-    for message in dp_refusals(config):
+    for message in dp_refusals(config, server_parts):
         raise ConfigError(f"privacy.dp: {message}")
 
 
@@ -654,7 +656,7 @@ def dp_sgd_refusals(config: RunConfig) -> list[str]:
     return refusals
 
 
-def dp_refusals(config: RunConfig) -> list[str]:
+def dp_refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
     """Why ``config`` cannot run with ``privacy.dp`` on (empty: it can). DP-FedAvg bounds each
     client's influence on the released model by the clip and hides it under noise; every setting
     below lets a client's update reach the model or the schedule some other way."""
@@ -683,7 +685,7 @@ def dp_refusals(config: RunConfig) -> list[str]:
     if up.codec == "topk" and up.options.get("error_feedback", True):
         refusals.append("compression.up topk with error feedback keeps what a round did not send and adds it to a "
                         "later upload, outside the round's clip: set compression.up.error_feedback: false")
-    if needs_result_norms(config):
+    if server_parts and needs_result_norms(config):
         refusals.append(f"server_optimizer {config.server_optimizer.name} sets its step from each result's delta "
                         "norm, which is not noised: use plain, fedavgm, fedadam or fedyogi (steps on the noised mean "
                         "are post-processing)")
@@ -714,7 +716,7 @@ def dp_refusals(config: RunConfig) -> list[str]:
     return refusals
 
 
-def _check_secure_aggregation(config: RunConfig) -> None:
+def _check_secure_aggregation(config: RunConfig, server_parts: bool = True) -> None:
     """Validate the ``privacy.secure_aggregation*`` keys and, where it is on, refuse what a sum
     of masked updates cannot serve (docs/privacy.md). Raises ConfigError naming the keys."""
     privacy = config.privacy
@@ -730,11 +732,11 @@ def _check_secure_aggregation(config: RunConfig) -> None:
         if not ok:
             raise ConfigError(message)
     if privacy.secure_aggregation:
-        for message in secure_aggregation_refusals(config):
+        for message in secure_aggregation_refusals(config, server_parts):
             raise ConfigError(f"privacy.secure_aggregation: {message}")
 
 
-def secure_aggregation_refusals(config: RunConfig) -> list[str]:
+def secure_aggregation_refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
     """Why ``config`` cannot run with ``privacy.secure_aggregation`` on (empty: it can): the server
     receives only masked updates and learns their sum, so nothing may need one client's update."""
     from fedpart.common.algorithms import build_algorithm
@@ -750,7 +752,7 @@ def secure_aggregation_refusals(config: RunConfig) -> list[str]:
     if config.compression.up.codec != "none":
         refusals.append(f"compression.up {config.compression.up.codec!r}: the masked update is a vector of the ring "
                         "of 2**32 that no codec may round: set compression.up.codec: none")
-    if needs_result_norms(config):
+    if server_parts and needs_result_norms(config):
         refusals.append(f"server_optimizer {config.server_optimizer.name} needs each result's delta norm, which the "
                         "server cannot see")
     if config.sampling.fraction * config.clients < 2 and config.sampling.probability is None:
@@ -862,10 +864,13 @@ def _read_component(registry: Registry, name: str, options: dict[str, Any], pref
         raise ConfigError(str(error)) from error
 
 
-def config_from_dict(raw: dict[str, Any]) -> RunConfig:
-    """Validated config from a plain mapping."""
+def config_from_dict(raw: dict[str, Any], server_parts: bool = True) -> RunConfig:
+    """Validated config from a plain mapping. A client process reads the server's resolved config
+    with ``server_parts=False``: the server checked it whole, and the parts only the server runs
+    (its robust aggregator and server optimizer, whose modules bring the server's fold) are not
+    imported into the client."""
     config = _build(RunConfig, raw, "")
-    _validate(config)
+    _validate(config, server_parts)
     return config
 
 

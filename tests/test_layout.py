@@ -7,6 +7,8 @@ api < deploy, report < cli < the package root), two folders of one layer never i
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,3 +80,22 @@ def test_no_import_cycle():
         if module not in state:
             visit(module, [module])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+CLIENT_SIDE = """
+import json, sys
+import fedpart.client.runtime
+from fedpart.common.config import RunConfig, config_from_dict
+from fedpart.common.experiment import build_run_model
+raw = json.loads(RunConfig().to_json())
+raw["privacy"]["secure_aggregation"] = True
+build_run_model(config_from_dict(raw, server_parts=False))
+print(sorted(m for m in sys.modules if m.startswith("fedpart.server") or m.split(".")[0] == "numba"))
+"""
+
+
+def test_a_client_process_imports_nothing_of_the_server():
+    """What the registry resolves lazily (the server's optimizers and robust aggregators, whose
+    modules bring the server's compiled fold) stays out of a client reading the server's config."""
+    out = subprocess.run([sys.executable, "-c", CLIENT_SIDE], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]"
