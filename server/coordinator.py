@@ -8,7 +8,11 @@ A :class:`Coordinator` composes the three parts of the server's state machine:
   liveness, take-over, readiness, release at the end),
 - the :class:`~fedpart.server.task_board.TaskBoard` (tasks queued per process, long polls,
   the wait for dispatched tasks),
-- and itself: the global model, sampling, plans, the fold, evaluation, snapshot and restore.
+- and itself: the global model, sampling, plans, the fold, snapshot and restore; with
+  the server's policy (:mod:`fedpart.server.policy`: screen, combine, step), the run's records
+  (:mod:`fedpart.server.run_recorder`), the final evaluation
+  (:mod:`fedpart.server.final_evaluation`) and secure aggregation's steps
+  (:mod:`fedpart.server.secure_aggregation`) in modules of their own.
 
 They share one condition variable: one lock over the whole state machine, only ever held for
 bookkeeping (never while sending, receiving or folding), re-entrant so that the engine can make
@@ -31,7 +35,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import torch
 
@@ -41,32 +44,22 @@ from fedpart.common.console import RunProgress
 from fedpart.common.experiment import build_run_model, run_algorithm
 from fedpart.common.plans import EvalPlan, JoinInfo, ResultInfo, RunOutcome, SecAggStage, TaskKind, TrainPlan
 from fedpart.common.protocol import Rejected
-from fedpart.common.records import RoundRecord
 from fedpart.common.security import Principal
 from fedpart.common.split_model import SplitModel, tensor_part
 from fedpart.common.wire import TensorSpec, named_specs
 from fedpart.server.accounting import DIRECTIONS, PROCESS, ByteLedger
-from fedpart.server.aggregation import Aggregator, HeadDictionary
+from fedpart.server.aggregation import HeadDictionary
 from fedpart.server.final_evaluation import FinalEvaluation
 from fedpart.server.registry import REAP_INTERVAL_SECONDS, ProcessRegistry
 from fedpart.server.policy import Screened, ServerPolicy
-from fedpart.server.robust import ResultRefused, RobustCounts
+from fedpart.server.robust import ResultRefused
+from fedpart.server.run_recorder import RoundResults, RunRecorder
 from fedpart.server.run_state import EARLIER_ROUNDS, ResumeError, RunState
 from fedpart.server.secure_aggregation import SecureRound, SecureRoundFailed
 from fedpart.server.sampling import round_target, sample_clients
 from fedpart.server.task_board import Task, TaskBoard
 from fedpart.server.transfers import result_chunk_bytes
 from fedpart.server.validation import all_finite, check_result
-
-
-@dataclass
-class RoundResults:
-    """What one round has collected so far."""
-
-    deltas: Aggregator
-    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    samples: dict[int, int] = field(default_factory=dict)
-    robust: RobustCounts = field(default_factory=RobustCounts)
 
 
 class Coordinator:
@@ -94,10 +87,7 @@ class Coordinator:
         self._folding = 0                        # results being folded right now
         self._task_ids = itertools.count(1)
         self._round = 0
-        self._completed_rounds = 0               # rounds completed in this run (a resumed one included)
-        self._round_seconds: list[float] = []    # durations of the rounds this server ran (for the ETA)
-        self._round_started = 0.0
-        self._sampled = 0                        # clients sampled in the current round
+        self.recorder = RunRecorder(config, self.ledger, self.board, self.aggregation)
         self._results: RoundResults | None = None
         self._secure: SecureRound | None = None   # the current round's secure aggregation, if on
         self.evaluation = FinalEvaluation(config, self.registry, self.board, self._cond, log, self._evaluation_task)
@@ -366,8 +356,7 @@ class Coordinator:
                                  self.config.train.weighting == "samples")
         with self._cond:
             self._round = round_number
-            self._round_started = started
-            self._sampled = len(sampled)
+            self.recorder.start_round(started, len(sampled))
             self._secure = secure
             self._results = RoundResults(self.aggregation.new_aggregator(round_number, reference, secure))
             hosts = {c: host for c in sampled if (host := self.registry.host(c)) is not None}
@@ -415,62 +404,9 @@ class Coordinator:
         completed = sorted(results.metrics)
         seconds = time.monotonic() - started
         with self._cond:
-            self._completed_rounds = round_number
-            self._round_seconds.append(seconds)
+            self.recorder.end_round(round_number, seconds)
         processes = {c: host.name for c, host in hosts.items()}
-        return self._round_record(round_number, sampled, completed, results, processes, seconds)
-
-    def _round_record(self, round_number: int, sampled: list[int], completed: list[int],
-                      results: RoundResults, processes: Mapping[int, str], seconds: float) -> dict:
-        """The round's line of metrics.jsonl (:class:`~fedpart.common.records.RoundRecord`, as
-        JSON); ``processes`` names the process each client's task went to."""
-        metrics = results.metrics
-        samples = results.samples
-        total = sum(samples.values())
-
-        def weighted(key: str) -> float | None:
-            keyed = [(metrics[c][key], samples[c]) for c in completed if key in metrics[c]]
-            weight = sum(n for _, n in keyed)
-            return sum(v * n for v, n in keyed) / weight if weight else None
-
-        def summed(key: str) -> float:
-            return sum(metrics[c].get(key, 0.0) for c in completed)
-
-        totals = self.ledger.totals(round_number)
-        gpu_peak: dict[str, int] = {}  # per client process: its highest peak over this round's tasks
-        for c in completed:
-            if "gpu_peak_bytes" in metrics[c]:
-                gpu_peak[processes[c]] = max(gpu_peak.get(processes[c], 0), int(metrics[c]["gpu_peak_bytes"]))
-        privacy = self.aggregation.privacy
-        return RoundRecord(
-            round=round_number,
-            sampled=sampled,
-            completed=completed,
-            train_loss=weighted("loss"),
-            lr=learning_rate(self.config.train.lr, round_number - 1, self.config.rounds,
-                             self.config.train.lr_milestones, self.config.train.lr_gamma),
-            seconds=round(seconds, 4),
-            train_samples=total,
-            client_compute_seconds=summed("compute_seconds"),
-            trainable_parameters=weighted("trainable_parameters"),
-            train_flops=summed("train_flops"),
-            bytes_down=totals["down"],
-            bytes_up=totals["up"],
-            bytes_by_part=self.ledger.by_part(round_number),
-            logical=self.ledger.logical(round_number),
-            bytes_by_unit=self.ledger.by_unit(round_number),
-            clients={str(c): {**self.ledger.totals(round_number, c),
-                              **{f"logical_{d}": n for d, n in self.ledger.logical_totals(round_number, c).items()},
-                              "compute_seconds": metrics.get(c, {}).get("compute_seconds"),
-                              # privacy.dp_sgd: the client's own epsilon over the rounds it trained, delta, steps
-                              **{k: v for k, v in metrics.get(c, {}).items() if k.startswith("dp_sgd_")}}
-                     for c in sampled},
-            robust=results.robust.as_dict(),
-            delivery=self.board.delivery_counts(round_number).as_dict(),
-            server_step=self.aggregation.step_report(),
-            gpu_peak_bytes=gpu_peak or None,
-            privacy=privacy.round_record(round_number) if privacy is not None else None,
-        ).to_json()
+        return self.recorder.record(round_number, sampled, completed, results, processes, seconds)
 
     def evaluate_all(self) -> dict[int, dict[str, float]]:
         """Every client evaluates and personalises the final model on its own data
@@ -502,16 +438,12 @@ class Coordinator:
         with self._cond:
             if self.evaluation.active:
                 stage, done, total = "evaluating", len(self.evaluation.reports), clients
-            elif self._round > self._completed_rounds or self._round_seconds:
-                stage, total = "training", self._sampled
+            elif self.recorder.training(self._round):
+                stage, total = "training", self.recorder.sampled
                 done = len(self._results.metrics) if self._results is not None else total
             else:
                 stage, done, total = "joining", self.registry.ready_clients, clients
-            eta = None
-            if self._round_seconds and stage == "training":
-                mean = sum(self._round_seconds) / len(self._round_seconds)
-                running = time.monotonic() - self._round_started if self._results is not None else 0.0
-                eta = max(0.0, mean * (self.config.rounds - self._completed_rounds) - running)
+            eta = self.recorder.eta(self._results is not None) if stage == "training" else None
             return RunProgress(stage, self._round, self.config.rounds, done, total, totals["down"], totals["up"], eta)
 
     # ------------------------------------------------------------------ resume
@@ -545,7 +477,7 @@ class Coordinator:
         with self._cond:
             self.run_id = state.run_id
             self._round = state.round
-            self._completed_rounds = state.round
+            self.recorder.completed_rounds = state.round
             self.global_state = {n: t.clone() for n, t in state.global_state.items()}
             self.versions = dict(state.versions)
             self._task_ids = itertools.count(state.next_task_id)

@@ -1,0 +1,118 @@
+"""What the round engine records of the run (:class:`~fedpart.server.coordinator.Coordinator`):
+each round's line of ``metrics.jsonl`` (:class:`~fedpart.common.records.RoundRecord`) from what the
+round collected (:class:`RoundResults`), the byte ledger and the task board, and the durations of
+the rounds this server ran, from which the live display's ETA comes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from fedpart.common.algorithms import learning_rate
+from fedpart.common.config import RunConfig
+from fedpart.common.records import RoundRecord
+from fedpart.server.accounting import ByteLedger
+from fedpart.server.aggregation import Aggregator
+from fedpart.server.policy import ServerPolicy
+from fedpart.server.robust import RobustCounts
+from fedpart.server.task_board import TaskBoard
+
+
+@dataclass
+class RoundResults:
+    """What one round has collected so far."""
+
+    deltas: Aggregator
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    samples: dict[int, int] = field(default_factory=dict)
+    robust: RobustCounts = field(default_factory=RobustCounts)
+
+
+class RunRecorder:
+    """The records of the run's rounds and their durations (the round engine holds its lock
+    while it calls :meth:`start_round`, :meth:`end_round` and :meth:`eta`)."""
+
+    def __init__(self, config: RunConfig, ledger: ByteLedger, board: TaskBoard, policy: ServerPolicy) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.board = board
+        self.policy = policy
+        self.completed_rounds = 0             # rounds completed in this run (a resumed one included)
+        self.round_seconds: list[float] = []  # durations of the rounds this server ran (for the ETA)
+        self.round_started = 0.0
+        self.sampled = 0                      # clients sampled in the current round
+
+    def start_round(self, started: float, sampled: int) -> None:
+        self.round_started = started
+        self.sampled = sampled
+
+    def end_round(self, round_number: int, seconds: float) -> None:
+        self.completed_rounds = round_number
+        self.round_seconds.append(seconds)
+
+    def training(self, round_number: int) -> bool:
+        """Whether the run is in its rounds (past the joins) at round ``round_number``."""
+        return round_number > self.completed_rounds or bool(self.round_seconds)
+
+    def eta(self, running: bool) -> float | None:
+        """Seconds left: the mean time of the rounds this server completed times the rounds left,
+        less the current round's time so far (``running``); None before a round completed."""
+        if not self.round_seconds:
+            return None
+        mean = sum(self.round_seconds) / len(self.round_seconds)
+        elapsed = time.monotonic() - self.round_started if running else 0.0
+        return max(0.0, mean * (self.config.rounds - self.completed_rounds) - elapsed)
+
+    def record(self, round_number: int, sampled: list[int], completed: list[int], results: RoundResults,
+               processes: Mapping[int, str], seconds: float) -> dict:
+        """The round's line of metrics.jsonl (:class:`~fedpart.common.records.RoundRecord`, as
+        JSON); ``processes`` names the process each client's task went to."""
+        metrics = results.metrics
+        samples = results.samples
+        total = sum(samples.values())
+
+        def weighted(key: str) -> float | None:
+            keyed = [(metrics[c][key], samples[c]) for c in completed if key in metrics[c]]
+            weight = sum(n for _, n in keyed)
+            return sum(v * n for v, n in keyed) / weight if weight else None
+
+        def summed(key: str) -> float:
+            return sum(metrics[c].get(key, 0.0) for c in completed)
+
+        totals = self.ledger.totals(round_number)
+        gpu_peak: dict[str, int] = {}  # per client process: its highest peak over this round's tasks
+        for c in completed:
+            if "gpu_peak_bytes" in metrics[c]:
+                gpu_peak[processes[c]] = max(gpu_peak.get(processes[c], 0), int(metrics[c]["gpu_peak_bytes"]))
+        privacy = self.policy.privacy
+        return RoundRecord(
+            round=round_number,
+            sampled=sampled,
+            completed=completed,
+            train_loss=weighted("loss"),
+            lr=learning_rate(self.config.train.lr, round_number - 1, self.config.rounds,
+                             self.config.train.lr_milestones, self.config.train.lr_gamma),
+            seconds=round(seconds, 4),
+            train_samples=total,
+            client_compute_seconds=summed("compute_seconds"),
+            trainable_parameters=weighted("trainable_parameters"),
+            train_flops=summed("train_flops"),
+            bytes_down=totals["down"],
+            bytes_up=totals["up"],
+            bytes_by_part=self.ledger.by_part(round_number),
+            logical=self.ledger.logical(round_number),
+            bytes_by_unit=self.ledger.by_unit(round_number),
+            clients={str(c): {**self.ledger.totals(round_number, c),
+                              **{f"logical_{d}": n for d, n in self.ledger.logical_totals(round_number, c).items()},
+                              "compute_seconds": metrics.get(c, {}).get("compute_seconds"),
+                              # privacy.dp_sgd: the client's own epsilon over the rounds it trained, delta, steps
+                              **{k: v for k, v in metrics.get(c, {}).items() if k.startswith("dp_sgd_")}}
+                     for c in sampled},
+            robust=results.robust.as_dict(),
+            delivery=self.board.delivery_counts(round_number).as_dict(),
+            server_step=self.policy.step_report(),
+            gpu_peak_bytes=gpu_peak or None,
+            privacy=privacy.round_record(round_number) if privacy is not None else None,
+        ).to_json()
