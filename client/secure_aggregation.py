@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from fedpart.common.plans import SecAggAnswer, SecAggStage, SecAggStep
-from fedpart.common.secagg import ClientParty, SecAggError, quantize
+from fedpart.common.secagg import ClientParty, SecAggError, quantize, round_tag
 
 
 class SecureStepError(RuntimeError):
@@ -47,7 +47,7 @@ class SecureUpdates:
             del self._kept[key]
         if (client, round_number) in self._kept:
             return self._kept[(client, round_number)].answers[SecAggStage.ADVERTISE]
-        party = ClientParty(client, f"{self.run_id}/round-{round_number}".encode())
+        party = ClientParty(client, round_tag(self.run_id, round_number))
         self._kept[(client, round_number)] = _Kept(party, {n: t.detach().to("cpu", torch.float32)
                                                            for n, t in update.items()})
         cipher_key, mask_key = party.public_keys()

@@ -272,6 +272,11 @@ def dequantize(total: np.ndarray, step: float, total_weight: int) -> np.ndarray:
 # --- the protocol -------------------------------------------------------------------------------
 
 
+def round_tag(run_id: str, round_number: int) -> bytes:
+    """What binds a round's keys, shares and masks to one run and round (server and clients alike)."""
+    return f"{run_id}/round-{round_number}".encode()
+
+
 def _associated(round_tag: bytes, sender: int, recipient: int) -> bytes:
     """What a sealed pair of shares is bound to: the round, who sent it, to whom."""
     return (

@@ -219,7 +219,7 @@ class Coordinator:
         is folded into the round's modular sum."""
         secure = self._secure
         stage = task.secagg.stage
-        if secure is None or secure.round_tag != self._secure_tag(task.round):
+        if secure is None or secure.round_number != task.round:
             raise Rejected(f"task {task.task_id} belongs to a secure aggregation that is over")
         screened = None
         if stage == SecAggStage.ADVERTISE:
@@ -272,9 +272,6 @@ class Coordinator:
         results.samples[client] = screened.samples
         results.robust.samples_capped += screened.samples_capped
         self._train_samples[client] = reported_samples
-
-    def _secure_tag(self, round_number: int) -> bytes:
-        return f"{self.run_id}/round-{round_number}".encode()
 
     def _secure_steps(self, round_number: int, chunk_bytes: int) -> str | None:
         """SHARE, MASK and UNMASK of a securely aggregated round, each dispatched to the clients
@@ -352,8 +349,7 @@ class Coordinator:
         reference = {n: self.global_state[n] for n in uploads}
         secure = None
         if self.config.privacy.secure_aggregation:
-            secure = SecureRound(self.config, self.run_id, round_number, reference,
-                                 self.config.train.weighting == "samples")
+            secure = SecureRound(self.config, self.run_id, round_number, reference)
         with self._cond:
             self._round = round_number
             self.recorder.start_round(started, len(sampled))

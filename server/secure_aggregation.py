@@ -44,6 +44,7 @@ from fedpart.common.secagg import (
     dequantize,
     neighbours,
     quantization_step,
+    round_tag,
     unmask,
 )
 
@@ -61,14 +62,13 @@ class SecureRound:
     """One round's secure aggregation: who is in each step, what each step asks of each client,
     and the unmasked mean at the end. Thread-safe: answers arrive from the service's threads."""
 
-    def __init__(self, config: RunConfig, run_id: str, round_number: int, uploads: Mapping[str, torch.Tensor],
-                 weigh_by_samples: bool) -> None:
+    def __init__(self, config: RunConfig, run_id: str, round_number: int, uploads: Mapping[str, torch.Tensor]) -> None:
         privacy = config.privacy
-        self.round_tag = f"{run_id}/round-{round_number}".encode()
+        self.round_number = round_number
+        self.round_tag = round_tag(run_id, round_number)
         self.bound = privacy.secure_aggregation_bound
         self.degree = privacy.secure_aggregation_neighbours
         self.configured_threshold = privacy.secure_aggregation_threshold
-        self.weigh_by_samples = weigh_by_samples
         self.shapes = {name: tuple(tensor.shape) for name, tensor in uploads.items()}
         self.elements = sum(int(np.prod(shape)) for shape in self.shapes.values())
         self.keys: dict[int, tuple[bytes, bytes]] = {}      # U1: (cipher, mask) public keys

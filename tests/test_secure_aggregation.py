@@ -31,7 +31,7 @@ from fedpart.common.checkpoint import load_tensors
 from fedpart.common.config import ConfigError, config_from_dict
 from fedpart.common.plans import HostedClient, JoinInfo, ResultInfo, SecAggAnswer, SecAggStage, TaskKind
 from fedpart.common.protocol import PROTOCOL_VERSION, Rejected
-from fedpart.common.secagg import ClientParty, quantize
+from fedpart.common.secagg import ClientParty, quantize, round_tag
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.task_board import Task
 
@@ -60,7 +60,7 @@ class SimulatedClient:
         secagg = None
         if task.kind == TaskKind.TRAIN:
             assert step.stage == SecAggStage.ADVERTISE
-            self.party = ClientParty(self.client, f"{self.coordinator.run_id}/round-{task.round}".encode())
+            self.party = ClientParty(self.client, round_tag(self.coordinator.run_id, task.round))
             cipher, mask = self.party.public_keys()
             secagg = SecAggAnswer(cipher_key=cipher, mask_key=mask)
         elif step.stage == SecAggStage.SHARE:
