@@ -26,16 +26,22 @@ What is measured:
   The floor does not evaluate (fedpart's training rounds do not evaluate either).
 
 The floor's final model is compared with fedpart's final checkpoint: both computed the same
-steps, so they agree to float rounding. With ``--repeat`` (default) the floor runs before and
-after fedpart and its median is taken over both runs, which evens out drift of the machine.
+steps, so they agree to float rounding. The speed of this kind of machine drifts by 10-30 % over
+minutes (other tenants of the host, frequency), more than the 3 % being measured, so the two
+systems take turns: ``--pairs K`` (default 3) runs the floor, then K times fedpart and the floor
+again. The ratio is the median of all fedpart rounds over the median of all floor rounds; each
+fedpart run is also set against the mean of the floor runs on either side of it, which shows how
+far the drift moved the pooled figure.
 Wire bytes per client-round come from ``metrics.jsonl`` (every message of the round, divided
 by the clients that completed it) next to the raw size of one float32 model copy.
 
-Diagnostics printed beside the timings: training seconds per process (fedpart's
-``client_compute_seconds``), CPU seconds per round of every process of each system (read from
-``/proc``; for fedpart sampled when a round's line lands in ``metrics.jsonl``, so not for round
-1), and the CPU other processes on the machine used meanwhile ("foreign"): on a shared machine
-that is the noise in the wall times. Linux only.
+Diagnostics printed beside the timings, per run: the training seconds of the round's slowest
+process (fedpart's ``compute_seconds`` per client, summed per client process) and the round
+minus them ("outside": task delivery, the work between tasks, the last upload, aggregation;
+the part of the round that does not drift with the speed of training), CPU seconds per round of every
+process of each system (read from ``/proc``; for fedpart sampled when a round's line lands in
+``metrics.jsonl``, so not for round 1), and the CPU other processes on the machine used
+meanwhile ("foreign"). Linux only.
 """
 
 from __future__ import annotations
@@ -243,8 +249,8 @@ class ForeignCpu:
 
 @dataclass
 class RoundTimes:
-    """Per round: wall seconds, training seconds per process (sum over clients / processes) and
-    CPU seconds of all processes of the system under test (None where not measured)."""
+    """Per round: wall seconds, training seconds of the slowest process (the sum over its
+    clients) and CPU seconds of all processes of the system under test (None where not measured)."""
 
     seconds: list[float]
     train_seconds: list[float]
@@ -292,7 +298,8 @@ def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[RoundTimes, t
             payload = (round_number, global_vector.numpy())
             for pipe in pipes:
                 pipe.send(payload)
-            results = sorted((r for pipe in pipes for r in _receive(pipe, FLOOR_ROUND_SECONDS)), key=lambda r: r[0])
+            by_worker = [_receive(pipe, FLOOR_ROUND_SECONDS) for pipe in pipes]
+            results = sorted((r for worker_results in by_worker for r in worker_results), key=lambda r: r[0])
             total = torch.zeros(PARAMETERS, dtype=torch.float64)
             for _, samples, _, delta in results:
                 total += torch.from_numpy(delta).to(torch.float64) * samples
@@ -300,7 +307,7 @@ def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[RoundTimes, t
             global_vector = (global_vector.to(torch.float64) + mean).to(torch.float32)
             times.seconds.append(time.perf_counter() - started)
             times.cpu_seconds.append(tree_cpu_seconds(os.getpid()) - cpu)
-            times.train_seconds.append(sum(r[2] for r in results) / len(groups))
+            times.train_seconds.append(max(sum(r[2] for r in worker_results) for worker_results in by_worker))
         return times, global_vector
     finally:
         for pipe in pipes:
@@ -385,10 +392,16 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
     # processes are still starting up in it.
     cpu = [None] + [cpu_at_lines[n] - cpu_at_lines[n - 1] if {n - 1, n} <= cpu_at_lines.keys() else None
                     for n in range(2, len(records) + 1)]
-    times = RoundTimes([r.seconds for r in records],
-                       [r.client_compute_seconds / processes for r in records], cpu)
+    groups, _ = client_processes(processes)
+    times = RoundTimes([r.seconds for r in records], [_slowest_training(r, groups) for r in records], cpu)
     final = load_tensors(out / "checkpoints" / f"round_{rounds:04d}.safetensors")
     return FedpartRun(records, times, final, foreign.cores)
+
+
+def _slowest_training(record: RoundRecord, groups: list[list[int]]) -> float:
+    """Training seconds of the round's slowest client process: its clients' ``compute_seconds``."""
+    clients = record.clients or {}
+    return max(sum(clients[str(c)]["compute_seconds"] for c in group) for group in groups)
 
 
 def _follow(process: subprocess.Popen, metrics: Path, deadline: float) -> tuple[int | None, dict[int, float]]:
@@ -434,13 +447,21 @@ def _seconds(value: float | None, width: int) -> str:
     return f"{value:>{width}.3f}" if value is not None else f"{'-':>{width}}"
 
 
-def _beyond_training(times: RoundTimes) -> list[float]:
-    """Per round: wall seconds minus training seconds per process."""
+def _outside_training(times: RoundTimes) -> list[float]:
+    """Per round: wall seconds minus the slowest process's training seconds."""
     return [wall - train for wall, train in zip(times.seconds, times.train_seconds, strict=True)]
 
 
-def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
-    """Print the side-by-side table, the medians, the ratio and the byte counts."""
+def _pair_ratios(fedparts: list[FedpartRun], floors: list[FloorRun]) -> list[float]:
+    """Each fedpart run's median round over the mean of the medians of the floor runs before and
+    after it (the runs alternate: floor, fedpart, floor, ...)."""
+    medians = [statistics.median(f.times.seconds) for f in floors]
+    return [statistics.median(fed.times.seconds) / ((medians[k] + medians[k + 1]) / 2)
+            for k, fed in enumerate(fedparts)]
+
+
+def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -> None:
+    """Print the runs in the order they ran, the pooled medians, the ratio and the byte counts."""
     _, threads = client_processes(processes)
     print(f"cnn2 / MNIST / FedAvg: {CLIENTS} clients x {TRAIN_PER_CLIENT} samples, {EPOCHS} epoch, batch "
           f"{BATCH_SIZE}, lr {LR}, all clients every round; {processes} client processes x {threads} torch "
@@ -449,50 +470,60 @@ def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
           "results over gRPC -> validated and aggregated; no evaluation, no checkpoint)")
     print("floor:   plain PyTorch, same processes, threads, clients and steps (weights to the workers -> "
           "training -> deltas back -> weighted mean; no evaluation)")
-    print("train:   seconds in local training per process (sum over clients / processes)")
-    print("cpu:     CPU seconds of every process of the system in the round (fedpart: launcher, server, "
+    print("train:   training seconds of the round's slowest process (the sum over its clients); "
+          "outside: round minus train")
+    print("cpu:     CPU seconds of every process of the system in a round (fedpart: launcher, server, "
           "clients; not measurable for round 1)")
     print("foreign: cores' worth of CPU used by processes outside this benchmark during the run (noise)")
     print()
-    runs = [("fedpart", fed.times, fed.foreign_cores)] + [
-        (f"floor#{i + 1}", f.times, f.foreign_cores) for i, f in enumerate(floors)]
-    print(f"{'':>6}" + "".join(f"  {f'{name} ({cores:.2f} foreign)':^26}" for name, _, cores in runs))
-    print(f"{'round':>6}" + f"  {'wall s':>8} {'train s':>8} {'cpu s':>8}" * len(runs))
-    for index, record in enumerate(fed.records):
-        print(f"{record.round:>6}" + "".join(
-            f"  {t.seconds[index]:>8.3f} {t.train_seconds[index]:>8.3f} {_seconds(t.cpu_seconds[index], 8)}"
-            for _, t, _ in runs))
-    print(f"{'median':>6}" + "".join(
-        f"  {statistics.median(t.seconds):>8.3f} {statistics.median(t.train_seconds):>8.3f} "
-        f"{_seconds(_median(t.cpu_seconds), 8)}" for _, t, _ in runs))
+    runs: list[tuple[str, RoundTimes, float]] = []
+    for k, floor in enumerate(floors):
+        runs.append((f"floor#{k + 1}", floor.times, floor.foreign_cores))
+        if k < len(fedparts):
+            runs.append((f"fedpart#{k + 1}", fedparts[k].times, fedparts[k].foreign_cores))
+    rounds = len(floors[0].times.seconds)
+    print(f"{'run':<10} {'round wall s':<{7 * rounds}} {'median':>7} {'train':>7} {'outside':>8} "
+          f"{'cpu s':>7} {'foreign':>8}")
+    for name, times, cores in runs:
+        walls = "".join(f"{s:>7.3f}" for s in times.seconds)
+        print(f"{name:<10} {walls:<{7 * rounds}} {statistics.median(times.seconds):>7.3f} "
+              f"{statistics.median(times.train_seconds):>7.3f} {statistics.median(_outside_training(times)):>8.3f} "
+              f"{_seconds(_median(times.cpu_seconds[1:]), 7)} {cores:>8.2f}")
 
+    fed_times = [f.times for f in fedparts]
     floor_times = [f.times for f in floors]
-    fed_median = statistics.median(fed.times.seconds)
+    fed_median = statistics.median(s for t in fed_times for s in t.seconds)
     floor_median = statistics.median(s for t in floor_times for s in t.seconds)
     ratio = fed_median / floor_median
-    fed_cpu = _median(fed.times.cpu_seconds[1:])
-    floor_cpu = _median(c for t in floor_times for c in t.cpu_seconds[1:])
     print()
-    print(f"fedpart round median        {fed_median:.3f} s")
-    print(f"floor round median          {floor_median:.3f} s  (all {sum(len(t.seconds) for t in floor_times)} "
-          f"rounds of {len(floors)} floor run(s))")
+    print(f"fedpart round median        {fed_median:.3f} s  (all {sum(len(t.seconds) for t in fed_times)} rounds "
+          f"of {len(fedparts)} run(s))")
+    print(f"floor round median          {floor_median:.3f} s  (all {sum(len(t.seconds) for t in floor_times)} rounds "
+          f"of {len(floors)} run(s))")
     verdict = "meets" if ratio <= TARGET_RATIO else "MISSES"
     print(f"ratio fedpart / floor       {ratio:.3f}  ({verdict} the {TARGET_RATIO:.2f}x target)")
-    fed_rest = statistics.median(_beyond_training(fed.times))
-    floor_rest = statistics.median(s for t in floor_times for s in _beyond_training(t))
-    print(f"round minus training        fedpart {fed_rest:.3f} s, floor {floor_rest:.3f} s (medians)")
+    if len(floors) > len(fedparts):
+        pairs = _pair_ratios(fedparts, floors)
+        print(f"run by run                  {', '.join(f'{r:.3f}' for r in pairs)}  (each fedpart run over "
+              f"the mean of the floor runs either side; median {statistics.median(pairs):.3f})")
+    fed_outside = statistics.median(s for t in fed_times for s in _outside_training(t))
+    floor_outside = statistics.median(s for t in floor_times for s in _outside_training(t))
+    print(f"outside training            fedpart {fed_outside:.3f} s, floor {floor_outside:.3f} s (medians)")
+    fed_cpu = _median(c for t in fed_times for c in t.cpu_seconds[1:])
+    floor_cpu = _median(c for t in floor_times for c in t.cpu_seconds[1:])
     if fed_cpu is not None and floor_cpu is not None:
         print(f"cpu per round, rounds 2..   fedpart {fed_cpu:.3f} s, floor {floor_cpu:.3f} s, ratio "
               f"{fed_cpu / floor_cpu:.3f} (medians)")
     print(f"same work check             max |floor - fedpart| over the final weights: "
-          f"{max(_max_difference(f.final, fed.final) for f in floors):.3g}")
-    client_rounds = sum(len(r.completed) for r in fed.records)
+          f"{max(_max_difference(f.final, fed.final) for f in floors for fed in fedparts):.3g}")
+    records = [r for fed in fedparts for r in fed.records]
+    client_rounds = sum(len(r.completed) for r in records)
     print()
     print(f"bytes per client-round (all messages of the round / completed clients; raw float32 model "
           f"{RAW_MODEL_BYTES:,} B)")
     for direction in ("down", "up"):
-        total = sum(r.bytes_in(direction) for r in fed.records) / client_rounds
-        tensors = sum(v[direction] for r in fed.records for part, v in r.bytes_by_part.items()
+        total = sum(r.bytes_in(direction) for r in records) / client_rounds
+        tensors = sum(v[direction] for r in records for part, v in r.bytes_by_part.items()
                       if part != "control") / client_rounds
         print(f"  {direction:<4} {total:>14,.0f} B = {total / RAW_MODEL_BYTES:.3f} x raw  "
               f"(tensor bytes {tensors:,.0f}, control {total - tensors:,.0f})")
@@ -502,30 +533,32 @@ def report(processes: int, floors: list[FloorRun], fed: FedpartRun) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of each run (default 5)")
     parser.add_argument("--processes", type=int, default=2, help="client processes, and floor workers (default 2)")
-    parser.add_argument("--repeat", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the floor before and after fedpart and take the median of both (default on)")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="fedpart runs, each followed by a floor run, after a first floor run (default 3)")
     parser.add_argument("--data-root", type=Path, default=default_data_root(),
                         help="directory holding MNIST/raw/*.gz (default <checkout>/../shared/data)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the fedpart run may take")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one fedpart run may take")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or not 1 <= args.processes <= CLIENTS:
-        parser.error(f"--rounds must be >= 1 and --processes in 1..{CLIENTS}")
+    if args.rounds < 1 or not 1 <= args.processes <= CLIENTS or args.pairs < 1:
+        parser.error(f"--rounds and --pairs must be >= 1 and --processes in 1..{CLIENTS}")
     raw = args.data_root.resolve() / "MNIST" / "raw"
     if not raw.is_dir():
         parser.error(f"no MNIST/raw under {args.data_root}")
 
     try:
         floors = [run_floor(args.processes, args.rounds, raw)]
-        with tempfile.TemporaryDirectory(prefix="fedpart-round-overhead-") as work:
-            fed = run_fedpart(args.rounds, args.processes, args.data_root.resolve(), Path(work), args.timeout)
-        if args.repeat:
+        fedparts = []
+        for _ in range(args.pairs):
+            with tempfile.TemporaryDirectory(prefix="fedpart-round-overhead-") as work:
+                fedparts.append(run_fedpart(args.rounds, args.processes, args.data_root.resolve(), Path(work),
+                                            args.timeout))
             floors.append(run_floor(args.processes, args.rounds, raw))
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    report(args.processes, floors, fed)
+    report(args.processes, floors, fedparts)
     return 0
 
 

@@ -1,0 +1,69 @@
+"""``benchmarks/round_overhead.py``'s arithmetic: the slowest process's training per round from a
+round record, each fedpart run against the floor runs either side of it, and the report over
+runs that took turns (the benchmark itself runs for minutes and is not run here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from conftest import REPO, load_script
+from fedpart.common.records import RoundRecord
+
+round_overhead = load_script(REPO / "benchmarks" / "round_overhead.py")
+
+
+def _record(round_number: int, seconds: float, compute: dict[int, float]) -> RoundRecord:
+    return RoundRecord(round=round_number, sampled=sorted(compute), completed=sorted(compute), seconds=seconds,
+                       bytes_down=1000, bytes_up=2000,
+                       bytes_by_part={"body": {"down": 900, "up": 1900}, "control": {"down": 100, "up": 100}},
+                       clients={str(c): {"compute_seconds": s} for c, s in compute.items()})
+
+
+def test_the_slowest_process_is_the_one_whose_clients_trained_longest_in_all() -> None:
+    groups, _ = round_overhead.client_processes(2)
+    assert groups == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    # process 0: 5 x 0.5 = 2.5 s; process 1 holds the slowest single client but 0.9 + 4 x 0.3 = 2.1 s
+    compute = {c: 0.5 for c in range(5)} | {5: 0.9} | {c: 0.3 for c in range(6, 10)}
+    assert round_overhead._slowest_training(_record(1, 2.6, compute), groups) == pytest.approx(2.5)
+
+
+def test_each_fedpart_run_is_set_against_the_mean_of_the_floors_either_side() -> None:
+    def floor(seconds: list[float]):
+        return round_overhead.FloorRun(round_overhead.RoundTimes(seconds, seconds, [None] * len(seconds)),
+                                       torch.zeros(1), 0.0)
+
+    def fed(seconds: list[float]):
+        return round_overhead.FedpartRun([], round_overhead.RoundTimes(seconds, seconds, [None] * len(seconds)),
+                                         {}, 0.0)
+
+    floors = [floor([2.0, 2.0, 9.0]), floor([3.0, 3.0, 1.0]), floor([4.0, 4.0, 4.0])]
+    fedparts = [fed([2.75, 2.75, 0.1]), fed([3.5, 3.5, 3.5])]
+    assert round_overhead._pair_ratios(fedparts, floors) == pytest.approx([2.75 / 2.5, 3.5 / 3.5])
+
+
+def test_the_report_pools_the_rounds_of_runs_that_took_turns(capsys) -> None:
+    model = round_overhead.build_model(round_overhead.MODEL, round_overhead.NUM_CLASSES,
+                                       round_overhead.INPUT_SHAPE, round_overhead.SEED)
+    vector = parameters_to_vector(model.parameters()).detach()
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    compute = {c: 0.2 for c in range(10)}
+    floors, fedparts = [], []
+    for walls in ([1.0, 1.1], [1.2, 1.3], [1.0, 1.0]):
+        times = round_overhead.RoundTimes(walls, [w - 0.05 for w in walls], [None, 2.0])
+        floors.append(round_overhead.FloorRun(times, vector, 0.0))
+    for walls in ([1.1, 1.2], [1.15, 1.25]):
+        records = [_record(n + 1, w, compute) for n, w in enumerate(walls)]
+        times = round_overhead.RoundTimes(walls, [1.0, 1.0], [None, 2.1])
+        fedparts.append(round_overhead.FedpartRun(records, times, state, 0.0))
+    round_overhead.report(2, floors, fedparts)
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines()]
+    names = [line[0] for line in lines if line and line[0].startswith(("floor#", "fedpart#"))]
+    assert names == ["floor#1", "fedpart#1", "floor#2", "fedpart#2", "floor#3"], "in the order they ran"
+    # medians: fedpart over 1.1, 1.2, 1.15, 1.25 -> 1.175; floor over 1.0, 1.1, 1.2, 1.3, 1.0, 1.0 -> 1.05
+    assert "ratio fedpart / floor       1.119  (MISSES the 1.03x target)" in out
+    assert "run by run                  1.000, 1.067" in out  # 1.15 / ((1.05 + 1.25) / 2), 1.2 / ((1.25 + 1.0) / 2)
+    assert "max |floor - fedpart| over the final weights: 0" in out
+    assert "cpu per round, rounds 2..   fedpart 2.100 s, floor 2.000 s, ratio 1.050" in out
