@@ -38,9 +38,9 @@ by the clients that completed it) next to the raw size of one float32 model copy
 Diagnostics printed beside the timings, per run: the training seconds of the round's slowest
 process (fedpart's ``compute_seconds`` per client, summed per client process) and the round
 minus them ("outside": task delivery, the work between tasks, the last upload, aggregation;
-the part of the round that does not drift with the speed of training), CPU seconds per round of every
-process of each system (read from ``/proc``; for fedpart sampled when a round's line lands in
-``metrics.jsonl``, so not for round 1), and the CPU other processes on the machine used
+the part of the round that does not drift with the speed of training), CPU seconds per round of
+every process of each system (read from ``/proc``; for fedpart sampled when a round's line lands
+in ``metrics.jsonl``, so not for round 1), and the CPU other processes on the machine used
 meanwhile ("foreign"). Linux only.
 """
 
@@ -400,8 +400,7 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
 
 def _slowest_training(record: RoundRecord, groups: list[list[int]]) -> float:
     """Training seconds of the round's slowest client process: its clients' ``compute_seconds``."""
-    clients = record.clients or {}
-    return max(sum(clients[str(c)]["compute_seconds"] for c in group) for group in groups)
+    return max(sum(record.clients[str(c)]["compute_seconds"] for c in group) for group in groups)
 
 
 def _follow(process: subprocess.Popen, metrics: Path, deadline: float) -> tuple[int | None, dict[int, float]]:
@@ -461,7 +460,8 @@ def _pair_ratios(fedparts: list[FedpartRun], floors: list[FloorRun]) -> list[flo
 
 
 def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -> None:
-    """Print the runs in the order they ran, the pooled medians, the ratio and the byte counts."""
+    """Print the runs in the order they ran (floor, fedpart, ..., floor: one floor run more than
+    fedpart runs), the pooled medians, the ratio and the byte counts."""
     _, threads = client_processes(processes)
     print(f"cnn2 / MNIST / FedAvg: {CLIENTS} clients x {TRAIN_PER_CLIENT} samples, {EPOCHS} epoch, batch "
           f"{BATCH_SIZE}, lr {LR}, all clients every round; {processes} client processes x {threads} torch "
@@ -481,12 +481,12 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
         runs.append((f"floor#{k + 1}", floor.times, floor.foreign_cores))
         if k < len(fedparts):
             runs.append((f"fedpart#{k + 1}", fedparts[k].times, fedparts[k].foreign_cores))
-    rounds = len(floors[0].times.seconds)
-    print(f"{'run':<10} {'round wall s':<{7 * rounds}} {'median':>7} {'train':>7} {'outside':>8} "
+    walls_width = max(7 * len(floors[0].times.seconds), len("round wall s"))
+    print(f"{'run':<10} {'round wall s':<{walls_width}} {'median':>7} {'train':>7} {'outside':>8} "
           f"{'cpu s':>7} {'foreign':>8}")
     for name, times, cores in runs:
         walls = "".join(f"{s:>7.3f}" for s in times.seconds)
-        print(f"{name:<10} {walls:<{7 * rounds}} {statistics.median(times.seconds):>7.3f} "
+        print(f"{name:<10} {walls:<{walls_width}} {statistics.median(times.seconds):>7.3f} "
               f"{statistics.median(times.train_seconds):>7.3f} {statistics.median(_outside_training(times)):>8.3f} "
               f"{_seconds(_median(times.cpu_seconds[1:]), 7)} {cores:>8.2f}")
 
@@ -502,10 +502,9 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
           f"of {len(floors)} run(s))")
     verdict = "meets" if ratio <= TARGET_RATIO else "MISSES"
     print(f"ratio fedpart / floor       {ratio:.3f}  ({verdict} the {TARGET_RATIO:.2f}x target)")
-    if len(floors) > len(fedparts):
-        pairs = _pair_ratios(fedparts, floors)
-        print(f"run by run                  {', '.join(f'{r:.3f}' for r in pairs)}  (each fedpart run over "
-              f"the mean of the floor runs either side; median {statistics.median(pairs):.3f})")
+    pairs = _pair_ratios(fedparts, floors)
+    print(f"run by run                  {', '.join(f'{r:.3f}' for r in pairs)}  (each fedpart run over "
+          f"the mean of the floor runs either side; median {statistics.median(pairs):.3f})")
     fed_outside = statistics.median(s for t in fed_times for s in _outside_training(t))
     floor_outside = statistics.median(s for t in floor_times for s in _outside_training(t))
     print(f"outside training            fedpart {fed_outside:.3f} s, floor {floor_outside:.3f} s (medians)")
