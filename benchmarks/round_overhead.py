@@ -40,8 +40,11 @@ process (fedpart's ``compute_seconds`` per client, summed per client process) an
 minus them ("outside": task delivery, the work between tasks, the last upload, aggregation;
 the part of the round that does not drift with the speed of training), CPU seconds per round of
 every process of each system (read from ``/proc``; for fedpart sampled when a round's line lands
-in ``metrics.jsonl``, so not for round 1), and the CPU other processes on the machine used
-meanwhile ("foreign"). Linux only.
+in ``metrics.jsonl``, so not for round 1), the share of their runnable time the training
+threads (each training process's main thread: torch computes in it at one thread) waited in a
+run queue for a core ("waited", from ``/proc/<pid>/task/<pid>/schedstat``, sampled likewise),
+which tells training slowed by other threads holding the cores from training that itself ran
+slower, and the CPU other processes on the machine used meanwhile ("foreign"). Linux only.
 """
 
 from __future__ import annotations
@@ -200,20 +203,61 @@ def _unflatten(vector: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.
     return state
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """CPU seconds (user + system) used so far by process ``root`` and its live descendants."""
-    total, pending = 0.0, [root]
+def process_tree(root: int) -> list[int]:
+    """Process ``root`` and its live descendants."""
+    tree, pending = [], [root]
     while pending:
         pid = pending.pop()
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
             children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         except OSError:  # it has just ended
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        tree.append(pid)
         pending.extend(int(child) for child in children)
-    return total
+    return tree
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far; 0 once it has ended."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def main_thread_schedstat(pid: int) -> tuple[float, float]:
+    """Seconds the main thread of process ``pid`` has so far run on a core and waited in a run
+    queue for one (runnable, not running: ``/proc/<pid>/task/<pid>/schedstat``); zeros once it
+    has ended."""
+    try:
+        running, waiting, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+    except OSError:
+        return 0.0, 0.0
+    return int(running) / 1e9, int(waiting) / 1e9
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a system's processes have used so far: CPU seconds of all of them, and seconds its
+    training threads (each training process's main thread, the one torch computes in at one
+    thread) ran on a core and waited for one."""
+
+    cpu: float
+    trainers_running: float
+    trainers_waiting: float
+
+    @staticmethod
+    def of(processes: Iterable[int], trainers: Iterable[int]) -> Usage:
+        running, waiting = (sum(column) for column in zip((0.0, 0.0), *map(main_thread_schedstat, trainers)))
+        return Usage(sum(map(cpu_seconds, processes)), running, waiting)
+
+    def waited_since(self, earlier: Usage) -> float | None:
+        """The share of the training threads' runnable time since ``earlier`` that they spent
+        waiting for a core (None when they were not runnable)."""
+        running = self.trainers_running - earlier.trainers_running
+        waiting = self.trainers_waiting - earlier.trainers_waiting
+        return waiting / (running + waiting) if running + waiting > 0 else None
 
 
 class ForeignCpu:
@@ -250,11 +294,13 @@ class ForeignCpu:
 @dataclass
 class RoundTimes:
     """Per round: wall seconds, training seconds of the slowest process (the sum over its
-    clients) and CPU seconds of all processes of the system under test (None where not measured)."""
+    clients), CPU seconds of all processes of the system under test and the share of their
+    runnable time its training threads waited for a core (None where not measured)."""
 
     seconds: list[float]
     train_seconds: list[float]
     cpu_seconds: list[float | None]
+    trainers_waited: list[float | None]
 
 
 @dataclass
@@ -291,9 +337,10 @@ def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[RoundTimes, t
         for pipe in pipes:
             _receive(pipe, WORKER_START_SECONDS)
         global_vector = parameters_to_vector(build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED).parameters()).detach()
-        times = RoundTimes([], [], [])
+        times = RoundTimes([], [], [], [])
+        trainers = [worker.pid for worker in workers]
         for round_number in range(1, rounds + 1):
-            cpu = tree_cpu_seconds(os.getpid())
+            before = Usage.of(process_tree(os.getpid()), trainers)
             started = time.perf_counter()
             payload = (round_number, global_vector.numpy())
             for pipe in pipes:
@@ -306,7 +353,9 @@ def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[RoundTimes, t
             mean = total / sum(r[1] for r in results)
             global_vector = (global_vector.to(torch.float64) + mean).to(torch.float32)
             times.seconds.append(time.perf_counter() - started)
-            times.cpu_seconds.append(tree_cpu_seconds(os.getpid()) - cpu)
+            after = Usage.of(process_tree(os.getpid()), trainers)
+            times.cpu_seconds.append(after.cpu - before.cpu)
+            times.trainers_waited.append(after.waited_since(before))
             times.train_seconds.append(max(sum(r[2] for r in worker_results) for worker_results in by_worker))
         return times, global_vector
     finally:
@@ -380,7 +429,7 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
         # which the floor's workers, in this session, do not.
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
         try:
-            code, cpu_at_lines = _follow(process, out / "metrics.jsonl", time.monotonic() + timeout)
+            code, usage_at_lines = _follow(process, out / "metrics.jsonl", time.monotonic() + timeout)
         finally:
             _stop(process)
     if code != 0:
@@ -390,10 +439,12 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
     records = read_rounds(out / "metrics.jsonl")
     # Round 1 has no CPU figure: its start is not observable from outside, and the client
     # processes are still starting up in it.
-    cpu = [None] + [cpu_at_lines[n] - cpu_at_lines[n - 1] if {n - 1, n} <= cpu_at_lines.keys() else None
-                    for n in range(2, len(records) + 1)]
+    between = [(usage_at_lines[n - 1], usage_at_lines[n]) if {n - 1, n} <= usage_at_lines.keys() else None
+               for n in range(2, len(records) + 1)]
+    cpu = [None] + [pair[1].cpu - pair[0].cpu if pair else None for pair in between]
+    waited = [None] + [pair[1].waited_since(pair[0]) if pair else None for pair in between]
     groups, _ = client_processes(processes)
-    times = RoundTimes([r.seconds for r in records], [_slowest_training(r, groups) for r in records], cpu)
+    times = RoundTimes([r.seconds for r in records], [_slowest_training(r, groups) for r in records], cpu, waited)
     final = load_tensors(out / "checkpoints" / f"round_{rounds:04d}.safetensors")
     return FedpartRun(records, times, final, foreign.cores)
 
@@ -403,17 +454,28 @@ def _slowest_training(record: RoundRecord, groups: list[list[int]]) -> float:
     return max(sum(record.clients[str(c)]["compute_seconds"] for c in group) for group in groups)
 
 
-def _follow(process: subprocess.Popen, metrics: Path, deadline: float) -> tuple[int | None, dict[int, float]]:
-    """Wait for the run to end (None: not by ``deadline``), sampling the CPU seconds of its
-    process tree the first time ``metrics`` is seen holding n round lines, for each n."""
-    cpu_at_lines: dict[int, float] = {}
+def _follow(process: subprocess.Popen, metrics: Path, deadline: float) -> tuple[int | None, dict[int, Usage]]:
+    """Wait for the run to end (None: not by ``deadline``), sampling the usage of its process tree
+    (training threads: the client processes' main threads) the first time ``metrics`` is seen
+    holding n round lines, for each n."""
+    usage_at_lines: dict[int, Usage] = {}
     while (code := process.poll()) is None and time.monotonic() < deadline:
         if metrics.exists():
             lines = metrics.read_bytes().count(b"\n")
-            if lines not in cpu_at_lines:
-                cpu_at_lines[lines] = tree_cpu_seconds(process.pid)
+            if lines not in usage_at_lines:
+                tree = process_tree(process.pid)
+                usage_at_lines[lines] = Usage.of(tree, [pid for pid in tree if is_client_process(pid)])
         time.sleep(POLL_SECONDS)
-    return code, cpu_at_lines
+    return code, usage_at_lines
+
+
+def is_client_process(pid: int) -> bool:
+    """Whether process ``pid`` runs ``fedpart client`` (False once it has ended)."""
+    try:
+        arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return arguments[1:4] == [b"-m", b"fedpart", b"client"]
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -446,6 +508,10 @@ def _seconds(value: float | None, width: int) -> str:
     return f"{value:>{width}.3f}" if value is not None else f"{'-':>{width}}"
 
 
+def _percent(share: float | None, width: int = 0) -> str:
+    return (f"{100 * share:.1f} %" if share is not None else "-").rjust(width)
+
+
 def _outside_training(times: RoundTimes) -> list[float]:
     """Per round: wall seconds minus the slowest process's training seconds."""
     return [wall - train for wall, train in zip(times.seconds, times.train_seconds, strict=True)]
@@ -474,6 +540,8 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
           "outside: round minus train")
     print("cpu:     CPU seconds of every process of the system in a round (fedpart: launcher, server, "
           "clients; not measurable for round 1)")
+    print("waited:  the share of their runnable time the training threads (each training process's main "
+          "thread) waited for a core, from /proc/<pid>/schedstat (rounds 2..)")
     print("foreign: cores' worth of CPU used by processes outside this benchmark during the run (noise)")
     print()
     runs: list[tuple[str, RoundTimes, float]] = []
@@ -483,12 +551,13 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
             runs.append((f"fedpart#{k + 1}", fedparts[k].times, fedparts[k].foreign_cores))
     walls_width = max(7 * len(floors[0].times.seconds), len("round wall s"))
     print(f"{'run':<10} {'round wall s':<{walls_width}} {'median':>7} {'train':>7} {'outside':>8} "
-          f"{'cpu s':>7} {'foreign':>8}")
+          f"{'cpu s':>7} {'waited':>7} {'foreign':>8}")
     for name, times, cores in runs:
         walls = "".join(f"{s:>7.3f}" for s in times.seconds)
         print(f"{name:<10} {walls:<{walls_width}} {statistics.median(times.seconds):>7.3f} "
               f"{statistics.median(times.train_seconds):>7.3f} {statistics.median(_outside_training(times)):>8.3f} "
-              f"{_seconds(_median(times.cpu_seconds[1:]), 7)} {cores:>8.2f}")
+              f"{_seconds(_median(times.cpu_seconds[1:]), 7)} {_percent(_median(times.trainers_waited[1:]), 7)} "
+              f"{cores:>8.2f}")
 
     fed_times = [f.times for f in fedparts]
     floor_times = [f.times for f in floors]
@@ -513,6 +582,11 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
     if fed_cpu is not None and floor_cpu is not None:
         print(f"cpu per round, rounds 2..   fedpart {fed_cpu:.3f} s, floor {floor_cpu:.3f} s, ratio "
               f"{fed_cpu / floor_cpu:.3f} (medians)")
+    fed_waited = _median(w for t in fed_times for w in t.trainers_waited[1:])
+    floor_waited = _median(w for t in floor_times for w in t.trainers_waited[1:])
+    if fed_waited is not None and floor_waited is not None:
+        print(f"training threads waited     fedpart {_percent(fed_waited)}, floor {_percent(floor_waited)} "
+              f"of their runnable time (medians of rounds 2..)")
     print(f"same work check             max |floor - fedpart| over the final weights: "
           f"{max(_max_difference(f.final, fed.final) for f in floors for fed in fedparts):.3g}")
     records = [r for fed in fedparts for r in fed.records]
