@@ -60,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -252,12 +252,17 @@ class Usage:
         running, waiting = (sum(column) for column in zip((0.0, 0.0), *map(main_thread_schedstat, trainers)))
         return Usage(sum(map(cpu_seconds, processes)), running, waiting)
 
-    def waited_since(self, earlier: Usage) -> float | None:
-        """The share of the training threads' runnable time since ``earlier`` that they spent
-        waiting for a core (None when they were not runnable)."""
-        running = self.trainers_running - earlier.trainers_running
-        waiting = self.trainers_waiting - earlier.trainers_waiting
-        return waiting / (running + waiting) if running + waiting > 0 else None
+    def __sub__(self, earlier: Usage) -> Usage:
+        """The usage between ``earlier`` and this one."""
+        return Usage(self.cpu - earlier.cpu, self.trainers_running - earlier.trainers_running,
+                     self.trainers_waiting - earlier.trainers_waiting)
+
+    @property
+    def trainers_waited(self) -> float | None:
+        """The share of the training threads' runnable time they spent waiting for a core (None
+        when they were not runnable)."""
+        runnable = self.trainers_running + self.trainers_waiting
+        return self.trainers_waiting / runnable if runnable > 0 else None
 
 
 class ForeignCpu:
@@ -294,13 +299,15 @@ class ForeignCpu:
 @dataclass
 class RoundTimes:
     """Per round: wall seconds, training seconds of the slowest process (the sum over its
-    clients), CPU seconds of all processes of the system under test and the share of their
-    runnable time its training threads waited for a core (None where not measured)."""
+    clients) and the usage of the system under test (None where not measured)."""
 
     seconds: list[float]
     train_seconds: list[float]
-    cpu_seconds: list[float | None]
-    trainers_waited: list[float | None]
+    usage: list[Usage | None]
+
+    def measured(self, measure: Callable[[Usage], float | None]) -> list[float | None]:
+        """``measure`` of each round's usage from round 2 on (round 1 includes start-up work)."""
+        return [measure(u) if u is not None else None for u in self.usage[1:]]
 
 
 @dataclass
@@ -337,7 +344,7 @@ def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[RoundTimes, t
         for pipe in pipes:
             _receive(pipe, WORKER_START_SECONDS)
         global_vector = parameters_to_vector(build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED).parameters()).detach()
-        times = RoundTimes([], [], [], [])
+        times = RoundTimes([], [], [])
         trainers = [worker.pid for worker in workers]
         for round_number in range(1, rounds + 1):
             before = Usage.of(process_tree(os.getpid()), trainers)
@@ -353,9 +360,7 @@ def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[RoundTimes, t
             mean = total / sum(r[1] for r in results)
             global_vector = (global_vector.to(torch.float64) + mean).to(torch.float32)
             times.seconds.append(time.perf_counter() - started)
-            after = Usage.of(process_tree(os.getpid()), trainers)
-            times.cpu_seconds.append(after.cpu - before.cpu)
-            times.trainers_waited.append(after.waited_since(before))
+            times.usage.append(Usage.of(process_tree(os.getpid()), trainers) - before)
             times.train_seconds.append(max(sum(r[2] for r in worker_results) for worker_results in by_worker))
         return times, global_vector
     finally:
@@ -437,14 +442,12 @@ def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeou
         reason = f"exit code {code}" if code is not None else f"no end within {timeout:.0f} s"
         raise RuntimeError(f"fedpart run failed ({reason}); last lines of its output:\n{tail}")
     records = read_rounds(out / "metrics.jsonl")
-    # Round 1 has no CPU figure: its start is not observable from outside, and the client
+    # Round 1 has no usage figure: its start is not observable from outside, and the client
     # processes are still starting up in it.
-    between = [(usage_at_lines[n - 1], usage_at_lines[n]) if {n - 1, n} <= usage_at_lines.keys() else None
-               for n in range(2, len(records) + 1)]
-    cpu = [None] + [pair[1].cpu - pair[0].cpu if pair else None for pair in between]
-    waited = [None] + [pair[1].waited_since(pair[0]) if pair else None for pair in between]
+    usage = [None] + [usage_at_lines[n] - usage_at_lines[n - 1] if {n - 1, n} <= usage_at_lines.keys() else None
+                      for n in range(2, len(records) + 1)]
     groups, _ = client_processes(processes)
-    times = RoundTimes([r.seconds for r in records], [_slowest_training(r, groups) for r in records], cpu, waited)
+    times = RoundTimes([r.seconds for r in records], [_slowest_training(r, groups) for r in records], usage)
     final = load_tensors(out / "checkpoints" / f"round_{rounds:04d}.safetensors")
     return FedpartRun(records, times, final, foreign.cores)
 
@@ -508,6 +511,22 @@ def _seconds(value: float | None, width: int) -> str:
     return f"{value:>{width}.3f}" if value is not None else f"{'-':>{width}}"
 
 
+def _cpu(usage: Usage) -> float:
+    return usage.cpu
+
+
+def _trainers(usage: Usage) -> float:
+    return usage.trainers_running
+
+
+def _others(usage: Usage) -> float:
+    return usage.cpu - usage.trainers_running
+
+
+def _waited(usage: Usage) -> float | None:
+    return usage.trainers_waited
+
+
 def _percent(share: float | None, width: int = 0) -> str:
     return (f"{100 * share:.1f} %" if share is not None else "-").rjust(width)
 
@@ -540,8 +559,8 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
           "outside: round minus train")
     print("cpu:     CPU seconds of every process of the system in a round (fedpart: launcher, server, "
           "clients; not measurable for round 1)")
-    print("waited:  the share of their runnable time the training threads (each training process's main "
-          "thread) waited for a core, from /proc/<pid>/schedstat (rounds 2..)")
+    print("trainer: of those, the seconds the training threads (each training process's main thread) ran "
+          "on a core; waited: the share of their runnable time they waited for one (/proc/<pid>/schedstat)")
     print("foreign: cores' worth of CPU used by processes outside this benchmark during the run (noise)")
     print()
     runs: list[tuple[str, RoundTimes, float]] = []
@@ -551,13 +570,13 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
             runs.append((f"fedpart#{k + 1}", fedparts[k].times, fedparts[k].foreign_cores))
     walls_width = max(7 * len(floors[0].times.seconds), len("round wall s"))
     print(f"{'run':<10} {'round wall s':<{walls_width}} {'median':>7} {'train':>7} {'outside':>8} "
-          f"{'cpu s':>7} {'waited':>7} {'foreign':>8}")
+          f"{'cpu s':>7} {'trainer':>8} {'waited':>7} {'foreign':>8}")
     for name, times, cores in runs:
         walls = "".join(f"{s:>7.3f}" for s in times.seconds)
         print(f"{name:<10} {walls:<{walls_width}} {statistics.median(times.seconds):>7.3f} "
               f"{statistics.median(times.train_seconds):>7.3f} {statistics.median(_outside_training(times)):>8.3f} "
-              f"{_seconds(_median(times.cpu_seconds[1:]), 7)} {_percent(_median(times.trainers_waited[1:]), 7)} "
-              f"{cores:>8.2f}")
+              f"{_seconds(_median(times.measured(_cpu)), 7)} {_seconds(_median(times.measured(_trainers)), 8)} "
+              f"{_percent(_median(times.measured(_waited)), 7)} {cores:>8.2f}")
 
     fed_times = [f.times for f in fedparts]
     floor_times = [f.times for f in floors]
@@ -577,16 +596,18 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
     fed_outside = statistics.median(s for t in fed_times for s in _outside_training(t))
     floor_outside = statistics.median(s for t in floor_times for s in _outside_training(t))
     print(f"outside training            fedpart {fed_outside:.3f} s, floor {floor_outside:.3f} s (medians)")
-    fed_cpu = _median(c for t in fed_times for c in t.cpu_seconds[1:])
-    floor_cpu = _median(c for t in floor_times for c in t.cpu_seconds[1:])
+    def pooled(runs: list[RoundTimes], measure: Callable[[Usage], float | None]) -> float | None:
+        return _median(value for times in runs for value in times.measured(measure))
+
+    fed_cpu, floor_cpu = pooled(fed_times, _cpu), pooled(floor_times, _cpu)
     if fed_cpu is not None and floor_cpu is not None:
         print(f"cpu per round, rounds 2..   fedpart {fed_cpu:.3f} s, floor {floor_cpu:.3f} s, ratio "
               f"{fed_cpu / floor_cpu:.3f} (medians)")
-    fed_waited = _median(w for t in fed_times for w in t.trainers_waited[1:])
-    floor_waited = _median(w for t in floor_times for w in t.trainers_waited[1:])
-    if fed_waited is not None and floor_waited is not None:
-        print(f"training threads waited     fedpart {_percent(fed_waited)}, floor {_percent(floor_waited)} "
-              f"of their runnable time (medians of rounds 2..)")
+        fed_trainers, floor_trainers = pooled(fed_times, _trainers), pooled(floor_times, _trainers)
+        print(f"  training threads on a core fedpart {fed_trainers:.3f} s, floor {floor_trainers:.3f} s; all other "
+              f"threads fedpart {pooled(fed_times, _others):.3f} s, floor {pooled(floor_times, _others):.3f} s")
+        print(f"  training threads waited   fedpart {_percent(pooled(fed_times, _waited))}, floor "
+              f"{_percent(pooled(floor_times, _waited))} of their runnable time")
     print(f"same work check             max |floor - fedpart| over the final weights: "
           f"{max(_max_difference(f.final, fed.final) for f in floors for fed in fedparts):.3g}")
     records = [r for fed in fedparts for r in fed.records]

@@ -18,6 +18,7 @@ from conftest import REPO, load_script
 from fedpart.common.records import RoundRecord
 
 round_overhead = load_script(REPO / "benchmarks" / "round_overhead.py")
+Usage = round_overhead.Usage
 
 
 def _record(round_number: int, seconds: float, compute: dict[int, float]) -> RoundRecord:
@@ -37,11 +38,11 @@ def test_the_slowest_process_is_the_one_whose_clients_trained_longest_in_all() -
 
 def test_each_fedpart_run_is_set_against_the_mean_of_the_floors_either_side() -> None:
     def floor(seconds: list[float]):
-        return round_overhead.FloorRun(round_overhead.RoundTimes(seconds, seconds, [None] * len(seconds), [None] * len(seconds)),
+        return round_overhead.FloorRun(round_overhead.RoundTimes(seconds, seconds, [None] * len(seconds)),
                                        torch.zeros(1), 0.0)
 
     def fed(seconds: list[float]):
-        return round_overhead.FedpartRun([], round_overhead.RoundTimes(seconds, seconds, [None] * len(seconds), [None] * len(seconds)),
+        return round_overhead.FedpartRun([], round_overhead.RoundTimes(seconds, seconds, [None] * len(seconds)),
                                          {}, 0.0)
 
     floors = [floor([2.0, 2.0, 9.0]), floor([3.0, 3.0, 1.0]), floor([4.0, 4.0, 4.0])]
@@ -57,11 +58,11 @@ def test_the_report_pools_the_rounds_of_runs_that_took_turns(capsys) -> None:
     compute = {c: 0.2 for c in range(10)}
     floors, fedparts = [], []
     for walls in ([1.0, 1.1], [1.2, 1.3], [1.0, 1.0]):
-        times = round_overhead.RoundTimes(walls, [w - 0.05 for w in walls], [None, 2.0], [None, 0.01])
+        times = round_overhead.RoundTimes(walls, [w - 0.05 for w in walls], [None, Usage(2.0, 1.9, 0.0192)])
         floors.append(round_overhead.FloorRun(times, vector, 0.0))
     for walls in ([1.1, 1.2], [1.15, 1.25]):
         records = [_record(n + 1, w, compute) for n, w in enumerate(walls)]
-        times = round_overhead.RoundTimes(walls, [1.0, 1.0], [None, 2.1], [None, 0.05])
+        times = round_overhead.RoundTimes(walls, [1.0, 1.0], [None, Usage(2.1, 1.9, 0.1)])
         fedparts.append(round_overhead.FedpartRun(records, times, state, 0.0))
     round_overhead.report(2, floors, fedparts)
     out = capsys.readouterr().out
@@ -73,7 +74,9 @@ def test_the_report_pools_the_rounds_of_runs_that_took_turns(capsys) -> None:
     assert "run by run                  1.000, 1.067" in out  # 1.15 / ((1.05 + 1.25) / 2), 1.2 / ((1.25 + 1.0) / 2)
     assert "max |floor - fedpart| over the final weights: 0" in out
     assert "cpu per round, rounds 2..   fedpart 2.100 s, floor 2.000 s, ratio 1.050" in out
-    assert "training threads waited     fedpart 5.0 %, floor 1.0 % of their runnable time" in out
+    assert "training threads on a core fedpart 1.900 s, floor 1.900 s; all other threads fedpart 0.200 s, " \
+           "floor 0.100 s" in out
+    assert "training threads waited   fedpart 5.0 %, floor 1.0 % of their runnable time" in out
 
 
 def test_the_waited_share_counts_a_thread_held_off_its_core() -> None:
@@ -84,9 +87,9 @@ def test_the_waited_share_counts_a_thread_held_off_its_core() -> None:
                              preexec_fn=lambda: os.sched_setaffinity(0, {core})) for _ in range(2)]
     try:
         pids = [process.pid for process in pair]
-        before = round_overhead.Usage.of(pids, pids)
+        before = Usage.of(pids, pids)
         time.sleep(1.0)  # the span measured while both run, not a synchronization
-        shared = round_overhead.Usage.of(pids, pids).waited_since(before)
+        shared = (Usage.of(pids, pids) - before).trainers_waited
     finally:
         for process in pair:
             process.kill()
