@@ -40,11 +40,12 @@ process (fedpart's ``compute_seconds`` per client, summed per client process) an
 minus them ("outside": task delivery, the work between tasks, the last upload, aggregation;
 the part of the round that does not drift with the speed of training), CPU seconds per round of
 every process of each system (read from ``/proc``; for fedpart sampled when a round's line lands
-in ``metrics.jsonl``, so not for round 1), the share of their runnable time the training
-threads (each training process's main thread: torch computes in it at one thread) waited in a
-run queue for a core ("waited", from ``/proc/<pid>/task/<pid>/schedstat``, sampled likewise),
-which tells training slowed by other threads holding the cores from training that itself ran
-slower, and the CPU other processes on the machine used meanwhile ("foreign"). Linux only.
+in ``metrics.jsonl``, so not for round 1) and of them the seconds the training threads (each
+training process's main thread: torch computes in it at one thread) ran on a core, the share of
+their runnable time those threads waited in a run queue for a core ("waited", from
+``/proc/<pid>/task/<pid>/schedstat``, sampled likewise), which tells training slowed because
+other threads held the cores apart from training that itself ran slower, and the CPU other
+processes on the machine used meanwhile ("foreign"). Linux only.
 """
 
 from __future__ import annotations
