@@ -61,7 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -250,13 +250,18 @@ class Usage:
 
     @staticmethod
     def of(processes: Iterable[int], trainers: Iterable[int]) -> Usage:
-        running, waiting = (sum(column) for column in zip((0.0, 0.0), *map(main_thread_schedstat, trainers)))
-        return Usage(sum(map(cpu_seconds, processes)), running, waiting)
+        stats = [main_thread_schedstat(pid) for pid in trainers]
+        return Usage(sum(map(cpu_seconds, processes)), sum(run for run, _ in stats), sum(wait for _, wait in stats))
 
     def __sub__(self, earlier: Usage) -> Usage:
         """The usage between ``earlier`` and this one."""
         return Usage(self.cpu - earlier.cpu, self.trainers_running - earlier.trainers_running,
                      self.trainers_waiting - earlier.trainers_waiting)
+
+    @property
+    def others(self) -> float:
+        """CPU seconds of every thread but the training threads."""
+        return self.cpu - self.trainers_running
 
     @property
     def trainers_waited(self) -> float | None:
@@ -306,9 +311,10 @@ class RoundTimes:
     train_seconds: list[float]
     usage: list[Usage | None]
 
-    def measured(self, measure: Callable[[Usage], float | None]) -> list[float | None]:
-        """``measure`` of each round's usage from round 2 on (round 1 includes start-up work)."""
-        return [measure(u) if u is not None else None for u in self.usage[1:]]
+    def measured(self, measure: str) -> list[float | None]:
+        """The ``Usage`` attribute ``measure`` of each round from round 2 on (round 1 includes
+        start-up work)."""
+        return [getattr(u, measure) if u is not None else None for u in self.usage[1:]]
 
 
 @dataclass
@@ -512,20 +518,9 @@ def _seconds(value: float | None, width: int) -> str:
     return f"{value:>{width}.3f}" if value is not None else f"{'-':>{width}}"
 
 
-def _cpu(usage: Usage) -> float:
-    return usage.cpu
-
-
-def _trainers(usage: Usage) -> float:
-    return usage.trainers_running
-
-
-def _others(usage: Usage) -> float:
-    return usage.cpu - usage.trainers_running
-
-
-def _waited(usage: Usage) -> float | None:
-    return usage.trainers_waited
+def _pooled(runs: list[RoundTimes], measure: str) -> float | None:
+    """The median of the ``Usage`` attribute ``measure`` over rounds 2.. of all ``runs``."""
+    return _median(value for times in runs for value in times.measured(measure))
 
 
 def _percent(share: float | None, width: int = 0) -> str:
@@ -576,8 +571,9 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
         walls = "".join(f"{s:>7.3f}" for s in times.seconds)
         print(f"{name:<10} {walls:<{walls_width}} {statistics.median(times.seconds):>7.3f} "
               f"{statistics.median(times.train_seconds):>7.3f} {statistics.median(_outside_training(times)):>8.3f} "
-              f"{_seconds(_median(times.measured(_cpu)), 7)} {_seconds(_median(times.measured(_trainers)), 8)} "
-              f"{_percent(_median(times.measured(_waited)), 7)} {cores:>8.2f}")
+              f"{_seconds(_median(times.measured('cpu')), 7)} "
+              f"{_seconds(_median(times.measured('trainers_running')), 8)} "
+              f"{_percent(_median(times.measured('trainers_waited')), 7)} {cores:>8.2f}")
 
     fed_times = [f.times for f in fedparts]
     floor_times = [f.times for f in floors]
@@ -597,18 +593,15 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
     fed_outside = statistics.median(s for t in fed_times for s in _outside_training(t))
     floor_outside = statistics.median(s for t in floor_times for s in _outside_training(t))
     print(f"outside training            fedpart {fed_outside:.3f} s, floor {floor_outside:.3f} s (medians)")
-    def pooled(runs: list[RoundTimes], measure: Callable[[Usage], float | None]) -> float | None:
-        return _median(value for times in runs for value in times.measured(measure))
-
-    fed_cpu, floor_cpu = pooled(fed_times, _cpu), pooled(floor_times, _cpu)
+    fed_cpu, floor_cpu = _pooled(fed_times, "cpu"), _pooled(floor_times, "cpu")
     if fed_cpu is not None and floor_cpu is not None:
         print(f"cpu per round, rounds 2..   fedpart {fed_cpu:.3f} s, floor {floor_cpu:.3f} s, ratio "
               f"{fed_cpu / floor_cpu:.3f} (medians)")
-        fed_trainers, floor_trainers = pooled(fed_times, _trainers), pooled(floor_times, _trainers)
+        fed_trainers, floor_trainers = _pooled(fed_times, "trainers_running"), _pooled(floor_times, "trainers_running")
         print(f"  training threads on a core fedpart {fed_trainers:.3f} s, floor {floor_trainers:.3f} s; all other "
-              f"threads fedpart {pooled(fed_times, _others):.3f} s, floor {pooled(floor_times, _others):.3f} s")
-        print(f"  training threads waited   fedpart {_percent(pooled(fed_times, _waited))}, floor "
-              f"{_percent(pooled(floor_times, _waited))} of their runnable time")
+              f"threads fedpart {_pooled(fed_times, 'others'):.3f} s, floor {_pooled(floor_times, 'others'):.3f} s")
+        print(f"  training threads waited   fedpart {_percent(_pooled(fed_times, 'trainers_waited'))}, floor "
+              f"{_percent(_pooled(floor_times, 'trainers_waited'))} of their runnable time")
     print(f"same work check             max |floor - fedpart| over the final weights: "
           f"{max(_max_difference(f.final, fed.final) for f in floors for fed in fedparts):.3g}")
     records = [r for fed in fedparts for r in fed.records]
