@@ -231,13 +231,18 @@ class Session:
 
     async def __aenter__(self) -> Session:
         self._channel = self.security.aio_channel(self.server, self._channel_options)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        stub = pb_grpc.CoordinatorStub(self._channel)
+        metadata = self.security.call_metadata()  # every call carries the token
+        self._join_call = partial(stub.Join, metadata=metadata)
+        self._leave_call = partial(stub.Leave, metadata=metadata)
+        self._heartbeat_call = partial(stub.Heartbeat, metadata=metadata)
         # raw chunk bytes both ways: read_chunk takes pieces as views, results go out serialized once
-        self._get_task = self._channel.unary_stream(
+        self._get_task = partial(self._channel.unary_stream(
             method_path("GetTask"), request_serializer=pb.TaskRequest.SerializeToString,
-            response_deserializer=partial(read_chunk, pb.TaskHeader))
-        self._submit_result = self._channel.stream_unary(
-            method_path("SubmitResult"), request_serializer=None, response_deserializer=pb.SubmitReply.FromString)
+            response_deserializer=partial(read_chunk, pb.TaskHeader)), metadata=metadata)
+        self._submit_result = partial(self._channel.stream_unary(
+            method_path("SubmitResult"), request_serializer=None, response_deserializer=pb.SubmitReply.FromString),
+            metadata=metadata)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -259,7 +264,7 @@ class Session:
         diagnosed: set[str] = set()  # each distinct failure is looked into once
         while True:
             try:
-                reply = await self._stub.Join(self._join_request(), timeout=max(1.0, min(
+                reply = await self._join_call(self._join_request(), timeout=max(1.0, min(
                     JOIN_SECONDS, backoff.deadline - time.monotonic())))
                 break
             except grpc.aio.AioRpcError as error:
@@ -299,7 +304,7 @@ class Session:
 
     async def _join_again(self) -> None:
         try:
-            reply = await self._stub.Join(self._join_request(), timeout=JOIN_SECONDS)
+            reply = await self._join_call(self._join_request(), timeout=JOIN_SECONDS)
         except grpc.aio.AioRpcError as error:
             self.events.call_failed("Join", error)
             if error.code() in RETRY_LATER_CODES:
@@ -326,7 +331,7 @@ class Session:
     async def leave(self, reason: str) -> None:
         """Tell the server why this process stops (best effort: the server may be gone)."""
         try:
-            await self._stub.Leave(pb.LeaveRequest(session=self.session, reason=reason), timeout=LEAVE_SECONDS)
+            await self._leave_call(pb.LeaveRequest(session=self.session, reason=reason), timeout=LEAVE_SECONDS)
         except grpc.aio.AioRpcError as error:
             self.events.call_failed("Leave", error)
 
@@ -337,7 +342,7 @@ class Session:
         while True:
             if not self._poll_waiting:
                 try:
-                    reply = await self._stub.Heartbeat(pb.HeartbeatRequest(session=self.session),
+                    reply = await self._heartbeat_call(pb.HeartbeatRequest(session=self.session),
                                                        timeout=max(interval, 1.0))
                 except grpc.aio.AioRpcError as error:
                     self.events.call_failed("Heartbeat", error)

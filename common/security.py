@@ -192,14 +192,15 @@ class ClientSecurity:
         proofs = [what for what, held in (("a token", self.token), ("a client certificate", self.certificate)) if held]
         return f"TLS{' with ' + ' and '.join(proofs) if proofs else ''}"
 
-    def _credentials(self, options: list[tuple[str, object]]
+    def _credentials(self, options: list[tuple[str, object]], with_token: bool = True
                      ) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, object]]]:
-        """Channel credentials (None: plaintext) and the options that go with them."""
+        """Channel credentials (None: plaintext) and the options that go with them; the token
+        rides on them as call credentials unless ``with_token`` is False."""
         if self.insecure:
             return None, options
         credentials = grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.private_key,
                                                    certificate_chain=self.certificate)
-        if self.token:
+        if self.token and with_token:
             credentials = grpc.composite_channel_credentials(
                 credentials, grpc.access_token_call_credentials(self.token))
         if self.server_name:
@@ -214,8 +215,18 @@ class ClientSecurity:
         return grpc.secure_channel(target, credentials, options=options)
 
     def aio_channel(self, target: str, options: list[tuple[str, object]]) -> grpc.aio.Channel:
-        """The same as :meth:`channel`, for asyncio callers."""
-        credentials, options = self._credentials(options)
+        """The same as :meth:`channel` for asyncio callers, except that the token is not on it:
+        each call passes :meth:`call_metadata`."""
+        credentials, options = self._credentials(options, with_token=False)
         if credentials is None:
             return grpc.aio.insecure_channel(target, options=options)
         return grpc.aio.secure_channel(target, credentials, options=options)
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata every call on an :meth:`aio_channel` carries: the token, as the bearer
+        credential that gRPC's token call credentials send (none in plaintext). As metadata it
+        costs nothing per call, where gRPC Python runs call credentials on a thread it starts
+        for every call (about 0.3 ms of CPU a call, measured)."""
+        if self.insecure or not self.token:
+            return ()
+        return (("authorization", f"Bearer {self.token}"),)

@@ -146,6 +146,37 @@ def test_a_process_without_a_credential_gets_nothing(secure) -> None:
     assert harness.coordinator.registry._processes == {}
 
 
+def test_the_asyncio_channel_carries_the_token_per_call_without_a_thread_per_call(secure, monkeypatch) -> None:
+    """The client's asyncio channel sends the token as call metadata: admitted like gRPC's token
+    call credentials, without the thread gRPC Python starts for those on every call."""
+    import asyncio
+
+    harness = secure()
+    token = (harness.secrets / "process_0.token").read_text().strip()
+    security = ClientSecurity(ca=(harness.secrets / "ca.pem").read_bytes(), token=token)
+    assert ClientSecurity(insecure=True, token=token).call_metadata() == ()
+    request = pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name="aio", clients=[pb.HostedClient(id=0)])
+
+    async def calls() -> tuple[pb.JoinReply, grpc.StatusCode, int]:
+        async with security.aio_channel(harness.address, options=[]) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as without:
+                await stub.Join(request, timeout=BOUND)
+            started: list[threading.Thread] = []
+            start = threading.Thread.start
+            monkeypatch.setattr(threading.Thread, "start", lambda thread: (started.append(thread), start(thread))[1])
+            reply = await stub.Join(request, timeout=BOUND, metadata=security.call_metadata())
+            for _ in range(10):
+                await stub.Heartbeat(pb.HeartbeatRequest(session=reply.session), timeout=BOUND,
+                                     metadata=security.call_metadata())
+            return reply, without.value.code(), len(started)
+
+    reply, without_token, threads_started = asyncio.run(calls())
+    assert without_token == grpc.StatusCode.UNAUTHENTICATED
+    assert reply.session and threads_started == 0
+    assert harness.coordinator.registry._processes  # joined under process_0's credential
+
+
 def test_a_credential_hosts_only_its_own_clients(secure) -> None:
     harness = secure()
     with pytest.raises(grpc.RpcError) as error:
