@@ -189,8 +189,9 @@ class ServerConfig:
                                     # uploads wait under gRPC flow control (0 = 4 per fold worker,
                                     # or per CPU core without fold workers)
     download_slots: int = 64        # tasks sent at once; more wait under flow control
-    receive_window: int = 256 << 10  # bytes a connection may send before the server reads them
-                                     # (0 = gRPC's adaptive window, which grows per connection)
+    receive_window: int | None = None  # bytes a connection may send before the server reads them
+                                     # (None = waiting_upload_bytes / clients, within [256 KiB, 4 MiB];
+                                     # 0 = gRPC's adaptive window, which grows per connection)
     round_deadline_factor: float = 0.0  # straggler remedy: a round closes once it has run this many
                                     # times as long as its first half of clients took to answer
                                     # (within round_timeout; 0 = off; timing-dependent, not reproducible)
@@ -512,7 +513,7 @@ def _validate(config: RunConfig, server_parts: bool = True) -> None:
         (0 <= config.sampling.over_selection <= 10, "sampling.over_selection must be in [0, 10]"),
         (config.sampling.over_selection == 0 or config.sampling.probability is None,
          "sampling.over_selection needs a fixed-size sample (sampling.fraction), not sampling.probability"),
-        (config.server.receive_window == 0 or config.server.receive_window >= 65536,
+        (config.server.receive_window in (None, 0) or config.server.receive_window >= 65536,
          "server.receive_window must be 0 (adaptive) or at least 65536 bytes"),
     ]
     robust = config.robust

@@ -53,6 +53,7 @@ from fedpart.server.report import (
 from fedpart.server.run_state import mark_finished, read_run_state, write_run_state
 from fedpart.server.sampling import round_target
 from fedpart.server.service import CoordinatorService, add_to_server
+from fedpart.server.transfers import receive_window
 
 # How long the server keeps answering after the run so that every process hears DONE.
 SHUTDOWN_GRACE_SECONDS = 10.0
@@ -122,7 +123,9 @@ class GrpcServer:
                 ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_SECONDS * 1000)),
                 ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_SECONDS * 1000)),
                 ("grpc.http2.max_pings_without_data", 0),
-                *receive_window_options(coordinator.config.server.receive_window),
+                *receive_window_options(receive_window(coordinator.config.server.receive_window,
+                                                       coordinator.config.server.waiting_upload_bytes,
+                                                       coordinator.config.clients)),
             ])
         service = CoordinatorService(coordinator, coordinator.ledger, CallGuard(principals, mutual_tls),
                                      self._fold_pool, upload_slots, download_slots)
