@@ -190,7 +190,7 @@ class ServerConfig:
                                     # or per CPU core without fold workers)
     download_slots: int = 64        # tasks sent at once; more wait under flow control
     receive_window: int | None = None  # bytes a connection may send before the server reads them
-                                     # (None = waiting_upload_bytes / clients, within [256 KiB, 4 MiB];
+                                     # (None = 32 MiB / clients, within [256 KiB, 4 MiB];
                                      # 0 = gRPC's adaptive window, which grows per connection)
     round_deadline_factor: float = 0.0  # straggler remedy: a round closes once it has run this many
                                     # times as long as its first half of clients took to answer

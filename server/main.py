@@ -124,7 +124,6 @@ class GrpcServer:
                 ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_SECONDS * 1000)),
                 ("grpc.http2.max_pings_without_data", 0),
                 *receive_window_options(receive_window(coordinator.config.server.receive_window,
-                                                       coordinator.config.server.waiting_upload_bytes,
                                                        coordinator.config.clients)),
             ])
         service = CoordinatorService(coordinator, coordinator.ledger, CallGuard(principals, mutual_tls),

@@ -15,12 +15,14 @@ large messages (fewer of them cost the server less CPU: 7.1 instead of 8.0 CPU s
 cnn2 results at 100 processes) and many send small ones.
 
 Each connection's HTTP/2 window, the bytes it may send before the server reads them, is bounded
-the same way (:func:`receive_window`): by default each client's share of
-``server.waiting_upload_bytes`` (the run's clients bound its processes), within [256 KiB, 4 MiB].
-A small run gets windows that hold a whole cnn2 result, so a sender is not woken for a window
-update every 128 KiB: at 2 processes on 2 cores this halved the CPU of the client processes'
-gRPC event-engine threads (0.028-0.034 to 0.014-0.016 s a round) and cut the server's and clients'
-transport CPU by 0.03 s a round; a run of thousands of clients keeps 256 KiB windows.
+too (:func:`receive_window`): by default the windows of all the run's clients together hold 32
+MiB (the run's clients bound its processes), each within [256 KiB, 4 MiB]. A small run gets
+windows that hold a whole cnn2 result, so a sender is not woken for a window update every 128
+KiB: at 2 processes on 2 cores this halved the CPU of the client processes' gRPC event-engine
+threads (0.028-0.034 to 0.014-0.016 s a round) and cut the transport's CPU by about 0.03 s a
+round. Larger totals did not pay: 524 KiB windows at 1,000 clients in 100 processes cost the
+server 0.08 CPU s a round more than 256 KiB ones (median of 7 pairs), so runs from 128 clients up
+keep 256 KiB.
 
 Downloads: a task is sent only while it holds one of a fixed number of *download slots*; every
 sent chunk is awaited until the transport took it, so at most one chunk per slot is buffered.
@@ -61,6 +63,7 @@ Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
 MIN_RESULT_CHUNK_BYTES = 64 << 10
 MIN_RECEIVE_WINDOW = 256 << 10
 MAX_RECEIVE_WINDOW = 4 << 20
+RECEIVE_WINDOWS_BYTES = 32 << 20  # the default windows of all of a run's clients together
 _HEADER_FIELD_TAG_BYTES = 1  # TaskChunk.header is field 1: one tag byte
 
 
@@ -75,17 +78,14 @@ def result_chunk_bytes(largest: int, waiting_upload_bytes: int, processes: int) 
     return min(largest, max(MIN_RESULT_CHUNK_BYTES, share))
 
 
-def receive_window(configured: int | None, waiting_upload_bytes: int, clients: int) -> int:
+def receive_window(configured: int | None, clients: int) -> int:
     """The HTTP/2 window of each connection to the server (0: gRPC's adaptive window): as
-    configured, or else one client's share of ``waiting_upload_bytes`` (0: no bound), within
-    [:data:`MIN_RECEIVE_WINDOW`, :data:`MAX_RECEIVE_WINDOW`]. Every process hosts at least one
-    client, so the windows together stay within ``waiting_upload_bytes`` wherever the share is
-    above the minimum."""
+    configured, or else one client's share of :data:`RECEIVE_WINDOWS_BYTES`, within
+    [:data:`MIN_RECEIVE_WINDOW`, :data:`MAX_RECEIVE_WINDOW`] (every process hosts at least one
+    client, so the shares of its processes are within the total)."""
     if configured is not None:
         return configured
-    if not waiting_upload_bytes:
-        return MAX_RECEIVE_WINDOW
-    return min(MAX_RECEIVE_WINDOW, max(MIN_RECEIVE_WINDOW, waiting_upload_bytes // max(clients, 1)))
+    return min(MAX_RECEIVE_WINDOW, max(MIN_RECEIVE_WINDOW, RECEIVE_WINDOWS_BYTES // max(clients, 1)))
 
 
 def layout_of(specs: Iterable[pb.TensorSpec]) -> Layout:

@@ -16,8 +16,9 @@ from fedpart.common.wire import decode_chunks, make_spec
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.task_board import Task
-from fedpart.server.transfers import (MAX_RECEIVE_WINDOW, MIN_RECEIVE_WINDOW, MIN_RESULT_CHUNK_BYTES, TaskPayloads,
-                                     UploadSlots, receive_window, result_chunk_bytes)
+from fedpart.server.transfers import (MAX_RECEIVE_WINDOW, MIN_RECEIVE_WINDOW, MIN_RESULT_CHUNK_BYTES,
+                                     RECEIVE_WINDOWS_BYTES, TaskPayloads, UploadSlots, receive_window,
+                                     result_chunk_bytes)
 
 BOUND = 60.0
 
@@ -121,17 +122,14 @@ def test_results_come_in_messages_of_each_process_share_of_the_waiting_upload_by
     assert result_chunk_bytes(4096, budget, processes=100_000) == 4096  # never above the largest
 
 
-def test_each_connection_window_is_a_client_share_of_the_waiting_upload_bytes() -> None:
-    budget = 512 << 20
-    assert receive_window(None, budget, clients=10) == MAX_RECEIVE_WINDOW == 4 << 20  # a whole cnn2 result
-    assert receive_window(None, budget, clients=1000) == budget // 1000  # 524 KiB
-    assert receive_window(None, budget, clients=10_000) == MIN_RECEIVE_WINDOW == 256 << 10
-    assert receive_window(None, 0, clients=10_000) == MAX_RECEIVE_WINDOW  # no bound
-    assert receive_window(65536, budget, clients=10) == 65536  # as configured
-    assert receive_window(0, budget, clients=10) == 0  # gRPC's adaptive window
-    for clients in (1, 10, 128, 129, 2048, 10_000):  # together within the budget while above the minimum
-        window = receive_window(None, budget, clients)
-        assert window * clients <= budget or window == MIN_RECEIVE_WINDOW
+def test_each_connection_window_is_a_client_share_of_a_fixed_total() -> None:
+    assert receive_window(None, clients=8) == MAX_RECEIVE_WINDOW == 4 << 20  # a whole cnn2 result
+    assert receive_window(None, clients=10) == RECEIVE_WINDOWS_BYTES // 10 == 3355443
+    assert receive_window(None, clients=128) == receive_window(None, clients=10_000) == MIN_RECEIVE_WINDOW == 256 << 10
+    assert receive_window(65536, clients=10) == 65536  # as configured
+    assert receive_window(0, clients=10) == 0  # gRPC's adaptive window
+    for clients in (1, 2, 10, 100, 128):  # together within the total while above the minimum
+        assert receive_window(None, clients) * clients <= RECEIVE_WINDOWS_BYTES
     assert config_from_dict(small_config()).server.receive_window is None
     with pytest.raises(ValueError, match="server.receive_window must be 0"):
         config_from_dict(small_config(server={"receive_window": 4096}))
