@@ -59,7 +59,7 @@ from fedpart.common.protocol import PROTOCOL_VERSION
 from fedpart.common.client_ids import format_id_ranges
 from fedpart.common.security import ClientSecurity
 from fedpart.common.split_model import tensor_part
-from fedpart.common.wire import TensorAssembler, encode_chunks, wire_form
+from fedpart.common.wire import TensorAssembler, serialized_pieces, wire_form
 from fedpart.proto import fedpart_pb2 as pb
 
 T = TypeVar("T")
@@ -337,7 +337,7 @@ class ClientProcess:
     def _pieces(self, task: TaskInfo, tensors: list[torch.Tensor]) -> Callable[[], Iterable[bytes]]:
         """The serialized chunks of a result's tensors, in messages of the size its task names."""
         chunk_bytes = self.config.server.largest_result_message(task.result_chunk_bytes)
-        return lambda: (chunk.SerializeToString() for chunk in encode_chunks(pb.ResultChunk, None, tensors, chunk_bytes))
+        return lambda: serialized_pieces(tensors, chunk_bytes)
 
     def _secure_step(self, task: TaskInfo) -> Answer:
         """A step of secure aggregation (:mod:`fedpart.client.secure_aggregation`). A step this

@@ -15,6 +15,7 @@ from fedpart.common.wire import (
     header_then_pieces,
     measure_chunk,
     named_specs,
+    serialized_pieces,
     varint_size,
 )
 from fedpart.proto import fedpart_pb2 as pb
@@ -96,6 +97,16 @@ def test_header_then_pieces_sends_the_header_alone_in_as_many_bytes():
     assert got_header == header
     for name, tensor in tensors.items():
         _assert_bit_identical(got[name], tensor)
+
+
+@pytest.mark.parametrize("chunk_bytes", [16, 300, 1024, wire.DEFAULT_CHUNK_BYTES])
+def test_serialized_pieces_are_what_protobuf_writes_for_the_chunks(chunk_bytes):
+    tensors = list(_sample_tensors().values()) + [torch.full((70,), 2.5)] * 140  # indices past one varint byte
+    want = [c.SerializeToString() for c in encode_chunks(pb.ResultChunk, None, tensors, chunk_bytes)]
+    got = list(serialized_pieces(tensors, chunk_bytes))
+    assert got == want
+    assert got == [c.SerializeToString() for c in encode_chunks(pb.TaskChunk, None, tensors, chunk_bytes)]
+    assert all(len(message) <= chunk_bytes for message in got)
 
 
 def test_task_round_trip_with_versions_and_plan():
