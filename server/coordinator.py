@@ -85,6 +85,7 @@ class Coordinator:
         self.board = TaskBoard(self.registry, self._cond, log, self._record_failure, config.server.delivery_attempts)
         self._personal: dict[int, set[str]] = {}  # personal parts each client holds, as the server knows
         self._folding = 0                        # results being folded right now
+        self._draining = False                   # the round loop waits for the folds under way
         self._task_ids = itertools.count(1)
         self._round = 0
         self.recorder = RunRecorder(config, self.ledger, self.board, self.aggregation)
@@ -262,7 +263,7 @@ class Coordinator:
                 record(results)
                 commit()
                 self._finish(task)
-                if not self._folding:
+                if self._draining and not self._folding:
                     self._cond.notify_all()
 
     def _record_training(self, results: RoundResults, client: int, metrics: dict[str, float], screened: Screened,
@@ -313,8 +314,12 @@ class Coordinator:
         already under way. Returns the ids that did not finish."""
         with self._cond:
             unfinished = self.board.await_tasks(task_ids, timeout, enough, deadline_factor)
-            while self._folding:
-                self._cond.wait(REAP_INTERVAL_SECONDS)
+            self._draining = True  # only now does the end of a fold wake this loop
+            try:
+                while self._folding:
+                    self._cond.wait(REAP_INTERVAL_SECONDS)
+            finally:
+                self._draining = False
             return unfinished
 
     # ------------------------------------------------------------------ the run
