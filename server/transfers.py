@@ -19,7 +19,7 @@ too (:func:`receive_window`): by default the windows of all the run's clients to
 MiB (the run's clients bound its processes), each within [256 KiB, 4 MiB]. A small run gets
 windows that hold a whole cnn2 result, so a sender is not woken for a window update every 128
 KiB: at 2 processes on 2 cores this halved the CPU of the client processes' gRPC event-engine
-threads (0.028-0.034 to 0.014-0.016 s a round) and cut the transport's CPU by about 0.03 s a
+threads (0.028-0.034 to 0.014-0.018 s a round) and cut the transport's CPU by about 0.03 s a
 round. Larger totals did not pay: 524 KiB windows at 1,000 clients in 100 processes cost the
 server 0.08 CPU s a round more than 256 KiB ones (median of 7 pairs), so runs from 128 clients up
 keep 256 KiB.
