@@ -213,9 +213,9 @@ def serialized_pieces(tensors: Iterable[torch.Tensor], chunk_bytes: int = DEFAUL
     for group in iter_piece_groups(tensors, chunk_bytes):
         parts: list[bytes | memoryview] = []
         for index, view in group:
-            index_field = b"\x08" + _varint(index) if index else b""
-            data_field_head = b"\x12" + _varint(len(view))
-            parts += [b"\x12" + _varint(len(index_field) + len(data_field_head) + len(view)), index_field,
+            index_field = _INDEX_TAG + _varint(index) if index else b""
+            data_field_head = _DATA_TAG + _varint(len(view))
+            parts += [_PIECES_TAG + _varint(len(index_field) + len(data_field_head) + len(view)), index_field,
                       data_field_head, view]
         yield b"".join(parts)
 
@@ -270,6 +270,10 @@ class ReceivedChunk:
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 _HEADER_FIELD, _PIECES_FIELD = 1, 2
 _INDEX_FIELD, _DATA_FIELD = 1, 2
+# the keys :func:`serialized_pieces` writes (field numbers below 16 take one byte)
+_PIECES_TAG = bytes([_PIECES_FIELD << 3 | _LENGTH_DELIMITED])
+_INDEX_TAG = bytes([_INDEX_FIELD << 3 | _VARINT])
+_DATA_TAG = bytes([_DATA_FIELD << 3 | _LENGTH_DELIMITED])
 _MAX_VARINT_BYTES = 10
 _UINT32_MAX = (1 << 32) - 1
 
