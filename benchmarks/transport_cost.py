@@ -43,8 +43,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 BENCHMARKS = Path(__file__).resolve().parent
 TRANSPORTS = ("grpc-aio", "ssl-asyncio", "ssl-blocking")
@@ -149,7 +151,7 @@ def _blocking_receiver(certs: Path, size: int) -> None:
 
 # ------------------------------------------------------------------ senders
 
-def _paced(rate: float):
+def _paced(rate: float) -> Iterator[None]:
     """Sleeps so that the n-th yield comes n / rate seconds after the first."""
     due = time.monotonic()
     while True:
@@ -213,7 +215,7 @@ class Sample:
     senders_ms: float    # CPU per upload, all senders together
 
 
-def _lines(stream, into: queue.Queue) -> None:
+def _lines(stream: IO[str], into: queue.Queue) -> None:
     for line in stream:
         into.put(line.strip())
     into.put(None)
