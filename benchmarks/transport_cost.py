@@ -43,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -151,13 +151,16 @@ def _blocking_receiver(certs: Path, size: int) -> None:
 
 # ------------------------------------------------------------------ senders
 
-def _paced(rate: float) -> Iterator[None]:
-    """Sleeps so that the n-th yield comes n / rate seconds after the first."""
+def _pacer(rate: float) -> Callable[[], float]:
+    """Seconds to wait after each upload so that the n-th starts n / rate seconds after the first."""
     due = time.monotonic()
-    while True:
-        yield
+
+    def delay() -> float:
+        nonlocal due
         due += 1.0 / rate
-        time.sleep(max(0.0, due - time.monotonic()))
+        return max(0.0, due - time.monotonic())
+
+    return delay
 
 
 async def _grpc_sender(port: int, certs: Path, index: int, size: int, rate: float) -> None:
@@ -172,11 +175,10 @@ async def _grpc_sender(port: int, certs: Path, index: int, size: int, rate: floa
     source = memoryview(os.urandom(size))
     async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
         upload = channel.stream_unary(METHOD)
-        due = time.monotonic()
+        delay = _pacer(rate)
         while True:
             await upload(iter([bytes(source[start:start + chunk]) for start in range(0, size, chunk)]))
-            due += 1.0 / rate
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            await asyncio.sleep(delay())
 
 
 def _ssl_sender(port: int, certs: Path, index: int, size: int, rate: float) -> None:
@@ -185,10 +187,12 @@ def _ssl_sender(port: int, certs: Path, index: int, size: int, rate: float) -> N
     context.load_cert_chain(certs / f"process_{index}.pem", certs / f"process_{index}.key")
     source = memoryview(os.urandom(size))
     with context.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="127.0.0.1") as tls:
-        for _ in _paced(rate):
+        delay = _pacer(rate)
+        while True:
             tls.sendall(source)
             if tls.recv(1) != b"k":
                 raise RuntimeError("the receiver closed the connection")
+            time.sleep(delay())
 
 
 def _role(args: argparse.Namespace) -> None:
