@@ -40,12 +40,15 @@ process (fedpart's ``compute_seconds`` per client, summed per client process) an
 minus them ("outside": task delivery, the work between tasks, the last upload, aggregation;
 the part of the round that does not drift with the speed of training), CPU seconds per round of
 every process of each system (read from ``/proc``; for fedpart sampled when a round's line lands
-in ``metrics.jsonl``, so not for round 1) and of them the seconds the training threads (each
+in ``metrics.jsonl``, looked for every 50 ms so that the looking takes fedpart's cores little, so
+not for round 1) and of them the seconds the training threads (each
 training process's main thread: torch computes in it at one thread) ran on a core, the share of
 their runnable time those threads waited in a run queue for a core ("waited", from
 ``/proc/<pid>/task/<pid>/schedstat``, sampled likewise), which tells training slowed because
-other threads held the cores apart from training that itself ran slower, and the CPU other
-processes on the machine used meanwhile ("foreign"). Linux only.
+other threads held the cores apart from training that itself ran slower, the core-seconds the
+machine's cores sat idle ("idle", from ``/proc/stat``, sampled likewise), which tells a round that
+outlasted its CPU over the cores because cores went unused apart from one that used more CPU, and
+the CPU other processes on the machine used meanwhile ("foreign"). Linux only.
 """
 
 from __future__ import annotations
@@ -92,7 +95,10 @@ LR = 0.01
 TARGET_RATIO = 1.03
 RAW_MODEL_BYTES = PARAMETERS * 4
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-POLL_SECONDS = 0.01
+# how often the run's metrics.jsonl is looked at: the looking runs beside fedpart's rounds (the floor's
+# have no such observer), and every 10 ms, reading the file, it took 2.7-3.4 % of a core; a size
+# check every 50 ms takes 0.4 %
+POLL_SECONDS = 0.05
 WORKER_START_SECONDS = 300.0
 WORKER_STOP_SECONDS = 30.0
 FLOOR_ROUND_SECONDS = 600.0
@@ -227,6 +233,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def machine_idle_seconds() -> float:
+    """Core-seconds every core of the machine has so far been idle (``/proc/stat``: idle + iowait)."""
+    with open("/proc/stat") as stat:
+        ticks = stat.readline().split()[1:6]
+    return (int(ticks[3]) + int(ticks[4])) / CLOCK_TICKS
+
+
 def main_thread_schedstat(pid: int) -> tuple[float, float]:
     """Seconds the main thread of process ``pid`` has so far run on a core and waited in a run
     queue for one (runnable, not running: ``/proc/<pid>/task/<pid>/schedstat``); zeros once it
@@ -242,21 +255,23 @@ def main_thread_schedstat(pid: int) -> tuple[float, float]:
 class Usage:
     """What a system's processes have used so far: CPU seconds of all of them, and seconds its
     training threads (each training process's main thread, the one torch computes in at one
-    thread) ran on a core and waited for one."""
+    thread) ran on a core and waited for one; and the core-seconds the machine's cores sat idle."""
 
     cpu: float
     trainers_running: float
     trainers_waiting: float
+    machine_idle: float
 
     @staticmethod
     def of(processes: Iterable[int], trainers: Iterable[int]) -> Usage:
         stats = [main_thread_schedstat(pid) for pid in trainers]
-        return Usage(sum(map(cpu_seconds, processes)), sum(run for run, _ in stats), sum(wait for _, wait in stats))
+        return Usage(sum(map(cpu_seconds, processes)), sum(run for run, _ in stats), sum(wait for _, wait in stats),
+                     machine_idle_seconds())
 
     def __sub__(self, earlier: Usage) -> Usage:
         """The usage between ``earlier`` and this one."""
         return Usage(self.cpu - earlier.cpu, self.trainers_running - earlier.trainers_running,
-                     self.trainers_waiting - earlier.trainers_waiting)
+                     self.trainers_waiting - earlier.trainers_waiting, self.machine_idle - earlier.machine_idle)
 
     @property
     def others(self) -> float:
@@ -467,11 +482,17 @@ def _slowest_training(record: RoundRecord, groups: list[list[int]]) -> float:
 def _follow(process: subprocess.Popen, metrics: Path, deadline: float) -> tuple[int | None, dict[int, Usage]]:
     """Wait for the run to end (None: not by ``deadline``), sampling the usage of its process tree
     (training threads: the client processes' main threads) the first time ``metrics`` is seen
-    holding n round lines, for each n."""
+    holding n round lines, for each n (within :data:`POLL_SECONDS` of the line's writing)."""
     usage_at_lines: dict[int, Usage] = {}
+    size = -1
     while (code := process.poll()) is None and time.monotonic() < deadline:
-        if metrics.exists():
-            lines = metrics.read_bytes().count(b"\n")
+        try:
+            changed = metrics.stat().st_size != size
+        except FileNotFoundError:
+            changed = False
+        if changed:
+            content = metrics.read_bytes()
+            size, lines = len(content), content.count(b"\n")
             if lines not in usage_at_lines:
                 tree = process_tree(process.pid)
                 usage_at_lines[lines] = Usage.of(tree, [pid for pid in tree if is_client_process(pid)])
@@ -557,6 +578,8 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
           "clients; not measurable for round 1)")
     print("trainer: of those, the seconds the training threads (each training process's main thread) ran "
           "on a core; waited: the share of their runnable time they waited for one (/proc/<pid>/schedstat)")
+    print("idle:    core-seconds in a round that the machine's cores sat idle (/proc/stat idle + iowait; "
+          "fedpart: between round lines, so with the round's checkpoint)")
     print("foreign: cores' worth of CPU used by processes outside this benchmark during the run (noise)")
     print()
     runs: list[tuple[str, RoundTimes, float]] = []
@@ -566,14 +589,15 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
             runs.append((f"fedpart#{k + 1}", fedparts[k].times, fedparts[k].foreign_cores))
     walls_width = max(7 * len(floors[0].times.seconds), len("round wall s"))
     print(f"{'run':<10} {'round wall s':<{walls_width}} {'median':>7} {'train':>7} {'outside':>8} "
-          f"{'cpu s':>7} {'trainer':>8} {'waited':>7} {'foreign':>8}")
+          f"{'cpu s':>7} {'trainer':>8} {'waited':>7} {'idle':>6} {'foreign':>8}")
     for name, times, cores in runs:
         walls = "".join(f"{s:>7.3f}" for s in times.seconds)
         print(f"{name:<10} {walls:<{walls_width}} {statistics.median(times.seconds):>7.3f} "
               f"{statistics.median(times.train_seconds):>7.3f} {statistics.median(_outside_training(times)):>8.3f} "
               f"{_seconds(_median(times.measured('cpu')), 7)} "
               f"{_seconds(_median(times.measured('trainers_running')), 8)} "
-              f"{_percent(_median(times.measured('trainers_waited')), 7)} {cores:>8.2f}")
+              f"{_percent(_median(times.measured('trainers_waited')), 7)} "
+              f"{_seconds(_median(times.measured('machine_idle')), 6)} {cores:>8.2f}")
 
     fed_times = [f.times for f in fedparts]
     floor_times = [f.times for f in floors]
@@ -602,6 +626,8 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
               f"threads fedpart {_pooled(fed_times, 'others'):.3f} s, floor {_pooled(floor_times, 'others'):.3f} s")
         print(f"  training threads waited   fedpart {_percent(_pooled(fed_times, 'trainers_waited'))}, floor "
               f"{_percent(_pooled(floor_times, 'trainers_waited'))} of their runnable time")
+        print(f"  cores idle                fedpart {_pooled(fed_times, 'machine_idle'):.3f} s, floor "
+              f"{_pooled(floor_times, 'machine_idle'):.3f} s a round (core-seconds)")
     print(f"same work check             max |floor - fedpart| over the final weights: "
           f"{max(_max_difference(f.final, fed.final) for f in floors for fed in fedparts):.3g}")
     records = [r for fed in fedparts for r in fed.records]

@@ -1,7 +1,7 @@
 """``benchmarks/round_overhead.py``'s arithmetic: the slowest process's training per round from a
 round record, each fedpart run against the floor runs either side of it, the report over runs
-that took turns, and the run-queue wait it reads from ``/proc`` (the benchmark itself runs for
-minutes and is not run here)."""
+that took turns, the run-queue wait it reads from ``/proc``, and how it samples a run's usage at
+its round lines (the benchmark itself runs for minutes and is not run here)."""
 
 from __future__ import annotations
 
@@ -58,11 +58,11 @@ def test_the_report_pools_the_rounds_of_runs_that_took_turns(capsys) -> None:
     compute = {c: 0.2 for c in range(10)}
     floors, fedparts = [], []
     for walls in ([1.0, 1.1], [1.2, 1.3], [1.0, 1.0]):
-        times = round_overhead.RoundTimes(walls, [w - 0.05 for w in walls], [None, Usage(2.0, 1.9, 0.0192)])
+        times = round_overhead.RoundTimes(walls, [w - 0.05 for w in walls], [None, Usage(2.0, 1.9, 0.0192, 0.02)])
         floors.append(round_overhead.FloorRun(times, vector, 0.0))
     for walls in ([1.1, 1.2], [1.15, 1.25]):
         records = [_record(n + 1, w, compute) for n, w in enumerate(walls)]
-        times = round_overhead.RoundTimes(walls, [1.0, 1.0], [None, Usage(2.1, 1.9, 0.1)])
+        times = round_overhead.RoundTimes(walls, [1.0, 1.0], [None, Usage(2.1, 1.9, 0.1, 0.15)])
         fedparts.append(round_overhead.FedpartRun(records, times, state, 0.0))
     round_overhead.report(2, floors, fedparts)
     out = capsys.readouterr().out
@@ -77,6 +77,13 @@ def test_the_report_pools_the_rounds_of_runs_that_took_turns(capsys) -> None:
     assert "training threads on a core fedpart 1.900 s, floor 1.900 s; all other threads fedpart 0.200 s, " \
            "floor 0.100 s" in out
     assert "training threads waited   fedpart 5.0 %, floor 1.0 % of their runnable time" in out
+    assert "cores idle                fedpart 0.150 s, floor 0.020 s a round (core-seconds)" in out
+
+
+def test_usage_between_two_samples_subtracts_every_measure() -> None:
+    later, earlier = Usage(3.0, 2.0, 1.0, 4.0), Usage(1.0, 1.5, 0.25, 1.5)
+    assert later - earlier == Usage(2.0, 0.5, 0.75, 2.5)
+    assert (later - earlier).others == 1.5
 
 
 def test_the_waited_share_counts_a_thread_held_off_its_core() -> None:
@@ -96,3 +103,32 @@ def test_the_waited_share_counts_a_thread_held_off_its_core() -> None:
             process.wait(timeout=30)
     assert 0.3 < shared < 0.9
     assert round_overhead.main_thread_schedstat(pair[0].pid) == (0.0, 0.0), "an ended process reads as zeros"
+
+
+
+class _ScriptedRun:
+    """Stands in for ``fedpart run``: its n-th poll appends the round lines ``writes[n]`` names to
+    ``metrics``; it has ended (exit 0) after the last."""
+
+    pid = os.getpid()
+
+    def __init__(self, metrics, writes: dict[int, list[int]]) -> None:
+        self.metrics = metrics
+        self.writes = writes
+        self.polls = 0
+
+    def poll(self) -> int | None:
+        self.polls += 1
+        if self.polls in self.writes:
+            with self.metrics.open("a") as out:
+                out.writelines(f'{{"round": {n}}}\n' for n in self.writes[self.polls])
+        return 0 if self.polls > max(self.writes) else None
+
+
+def test_following_a_run_samples_its_usage_once_per_line_count_seen(tmp_path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    run = _ScriptedRun(metrics, {2: [1], 4: [2], 5: [3, 4]})
+    code, usage_at_lines = round_overhead._follow(run, metrics, time.monotonic() + 60)
+    assert code == 0 and run.polls == 6
+    assert sorted(usage_at_lines) == [1, 2, 4], "each count once; two lines landing together are one sample"
+    assert all(isinstance(usage, Usage) for usage in usage_at_lines.values())
