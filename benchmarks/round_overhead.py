@@ -41,9 +41,11 @@ minus them ("outside": task delivery, the work between tasks, the last upload, a
 the part of the round that does not drift with the speed of training), CPU seconds per round of
 every process of each system (read from ``/proc``; for fedpart sampled when a round's line lands
 in ``metrics.jsonl``, looked for every 50 ms so that the looking takes fedpart's cores little, so
-not for round 1) and of them the seconds the training threads (each
-training process's main thread: torch computes in it at one thread) ran on a core, the share of
-their runnable time those threads waited in a run queue for a core ("waited", from
+not for round 1) and of them the seconds the training threads (each training process's main
+thread: torch computes in it at one thread) ran on a core, the rest split into the training
+processes' other threads (fedpart: each client's session and gRPC threads) and the processes that
+do not train (fedpart's server and launcher, the floor's parent), the share of their runnable
+time the training threads waited in a run queue for a core ("waited", from
 ``/proc/<pid>/task/<pid>/schedstat``, sampled likewise), which tells training slowed because
 other threads held the cores apart from training that itself ran slower, the core-seconds the
 machine's cores sat idle ("idle", from ``/proc/stat``, sampled likewise), which tells a round that
@@ -253,30 +255,46 @@ def main_thread_schedstat(pid: int) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Usage:
-    """What a system's processes have used so far: CPU seconds of all of them, and seconds its
+    """What a system's processes have used so far: CPU seconds of all of them, seconds its
     training threads (each training process's main thread, the one torch computes in at one
-    thread) ran on a core and waited for one; and the core-seconds the machine's cores sat idle."""
+    thread) ran on a core and waited for one, the core-seconds the machine's cores sat idle, and
+    CPU seconds of the training processes (all their threads)."""
 
     cpu: float
     trainers_running: float
     trainers_waiting: float
     machine_idle: float
+    training_processes: float
 
     @staticmethod
     def of(processes: Iterable[int], trainers: Iterable[int]) -> Usage:
+        trainers = list(trainers)
         stats = [main_thread_schedstat(pid) for pid in trainers]
         return Usage(sum(map(cpu_seconds, processes)), sum(run for run, _ in stats), sum(wait for _, wait in stats),
-                     machine_idle_seconds())
+                     machine_idle_seconds(), sum(map(cpu_seconds, trainers)))
 
     def __sub__(self, earlier: Usage) -> Usage:
         """The usage between ``earlier`` and this one."""
         return Usage(self.cpu - earlier.cpu, self.trainers_running - earlier.trainers_running,
-                     self.trainers_waiting - earlier.trainers_waiting, self.machine_idle - earlier.machine_idle)
+                     self.trainers_waiting - earlier.trainers_waiting, self.machine_idle - earlier.machine_idle,
+                     self.training_processes - earlier.training_processes)
 
     @property
     def others(self) -> float:
         """CPU seconds of every thread but the training threads."""
         return self.cpu - self.trainers_running
+
+    @property
+    def beside_training(self) -> float:
+        """CPU seconds of the training processes' other threads (fedpart: a client's session and
+        gRPC threads)."""
+        return self.training_processes - self.trainers_running
+
+    @property
+    def not_training(self) -> float:
+        """CPU seconds of the processes that do not train (fedpart: server and launcher; the
+        floor: its parent)."""
+        return self.cpu - self.training_processes
 
     @property
     def trainers_waited(self) -> float | None:
@@ -624,6 +642,10 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
         fed_trainers, floor_trainers = _pooled(fed_times, "trainers_running"), _pooled(floor_times, "trainers_running")
         print(f"  training threads on a core fedpart {fed_trainers:.3f} s, floor {floor_trainers:.3f} s; all other "
               f"threads fedpart {_pooled(fed_times, 'others'):.3f} s, floor {_pooled(floor_times, 'others'):.3f} s")
+        print(f"  of the other threads      in the training processes fedpart "
+              f"{_pooled(fed_times, 'beside_training'):.3f} s, floor {_pooled(floor_times, 'beside_training'):.3f} s; "
+              f"in the others (fedpart: server, launcher; floor: parent) fedpart "
+              f"{_pooled(fed_times, 'not_training'):.3f} s, floor {_pooled(floor_times, 'not_training'):.3f} s")
         print(f"  training threads waited   fedpart {_percent(_pooled(fed_times, 'trainers_waited'))}, floor "
               f"{_percent(_pooled(floor_times, 'trainers_waited'))} of their runnable time")
         print(f"  cores idle                fedpart {_pooled(fed_times, 'machine_idle'):.3f} s, floor "

@@ -58,11 +58,11 @@ def test_the_report_pools_the_rounds_of_runs_that_took_turns(capsys) -> None:
     compute = {c: 0.2 for c in range(10)}
     floors, fedparts = [], []
     for walls in ([1.0, 1.1], [1.2, 1.3], [1.0, 1.0]):
-        times = round_overhead.RoundTimes(walls, [w - 0.05 for w in walls], [None, Usage(2.0, 1.9, 0.0192, 0.02)])
+        times = round_overhead.RoundTimes(walls, [w - 0.05 for w in walls], [None, Usage(2.0, 1.9, 0.0192, 0.02, 1.95)])
         floors.append(round_overhead.FloorRun(times, vector, 0.0))
     for walls in ([1.1, 1.2], [1.15, 1.25]):
         records = [_record(n + 1, w, compute) for n, w in enumerate(walls)]
-        times = round_overhead.RoundTimes(walls, [1.0, 1.0], [None, Usage(2.1, 1.9, 0.1, 0.15)])
+        times = round_overhead.RoundTimes(walls, [1.0, 1.0], [None, Usage(2.1, 1.9, 0.1, 0.15, 1.98)])
         fedparts.append(round_overhead.FedpartRun(records, times, state, 0.0))
     round_overhead.report(2, floors, fedparts)
     out = capsys.readouterr().out
@@ -78,12 +78,15 @@ def test_the_report_pools_the_rounds_of_runs_that_took_turns(capsys) -> None:
            "floor 0.100 s" in out
     assert "training threads waited   fedpart 5.0 %, floor 1.0 % of their runnable time" in out
     assert "cores idle                fedpart 0.150 s, floor 0.020 s a round (core-seconds)" in out
+    assert "of the other threads      in the training processes fedpart 0.080 s, floor 0.050 s; in the others " \
+           "(fedpart: server, launcher; floor: parent) fedpart 0.120 s, floor 0.050 s" in out
 
 
 def test_usage_between_two_samples_subtracts_every_measure() -> None:
-    later, earlier = Usage(3.0, 2.0, 1.0, 4.0), Usage(1.0, 1.5, 0.25, 1.5)
-    assert later - earlier == Usage(2.0, 0.5, 0.75, 2.5)
-    assert (later - earlier).others == 1.5
+    later, earlier = Usage(3.0, 2.0, 1.0, 4.0, 2.5), Usage(1.0, 1.5, 0.25, 1.5, 1.75)
+    between = later - earlier
+    assert between == Usage(2.0, 0.5, 0.75, 2.5, 0.75)
+    assert (between.others, between.beside_training, between.not_training) == (1.5, 0.25, 1.25)
 
 
 def test_the_waited_share_counts_a_thread_held_off_its_core() -> None:
