@@ -235,11 +235,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def machine_idle_seconds() -> float:
-    """Core-seconds every core of the machine has so far been idle (``/proc/stat``: idle + iowait)."""
+def machine_seconds() -> tuple[float, float]:
+    """Core-seconds the machine's cores have so far been busy and idle (``/proc/stat``; idle
+    counts idle + iowait, busy everything else, hypervisor steal included)."""
     with open("/proc/stat") as stat:
-        ticks = stat.readline().split()[1:6]
-    return (int(ticks[3]) + int(ticks[4])) / CLOCK_TICKS
+        ticks = [int(v) for v in stat.readline().split()[1:9]]
+    idle = ticks[3] + ticks[4]
+    return (sum(ticks) - idle) / CLOCK_TICKS, idle / CLOCK_TICKS
 
 
 def main_thread_schedstat(pid: int) -> tuple[float, float]:
@@ -271,7 +273,7 @@ class Usage:
         trainers = list(trainers)
         stats = [main_thread_schedstat(pid) for pid in trainers]
         return Usage(sum(map(cpu_seconds, processes)), sum(run for run, _ in stats), sum(wait for _, wait in stats),
-                     machine_idle_seconds(), sum(map(cpu_seconds, trainers)))
+                     machine_seconds()[1], sum(map(cpu_seconds, trainers)))
 
     def __sub__(self, earlier: Usage) -> Usage:
         """The usage between ``earlier`` and this one."""
@@ -319,9 +321,7 @@ class ForeignCpu:
 
     @staticmethod
     def _sample() -> tuple[float, float, float]:
-        with open("/proc/stat") as stat:
-            ticks = [int(v) for v in stat.readline().split()[1:9]]
-        machine = (sum(ticks) - ticks[3] - ticks[4]) / CLOCK_TICKS  # all but idle and iowait
+        machine, _ = machine_seconds()
         own = sum(getattr(resource.getrusage(who), field)
                   for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for field in ("ru_utime", "ru_stime"))
         return machine, own, time.perf_counter()

@@ -108,7 +108,6 @@ def test_the_waited_share_counts_a_thread_held_off_its_core() -> None:
     assert round_overhead.main_thread_schedstat(pair[0].pid) == (0.0, 0.0), "an ended process reads as zeros"
 
 
-
 class _ScriptedRun:
     """Stands in for ``fedpart run``: its n-th poll appends the round lines ``writes[n]`` names to
     ``metrics``; it has ended (exit 0) after the last."""
