@@ -71,7 +71,8 @@ def _server(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     try:
         return serve(config, args.address, out, security, resume=bool(args.resume), overwrite=args.overwrite,
-                     progress=args.progress, health_port=args.health_port, metrics_port=args.metrics_port)
+                     progress=args.progress, health_port=args.health_port, metrics_port=args.metrics_port,
+                     data_port=args.data_port)
     except AddressInUse as error:
         return _fail(args, error)
 
@@ -124,7 +125,7 @@ def _client(args: argparse.Namespace) -> int:
         process = ClientProcess(args.server, parse_id_ranges(args.clients), device=args.device,
                                 data_root=args.data_root, state_dir=args.state_dir, threads=threads,
                                 security=security, reconnect_timeout=args.reconnect_timeout,
-                                connect_timeout=args.connect_timeout)
+                                connect_timeout=args.connect_timeout, data_address=args.data_address)
         process.log(f"{threads} torch thread{'s' if threads > 1 else ''} ({why})")
         return process.run()
     except ConfigError as error:  # the run's config does not fit this machine (its data)
@@ -184,6 +185,14 @@ def _health(args: argparse.Namespace) -> int:
         return ExitCode.ERROR if unknown else ExitCode.UNREACHABLE
     print(status, flush=True)
     return ExitCode.COMPLETED if status == "SERVING" else ExitCode.ERROR
+
+
+def data_address(text: str) -> str:
+    """``off`` or HOST:PORT."""
+    host, _, port = text.rpartition(":")
+    if text != "off" and not (host and port.isdigit() and 0 < int(port) <= 65535):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither off nor HOST:PORT")
+    return text
 
 
 def port_number(text: str) -> int:
@@ -341,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--metrics-port", type=port_number, metavar="PORT",
                         help="serve Prometheus metrics (plain HTTP, /metrics) on this port of the --address host "
                              "(needs: pip install 'fedpart[metrics]'; default: off)")
+    server.add_argument("--data-port", type=port_number, metavar="PORT",
+                        help="also move tasks and results over TLS connections of their own on this port of the "
+                             "--address host (0: any free port; about a third of gRPC's CPU per byte); clients "
+                             "that reach it use it, others keep to gRPC (default: off; fedpart run: on)")
     server.set_defaults(handler=_server)
 
     client = commands.add_parser("client", help="run a client process hosting one or more clients")
@@ -368,6 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--reconnect-timeout", type=float, metavar="SECONDS",
                         help="how long to keep trying to reach a server that went away, e.g. while it is "
                              "resumed (default 300)")
+    client.add_argument("--data-address", type=data_address, metavar="HOST:PORT",
+                        help="where to reach the server's data port (its --data-port) when not at the --server "
+                             "host and the port the server advertises, e.g. through a relay or NAT; off: tasks "
+                             "and results by gRPC only")
     client.set_defaults(handler=_client)
 
     run = commands.add_parser("run", help="run server and client processes on this machine")

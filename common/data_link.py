@@ -1,0 +1,104 @@
+"""The data port's framing: the task and result streams of ``proto/fedpart.proto`` over a TLS
+connection of their own, beside gRPC.
+
+Why it exists: moving a model through gRPC's asyncio API over TLS costs about three times the CPU
+of the same bytes through a TLS socket (``benchmarks/transport_cost.py``: 19.0 against 6.4-6.9 ms
+of CPU per 2.3 MB result, sender and receiver together). Where the server and its client processes
+share the cores (``fedpart run``), that CPU is the round's excess over the compute floor
+(``benchmarks/round_overhead.py``, docs/benchmarks.md).
+
+What travels are the very messages of the ``GetTask`` and ``SubmitResult`` calls, and the server
+answers them with the same code as gRPC's (:mod:`fedpart.server.data_port`), so validation,
+at-least-once delivery, refusals and the byte ledger do not depend on the path. A connection
+carries one call at a time; once a call is answered the connection takes the next.
+
+A call, client to server::
+
+    MAGIC | method (u8) | deadline in ms (u32) | token length (u16) | token (utf-8)
+    then the request's messages, each: length (u32) | message; a zero length ends them
+
+``GetTask`` sends one message (its ``TaskRequest``); ``SubmitResult`` its serialized result
+chunks. The server answers with frames, each ``kind (u8) | length (u32) | body``: the response
+messages (:data:`MESSAGE`), then one :data:`STATUS` whose body is a gRPC status code (u8) and its
+details (utf-8). All integers are big-endian.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+MAGIC = b"FPD1"
+GET_TASK = 1
+SUBMIT_RESULT = 2
+METHODS = {GET_TASK: "GetTask", SUBMIT_RESULT: "SubmitResult"}
+
+CALL_HEAD = struct.Struct(">4sBIH")  # magic, method, deadline ms, token length
+LENGTH = struct.Struct(">I")
+FRAME = struct.Struct(">BI")         # kind, body length
+MESSAGE = 1
+STATUS = 2
+
+SMALL_MESSAGE = 64 << 10  # messages up to this size are joined to their prefix before sending
+MAX_TOKEN_BYTES = 4096
+MAX_DETAILS_BYTES = 64 << 10
+GRPC_MAX_MESSAGE = 4 << 20  # gRPC's default limit on a received message, which the calls keep
+
+
+class LinkBroken(ConnectionError):
+    """The connection ended or sent bytes that are not a call: it is closed."""
+
+
+def largest_message(result_chunk_bytes: int) -> int:
+    """The longest message a call may announce: what gRPC would take, or a configured result
+    message size above it, with room for the message's own fields."""
+    return max(GRPC_MAX_MESSAGE, result_chunk_bytes + (64 << 10))
+
+
+def read_exactly(sock: socket.socket, count: int) -> bytearray:
+    """``count`` bytes from ``sock`` (blocking, within its timeout); :class:`LinkBroken` if the
+    connection ends first."""
+    buffer = bytearray(count)
+    view = memoryview(buffer)
+    filled = 0
+    while filled < count:
+        got = sock.recv_into(view[filled:])
+        if not got:
+            raise LinkBroken(f"the connection ended after {filled} of {count} bytes")
+        filled += got
+    return buffer
+
+
+def read_length(sock: socket.socket, largest: int) -> int:
+    """A message length, at most ``largest``."""
+    (length,) = LENGTH.unpack(read_exactly(sock, LENGTH.size))
+    if length > largest:
+        raise LinkBroken(f"a message of {length} bytes is announced; at most {largest} are taken")
+    return length
+
+
+def frame(kind: int, body: bytes) -> bytes:
+    """One frame of the server's answer."""
+    return FRAME.pack(kind, len(body)) + body
+
+
+def send_prefixed(sock: socket.socket, prefix: bytes, body: bytes) -> None:
+    """``prefix`` then ``body``, without copying a large body to join them."""
+    if len(body) <= SMALL_MESSAGE:
+        sock.sendall(prefix + body)
+    else:
+        sock.sendall(prefix)
+        sock.sendall(body)
+
+
+def status_body(code_value: int, details: str) -> bytes:
+    return bytes([code_value]) + details.encode()[:MAX_DETAILS_BYTES]
+
+
+def set_keepalive(sock: socket.socket, idle_seconds: float, interval_seconds: float, probes: int) -> None:
+    """TCP keepalive, so that a connection whose peer vanished is found while a call waits on it."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", idle_seconds), ("TCP_KEEPINTVL", interval_seconds),
+                          ("TCP_KEEPCNT", probes)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), max(1, int(value)))
