@@ -20,11 +20,12 @@ the rest of its messages were read (so the connection stays in step) and the con
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
 import ssl
 import threading
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 
@@ -55,6 +56,8 @@ HEAD_SECONDS = 10.0        # the TLS handshake, and a call's head once its first
 PROGRESS_SECONDS = KEEPALIVE_SECONDS + KEEPALIVE_TIMEOUT_SECONDS  # longest wait for the next bytes of a call
 IDLE_SECONDS = 900.0       # a connection without a call this long is closed
 RESULT_WINDOW = 2          # result messages read ahead of the handler
+
+T = TypeVar("T")
 
 
 class CallAborted(Exception):
@@ -139,7 +142,9 @@ class DataPort:
         self._largest = largest_message(result_chunk_bytes)
         self._max_connections = max_connections
         self._connections: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        self._calls: set[concurrent.futures.Future] = set()  # handlers running on the loop
+        self._busy = 0  # connections in the middle of a call
+        self._lock = threading.Condition()
         self._closing = False
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -154,15 +159,33 @@ class DataPort:
         self._acceptor = threading.Thread(target=self._accept, name="data-accept", daemon=True)
         self._acceptor.start()
 
-    def stop(self) -> None:
-        """Stop listening and close every connection (their calls end as cut)."""
+    def stop(self, grace: float | None = None) -> None:
+        """Stop listening; calls under way get ``grace`` seconds to end (the last polls carry the
+        run's end to their processes), then every connection is closed and what still runs ends
+        as cut."""
+        self._listener.close()
         with self._lock:
             self._closing = True
+            self._lock.wait_for(lambda: not self._busy, timeout=grace or 0.0)
             connections = list(self._connections)
-        self._listener.close()
+            calls = list(self._calls)
         for connection in connections:
             _shut(connection)
+        for call in calls:
+            call.cancel()
         self._acceptor.join(timeout=5.0)
+
+    def _on_loop(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coroutine`` on the loop; :meth:`stop` cancels it if it still runs then."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        with self._lock:
+            self._calls.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, call: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._calls.discard(call)
 
     # ------------------------------------------------------------------ connections
 
@@ -191,9 +214,9 @@ class DataPort:
                     self._connections.discard(raw)
                     self._connections.add(sock)
             common_name = _common_name(sock)
-            while self._call(sock, common_name):
+            while not self._closing and self._call(sock, common_name):
                 pass
-        except (OSError, LinkBroken, ssl.SSLError):
+        except (OSError, LinkBroken, ssl.SSLError, concurrent.futures.CancelledError):
             pass  # the connection is closed; a call it carried ended as cut
         finally:
             with self._lock:
@@ -207,6 +230,17 @@ class DataPort:
         first = sock.recv(1)
         if not first:
             return False
+        with self._lock:
+            self._busy += 1
+        try:
+            self._serve_call(sock, first, common_name)
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._lock.notify_all()
+        return True
+
+    def _serve_call(self, sock: socket.socket, first: bytes, common_name: str | None) -> None:
         sock.settimeout(HEAD_SECONDS)
         magic, method, deadline_ms, token_length = CALL_HEAD.unpack(first + read_exactly(sock, CALL_HEAD.size - 1))
         if magic != MAGIC or method not in METHODS or token_length > MAX_TOKEN_BYTES:
@@ -221,7 +255,6 @@ class DataPort:
             self._get_task(sock, request, context)
         else:
             self._submit_result(sock, context)
-        return True
 
     # ------------------------------------------------------------------ the two calls
 
@@ -231,8 +264,7 @@ class DataPort:
         except Exception:  # noqa: BLE001 - any undecodable request is the caller's error
             sock.sendall(frame(STATUS, status_body(grpc.StatusCode.INTERNAL.value[0], "undecodable task request")))
             return
-        answer = asyncio.run_coroutine_threadsafe(self._run_get_task(request, context), self._loop).result()
-        messages, code, details = answer
+        messages, code, details = self._on_loop(self._run_get_task(request, context)).result()
         for message in messages:
             send_prefixed(sock, FRAME.pack(MESSAGE, len(message)), message)
         sock.sendall(frame(STATUS, status_body(code.value[0], details)))
@@ -250,7 +282,7 @@ class DataPort:
 
     def _submit_result(self, sock: socket.socket, context: LinkContext) -> None:
         messages = _ResultMessages(self._loop)
-        outcome = asyncio.run_coroutine_threadsafe(self._run_submit_result(messages, context), self._loop)
+        outcome = self._on_loop(self._run_submit_result(messages, context))
         try:
             while True:
                 length = read_length(sock, self._largest)

@@ -172,7 +172,7 @@ class GrpcServer:
     async def _stop(self, grace: float | None) -> None:
         await self.health.stopping()
         if self._data is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._data.stop)
+            await asyncio.get_running_loop().run_in_executor(None, self._data.stop, grace)
         servers = [self._server, *([self._probes] if self._probes is not None else [])]
         await asyncio.gather(*(server.stop(grace) for server in servers))
 

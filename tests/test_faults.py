@@ -19,6 +19,8 @@ import pytest
 import yaml
 
 from conftest import REPO, WAIT, LineReader, read_metrics, read_summary, write_config
+from fedpart.client.data_link import PROGRESS_SECONDS
+from fedpart.client.session import POLL_SECONDS
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.common.client_ids import split_clients
@@ -38,6 +40,7 @@ class Outcome:
     seconds: float
     counts: RelayCounts | None
     client_logs: list[str]
+    data_counts: RelayCounts | None = None  # the data port's relay, if any
 
 
 def _quickstart(tmp_path: Path) -> Path:
@@ -48,10 +51,12 @@ def _quickstart(tmp_path: Path) -> Path:
 
 
 def _run(processes, tmp_path: Path, name: str, plan: FaultPlan | None = None,
-         kill_during_upload: int | None = None) -> Outcome:
+         kill_during_upload: int | None = None, data_plan: FaultPlan | None = None) -> Outcome:
     """The quickstart with TLS and per-process tokens; with ``plan`` the clients connect through
     a relay; with ``kill_during_upload`` the first client process is SIGKILLed once it trained
-    its first client in that round (its upload is under way), and started again."""
+    its first client in that round (its upload is under way), and started again. With
+    ``data_plan`` the server has a data port too, which the clients reach through a relay of its
+    own that follows ``data_plan``."""
     config = _quickstart(tmp_path)
     secrets = tmp_path / f"{name}-secrets"
     write_run_credentials(secrets, ["127.0.0.1"], clients=10, processes=2)
@@ -60,21 +65,29 @@ def _run(processes, tmp_path: Path, name: str, plan: FaultPlan | None = None,
     server = processes.start(CLI + [
         "server", str(config), "--address", "127.0.0.1:0", "--out", str(out),
         "--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),
-        "--credentials", str(secrets / "credentials.yaml")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        "--credentials", str(secrets / "credentials.yaml"),
+        *(["--data-port", "0"] if data_plan is not None else [])], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
     reader = LineReader(server)
     address = reader.wait_for(r"listening on (\S+):(\d+)", timeout=WAIT)
-    relay = None
+    relay = data_relay = None
     target = f"{address.group(1)}:{address.group(2)}"
+    data_options = []
     if plan is not None:
         relay = RelayThread((address.group(1), int(address.group(2))), plan)
         host, port = relay.start()
         target = f"{host}:{port}"
+    if data_plan is not None:
+        data_port = reader.wait_for(r"data port \(tasks and results, TLS\) on (\S+):(\d+)", timeout=WAIT)
+        data_relay = RelayThread((data_port.group(1), int(data_port.group(2))), data_plan)
+        host, port = data_relay.start()
+        data_options = ["--data-address", f"{host}:{port}"]
 
     def client(index: int, ids: str) -> subprocess.Popen:
         return processes.start(CLI + [
             "client", "--server", target, "--clients", ids, "--ca", str(secrets / "ca.pem"),
             "--token-file", str(secrets / f"process_{index}.token"), "--threads", "1",
-            "--state-dir", str(out / "state" / f"process_{index}")],
+            "--state-dir", str(out / "state" / f"process_{index}"), *data_options],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     try:
@@ -95,10 +108,13 @@ def _run(processes, tmp_path: Path, name: str, plan: FaultPlan | None = None,
             assert process.wait(timeout=WAIT) == 0, logs[-1]
         seconds = time.monotonic() - started
     finally:
-        counts = relay.counts() if relay is not None else None
-        if relay is not None:
-            relay.stop()
-    return Outcome(out, seconds, counts, logs)
+        counts, data_counts = (each.counts() if each is not None else None for each in (relay, data_relay))
+        for each in (relay, data_relay):
+            if each is not None:
+                each.stop()
+    if data_plan is not None:
+        assert all("tasks and results go by the data port" in log for log in logs), logs
+    return Outcome(out, seconds, counts, logs, data_counts)
 
 
 def _final_checkpoint(out: Path) -> str:
@@ -118,6 +134,7 @@ def _assert_same_result(faulted: Outcome, clean: Outcome) -> None:
     assert _final_checkpoint(faulted.out) == _final_checkpoint(clean.out)
     delivery = {key: sum(r["delivery"][key] for r in records) for key in records[0]["delivery"]}
     print(f"clean {clean.seconds:.1f} s, faulted {faulted.seconds:.1f} s; relay {faulted.counts}; "
+          f"data port relay {faulted.data_counts}; "
           f"delivery {delivery}; final checkpoint sha256 {_final_checkpoint(faulted.out)[:16]} in both")
 
 
@@ -158,6 +175,39 @@ def test_a_client_process_killed_during_an_upload_and_restarted(processes, tmp_p
     upload takes a while); the restarted process is given the task its predecessor held, trains
     it again from the same start, and the run ends as the clean one did."""
     faulted = _run(processes, tmp_path, "killed", FaultPlan(delay_ms=100), kill_during_upload=3)
+    assert re.search(r"round 3: trained", faulted.client_logs[0])
+    _assert_same_result(faulted, clean)
+    assert sum(r["delivery"]["tasks_sent_again"] for r in read_metrics(faulted.out)) >= 1
+
+
+# ---------------------------------------------------------------------------- the data port
+# The same faults on the data port's connections (common/data_link.py), against the clean run by
+# gRPC alone: the path does not change the result either. A silent data port connection is found
+# by the wait for its next bytes: PROGRESS_SECONDS, after a long poll's own wait when it waited on one.
+
+
+def test_data_port_connections_reset_mid_stream_cost_time_not_a_result(processes, tmp_path, clean) -> None:
+    faulted = _run(processes, tmp_path, "data-resets", None,
+                   data_plan=FaultPlan(reset_bytes=(300_000, 3_000_000), cuts=9, seed=1))
+    assert faulted.data_counts.resets == 9, faulted.data_counts
+    _assert_same_result(faulted, clean)
+    retried = sum(r["delivery"]["streams_cut"] + r["delivery"]["tasks_sent_again"] for r in read_metrics(faulted.out))
+    assert retried >= 1
+    assert faulted.seconds <= clean.seconds + RESET_BOUND_SECONDS, (faulted.seconds, clean.seconds)
+
+
+def test_a_black_holed_data_port_connection_is_found_by_its_progress_bound(processes, tmp_path, clean) -> None:
+    faulted = _run(processes, tmp_path, "data-black-hole", None,
+                   data_plan=FaultPlan(blackhole_bytes=400_000, cuts=1, seed=2))
+    assert faulted.data_counts.black_holes == 1, faulted.data_counts
+    _assert_same_result(faulted, clean)
+    bound = POLL_SECONDS + PROGRESS_SECONDS + 60.0
+    assert faulted.seconds <= clean.seconds + bound, (faulted.seconds, clean.seconds)
+
+
+def test_a_client_process_killed_during_a_data_port_upload_and_restarted(processes, tmp_path, clean) -> None:
+    faulted = _run(processes, tmp_path, "data-killed", None, kill_during_upload=3,
+                   data_plan=FaultPlan(delay_ms=100))
     assert re.search(r"round 3: trained", faulted.client_logs[0])
     _assert_same_result(faulted, clean)
     assert sum(r["delivery"]["tasks_sent_again"] for r in read_metrics(faulted.out)) >= 1
