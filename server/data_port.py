@@ -9,9 +9,10 @@ gRPC's: the same admission (the token, or the client certificate's common name; 
 deadline; a few calls per process), validation, upload slots, at-least-once delivery and ledger.
 
 Bounds against a broken or hostile client: at most ``max_connections`` connections (more are
-closed at once, and their processes keep to gRPC), the TLS handshake and a call's head within
-:data:`HEAD_SECONDS`, a message every :data:`PROGRESS_SECONDS` while a call streams, an idle
-connection closed after :data:`IDLE_SECONDS`, messages of at most
+closed at once, and their processes keep to gRPC), the TLS handshake, the first call and each
+call's head within :data:`HEAD_SECONDS`, a message every :data:`PROGRESS_SECONDS` while a call
+streams, an idle connection closed after :data:`IDLE_SECONDS`, a connection whose call was refused
+for its credential closed, messages of at most
 :func:`~fedpart.common.data_link.largest_message` bytes, and a call ends by its deadline like a
 gRPC call. A connection that breaks the framing is closed; a refused result is answered after
 the rest of its messages were read (so the connection stays in step) and the connection stays.
@@ -214,8 +215,12 @@ class DataPort:
                     self._connections.discard(raw)
                     self._connections.add(sock)
             common_name = _common_name(sock)
-            while not self._closing and self._call(sock, common_name):
-                pass
+            idle = HEAD_SECONDS  # a process connects when it has a call to make
+            while not self._closing:
+                code = self._call(sock, common_name, idle)
+                if code is None or code == grpc.StatusCode.UNAUTHENTICATED:
+                    return
+                idle = IDLE_SECONDS
         except (OSError, LinkBroken, ssl.SSLError, concurrent.futures.CancelledError):
             pass  # the connection is closed; a call it carried ended as cut
         finally:
@@ -224,23 +229,23 @@ class DataPort:
                 self._connections.discard(raw)
             _shut(sock)
 
-    def _call(self, sock: socket.socket, common_name: str | None) -> bool:
-        """Serve one call; False when the connection is to be closed."""
-        sock.settimeout(IDLE_SECONDS)
+    def _call(self, sock: socket.socket, common_name: str | None, idle: float) -> grpc.StatusCode | None:
+        """Serve the next call, if one starts within ``idle`` seconds: its status (None: the
+        connection ended)."""
+        sock.settimeout(idle)
         first = sock.recv(1)
         if not first:
-            return False
+            return None
         with self._lock:
             self._busy += 1
         try:
-            self._serve_call(sock, first, common_name)
+            return self._serve_call(sock, first, common_name)
         finally:
             with self._lock:
                 self._busy -= 1
                 self._lock.notify_all()
-        return True
 
-    def _serve_call(self, sock: socket.socket, first: bytes, common_name: str | None) -> None:
+    def _serve_call(self, sock: socket.socket, first: bytes, common_name: str | None) -> grpc.StatusCode:
         sock.settimeout(HEAD_SECONDS)
         magic, method, deadline_ms, token_length = CALL_HEAD.unpack(first + read_exactly(sock, CALL_HEAD.size - 1))
         if magic != MAGIC or method not in METHODS or token_length > MAX_TOKEN_BYTES:
@@ -252,22 +257,22 @@ class DataPort:
             request = bytes(read_exactly(sock, read_length(sock, self._largest)))
             if read_length(sock, self._largest) != 0:
                 raise LinkBroken("a task request is one message")
-            self._get_task(sock, request, context)
-        else:
-            self._submit_result(sock, context)
+            return self._get_task(sock, request, context)
+        return self._submit_result(sock, context)
 
     # ------------------------------------------------------------------ the two calls
 
-    def _get_task(self, sock: socket.socket, request_bytes: bytes, context: LinkContext) -> None:
+    def _get_task(self, sock: socket.socket, request_bytes: bytes, context: LinkContext) -> grpc.StatusCode:
         try:
             request = pb.TaskRequest.FromString(request_bytes)
         except Exception:  # noqa: BLE001 - any undecodable request is the caller's error
             sock.sendall(frame(STATUS, status_body(grpc.StatusCode.INTERNAL.value[0], "undecodable task request")))
-            return
+            return grpc.StatusCode.INTERNAL
         messages, code, details = self._on_loop(self._run_get_task(request, context)).result()
         for message in messages:
             send_prefixed(sock, FRAME.pack(MESSAGE, len(message)), message)
         sock.sendall(frame(STATUS, status_body(code.value[0], details)))
+        return code
 
     async def _run_get_task(self, request: pb.TaskRequest, context: LinkContext
                             ) -> tuple[list[bytes], grpc.StatusCode, str]:
@@ -280,7 +285,7 @@ class DataPort:
         code, details = await _ended(drain(), context)
         return messages, code, details
 
-    def _submit_result(self, sock: socket.socket, context: LinkContext) -> None:
+    def _submit_result(self, sock: socket.socket, context: LinkContext) -> grpc.StatusCode:
         messages = _ResultMessages(self._loop)
         outcome = self._on_loop(self._run_submit_result(messages, context))
         try:
@@ -300,6 +305,7 @@ class DataPort:
         if reply is not None:
             sock.sendall(frame(MESSAGE, reply))
         sock.sendall(frame(STATUS, status_body(code.value[0], details)))
+        return code
 
     async def _run_submit_result(self, messages: _ResultMessages, context: LinkContext
                                  ) -> tuple[bytes | None, grpc.StatusCode, str]:

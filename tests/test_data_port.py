@@ -16,6 +16,7 @@ import torch
 from fedpart.common.data_link import CALL_HEAD, FRAME, GET_TASK, LENGTH, MAGIC, MESSAGE, STATUS, SUBMIT_RESULT
 from fedpart.common.wire import decode_chunks
 from fedpart.proto import fedpart_pb2 as pb
+from fedpart.server.data_port import HEAD_SECONDS
 from fedpart.deploy.certs import write_run_credentials
 from test_security import BOUND, SecureHarness, _join, _ready, _result
 
@@ -149,9 +150,11 @@ def test_a_round_by_the_data_port_folds_and_counts_what_grpc_would(harness) -> N
 def test_calls_without_a_known_credential_or_a_deadline_are_refused(harness) -> None:
     server = harness()
     request = pb.TaskRequest(session="none", wait_seconds=0).SerializeToString()
+    for token in (b"forged", b""):
+        with _dial(server) as sock:
+            assert _call(sock, GET_TASK, token, [request])[1] == grpc.StatusCode.UNAUTHENTICATED
+            assert _closed(sock)  # a refused credential holds no connection
     with _dial(server) as sock:
-        assert _call(sock, GET_TASK, b"forged", [request])[1] == grpc.StatusCode.UNAUTHENTICATED
-        assert _call(sock, GET_TASK, b"", [request])[1] == grpc.StatusCode.UNAUTHENTICATED
         assert _call(sock, GET_TASK, _token(server), [request], deadline_ms=0)[1] == grpc.StatusCode.INVALID_ARGUMENT
         # the connection stays in step: a known token with an unknown session reaches the handler
         assert _call(sock, GET_TASK, _token(server), [request])[1] == grpc.StatusCode.NOT_FOUND
@@ -205,3 +208,11 @@ def test_a_result_cut_off_mid_stream_leaves_its_task_open_for_the_next_attempt(h
         messages, code, details = _call(sock, SUBMIT_RESULT, _token(server), chunks)
     assert code == grpc.StatusCode.OK, details
     assert pb.SubmitReply.FromString(messages[0]).accepted
+
+
+def test_a_connection_that_makes_no_call_is_closed_within_the_head_bound(harness) -> None:
+    server = harness()
+    with _dial(server) as sock:
+        started = time.monotonic()
+        assert _closed(sock)
+    assert time.monotonic() - started < HEAD_SECONDS + 5.0
