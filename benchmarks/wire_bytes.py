@@ -12,6 +12,11 @@ bytes (each client its own device) for comparison::
 
     python benchmarks/wire_bytes.py --algorithms fedavg,fedbabu --rounds 3
 
+With ``--data-port`` the server has a data port too (``fedpart server --data-port``), which the
+clients reach through a counting relay of its own: the wire bytes are both relays' together, and
+the data port's framing (a 5-byte frame or a 4-byte length per message, a call's head) replaces
+gRPC's.
+
 The relay counts everything the processes send after they connect, the last polls and the
 leave calls after the server wrote ``summary.json`` included; the ledger counts every message up
 to its summary. So the ratio is an upper bound of the framing overhead, by a few hundred bytes.
@@ -42,6 +47,7 @@ from fedpart.deploy.relay import RelayThread
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "fedpart"]
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
+_DATA_PORT = re.compile(r"data port \(tasks and results, \w+\) on (\S+):(\d+)")
 DIRECTIONS = ("down", "up")
 
 
@@ -55,6 +61,11 @@ class Measurement:
     physical: dict[str, int]
     logical: dict[str, int]
     connections: int
+    data_port: bool = False
+
+    @property
+    def transport(self) -> str:
+        return f"{'TLS' if self.tls else 'plaintext'}{' + data port' if self.data_port else ''}"
 
     def ratio(self, direction: str) -> float:
         """Wire bytes per ledger physical byte."""
@@ -104,33 +115,41 @@ class _OutputReader:
         return "".join(self.lines)
 
 
-def measure(config: dict[str, Any], work: Path, tls: bool = True, timeout: float = 1200.0) -> Measurement:
-    """Run ``config`` (its ``clients`` and ``processes``) with the clients behind a counting relay."""
+def measure(config: dict[str, Any], work: Path, tls: bool = True, timeout: float = 1200.0,
+            data_port: bool = False) -> Measurement:
+    """Run ``config`` (its ``clients`` and ``processes``) with the clients behind a counting relay
+    (and, with ``data_port``, the server's data port behind a second one)."""
     work.mkdir(parents=True, exist_ok=True)
     config_path = work / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     clients, processes = config["clients"], config["processes"]
     out = work / "run"
     secrets = work / "secrets"
-    server_args = ["server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out)]
+    server_args = ["server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out),
+                   *(["--data-port", "0"] if data_port else [])]
     if tls:
         write_run_credentials(secrets, ["127.0.0.1"], clients=clients, processes=processes)
         server_args += ["--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),
                         "--credentials", str(secrets / "credentials.yaml")]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     started: list[subprocess.Popen] = []
-    relay = None
+    relays: list[RelayThread] = []
     try:
         server = subprocess.Popen(CLI + server_args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         started.append(server)
         server_output = _OutputReader(server)
         address = server_output.wait_for(_LISTENING, timeout)
-        relay = RelayThread((address.group(1), int(address.group(2))))
-        host, port = relay.start()
+        relays.append(RelayThread((address.group(1), int(address.group(2)))))
+        host, port = relays[-1].start()
+        data_options: list[str] = []
+        if data_port:
+            data_address = server_output.wait_for(_DATA_PORT, timeout)
+            relays.append(RelayThread((data_address.group(1), int(data_address.group(2)))))
+            data_options = ["--data-address", "{}:{}".format(*relays[-1].start())]
         client_outputs = []
         for index, ids in enumerate(split_clients(clients, processes)):
             client_args = ["client", "--server", f"{host}:{port}", "--clients", ids, "--threads", "1",
-                           "--state-dir", str(out / "state" / f"process_{index}")]
+                           "--state-dir", str(out / "state" / f"process_{index}"), *data_options]
             if tls:
                 client_args += ["--ca", str(secrets / "ca.pem"), "--token-file", str(secrets / f"process_{index}.token")]
             client = subprocess.Popen(CLI + client_args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -144,27 +163,27 @@ def measure(config: dict[str, Any], work: Path, tls: bool = True, timeout: float
             log = client_output.rest(timeout)
             if client.wait(timeout) != 0:
                 raise RuntimeError(f"a client process failed:\n{log[-3000:]}")
-        counts = relay.counts()
+        counts = [relay.counts() for relay in relays]
     finally:
-        if relay is not None:
+        for relay in relays:
             relay.stop()
         for process in started:
             if process.poll() is None:
                 process.terminate()
                 process.wait(timeout=30)
     summary = read_summary(out / "summary.json")
-    return Measurement(config["algorithm"]["name"], tls, {"down": counts.down, "up": counts.up},
+    return Measurement(config["algorithm"]["name"], tls, {d: sum(getattr(c, d) for c in counts) for d in DIRECTIONS},
                        {d: summary.bytes[d] for d in DIRECTIONS},
-                       {d: summary.bytes["logical"][d] for d in DIRECTIONS}, counts.relayed)
+                       {d: summary.bytes["logical"][d] for d in DIRECTIONS}, sum(c.relayed for c in counts), data_port)
 
 
 def format_table(measurements: list[Measurement]) -> str:
-    header = (f"{'algorithm':<10}{'transport':<11}{'direction':<10}{'wire B (TCP payload)':>22}"
+    header = (f"{'algorithm':<10}{'transport':<22}{'direction':<10}{'wire B (TCP payload)':>22}"
               f"{'ledger physical B':>19}{'wire / ledger':>15}{'ledger logical B':>18}")
     lines = [header]
     for m in measurements:
         for direction in DIRECTIONS:
-            lines.append(f"{m.algorithm:<10}{'TLS' if m.tls else 'plaintext':<11}{direction:<10}"
+            lines.append(f"{m.algorithm:<10}{m.transport:<22}{direction:<10}"
                          f"{m.wire[direction]:>22,}{m.physical[direction]:>19,}{m.ratio(direction):>15.4f}"
                          f"{m.logical[direction]:>18,}")
     return "\n".join(lines)
@@ -177,13 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--plaintext", action="store_true", help="no TLS (HTTP/2 framing alone)")
+    parser.add_argument("--data-port", action="store_true",
+                        help="tasks and results by the server's data port (through a counting relay of its own)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds each wait may take")
     args = parser.parse_args(argv)
     measurements = []
     with tempfile.TemporaryDirectory(prefix="fedpart-wire-") as work:
         for algorithm in args.algorithms.split(","):
             config = quickstart_config(algorithm, args.rounds, args.clients, args.processes)
-            measurements.append(measure(config, Path(work) / algorithm, tls=not args.plaintext, timeout=args.timeout))
+            measurements.append(measure(config, Path(work) / algorithm, tls=not args.plaintext, timeout=args.timeout,
+                                        data_port=args.data_port))
             print(f"{algorithm}: {measurements[-1].connections} connections relayed", flush=True)
     print(f"quickstart (digits, mlp), {args.clients} clients in {args.processes} processes, {args.rounds} rounds, "
           "final evaluation included")

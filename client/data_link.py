@@ -40,7 +40,7 @@ from fedpart.common.data_link import (
     largest_message,
     read_exactly,
     send_prefixed,
-    set_keepalive,
+    tune,
 )
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from fedpart.common.security import ClientSecurity
@@ -73,11 +73,14 @@ class DataLink:
         self._token = token
         self._largest = largest_message(result_chunk_bytes)
         self._idle: list[socket.socket] = []
+        self._closed = False
         self._lock = threading.Lock()
         self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="data-link")
 
     def close(self) -> None:
+        """Close the idle connections; a call under way ends on its own and closes its connection."""
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for sock in idle:
             _shut(sock)
@@ -141,7 +144,10 @@ class DataLink:
                          f"the data port connection {'went silent' if silent else 'broke'}: {error}"))
             return
         with self._lock:
-            self._idle.append(sock)
+            if self._closed:
+                _shut(sock)
+            else:
+                self._idle.append(sock)
         hand(_END if code == grpc.StatusCode.OK else _failed(code, details))
 
     def _connection(self) -> socket.socket:
@@ -150,9 +156,7 @@ class DataLink:
                 return self._idle.pop()
         raw = socket.create_connection((self._host, self._port), timeout=CONNECT_SECONDS)
         try:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_keepalive(raw, KEEPALIVE_SECONDS, KEEPALIVE_SECONDS,
-                          max(1, int(KEEPALIVE_TIMEOUT_SECONDS // KEEPALIVE_SECONDS)))
+            tune(raw)
             return self._tls.wrap_socket(raw, server_hostname=self._server_name) if self._tls is not None else raw
         except BaseException:
             raw.close()

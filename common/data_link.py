@@ -28,6 +28,8 @@ from __future__ import annotations
 import socket
 import struct
 
+from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
+
 MAGIC = b"FPD1"
 GET_TASK = 1
 SUBMIT_RESULT = 2
@@ -95,10 +97,14 @@ def status_body(code_value: int, details: str) -> bytes:
     return bytes([code_value]) + details.encode()[:MAX_DETAILS_BYTES]
 
 
-def set_keepalive(sock: socket.socket, idle_seconds: float, interval_seconds: float, probes: int) -> None:
-    """TCP keepalive, so that a connection whose peer vanished is found while a call waits on it."""
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay for a call's small frames, and TCP keepalive on gRPC's schedule
+    (:mod:`fedpart.common.protocol`), so that a connection whose peer vanished is found while a
+    call waits on it."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (("TCP_KEEPIDLE", idle_seconds), ("TCP_KEEPINTVL", interval_seconds),
+    probes = KEEPALIVE_TIMEOUT_SECONDS // KEEPALIVE_SECONDS
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_SECONDS), ("TCP_KEEPINTVL", KEEPALIVE_SECONDS),
                           ("TCP_KEEPCNT", probes)):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), max(1, int(value)))

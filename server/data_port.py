@@ -45,7 +45,7 @@ from fedpart.common.data_link import (
     read_exactly,
     read_length,
     send_prefixed,
-    set_keepalive,
+    tune,
     status_body,
 )
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
@@ -206,8 +206,7 @@ class DataPort:
     def _serve(self, raw: socket.socket) -> None:
         sock: socket.socket = raw
         try:
-            set_keepalive(raw, KEEPALIVE_SECONDS, KEEPALIVE_SECONDS, max(1, int(KEEPALIVE_TIMEOUT_SECONDS // KEEPALIVE_SECONDS)))
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(raw)
             raw.settimeout(HEAD_SECONDS)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(raw, server_side=True)

@@ -189,7 +189,8 @@ def test_a_refused_result_is_answered_and_the_connection_stays_in_step(harness) 
         _, session, header, uploads, chunks = _train_task_by_data_port(server, sock)
         junk = pb.ResultChunk()
         junk.pieces.add(index=0, data=b"")
-        _, code, details = _call(sock, SUBMIT_RESULT, _token(server), [chunks[0], junk.SerializeToString(), *chunks[1:]])
+        stream = [chunks[0], junk.SerializeToString(), *chunks[1:]]
+        _, code, details = _call(sock, SUBMIT_RESULT, _token(server), stream)
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert "must carry tensor bytes" in details
         # the refused task is dropped; the next call on the same connection is read from its first byte
