@@ -34,21 +34,21 @@ from fedpart.common.data_link import (
     MAGIC,
     MAX_DETAILS_BYTES,
     MESSAGE,
+    PROGRESS_SECONDS,
     STATUS,
     SUBMIT_RESULT,
     LinkBroken,
     largest_message,
     read_exactly,
     send_prefixed,
+    shut,
     tune,
 )
-from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from fedpart.common.security import ClientSecurity
 from fedpart.common.wire import ReceivedChunk, read_chunk
 from fedpart.proto import fedpart_pb2 as pb
 
 CONNECT_SECONDS = 10.0  # to connect and finish the TLS handshake
-PROGRESS_SECONDS = KEEPALIVE_SECONDS + KEEPALIVE_TIMEOUT_SECONDS  # longest wait for the next bytes of a call
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _END = object()
 
@@ -64,14 +64,13 @@ def _failed(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class DataLink:
     """Calls on the data port at ``host:port``, with the TLS and token of ``security``."""
 
-    def __init__(self, host: str, port: int, security: ClientSecurity, result_chunk_bytes: int = 0) -> None:
+    def __init__(self, host: str, port: int, security: ClientSecurity) -> None:
         self.address = f"{host}:{port}"
         self._host, self._port = host.strip("[]"), port
         self._tls = security.ssl_context()
         self._server_name = security.server_name or self._host
-        token = (security.token or "").encode() if not security.insecure else b""
-        self._token = token
-        self._largest = largest_message(result_chunk_bytes)
+        self._token = (security.token or "").encode() if not security.insecure else b""
+        self._largest = largest_message(0)  # task messages keep within gRPC's limit (server.chunk_bytes)
         self._idle: list[socket.socket] = []
         self._closed = False
         self._lock = threading.Lock()
@@ -83,7 +82,7 @@ class DataLink:
             self._closed = True
             idle, self._idle = self._idle, []
         for sock in idle:
-            _shut(sock)
+            shut(sock)
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ the two calls
@@ -124,7 +123,7 @@ class DataLink:
         finally:
             if not finished:
                 for sock in held:
-                    _shut(sock)
+                    shut(sock)
             await asyncio.wait([done])
 
     def _run(self, call, deadline: float, hand, held: list[socket.socket]) -> None:
@@ -138,14 +137,14 @@ class DataLink:
         try:
             code, details = call(sock, deadline, hand)
         except (OSError, LinkBroken, ssl.SSLError) as error:
-            _shut(sock)
+            shut(sock)
             silent = isinstance(error, TimeoutError) or isinstance(error, socket.timeout)
             hand(_failed(grpc.StatusCode.DEADLINE_EXCEEDED if silent else grpc.StatusCode.UNAVAILABLE,
                          f"the data port connection {'went silent' if silent else 'broke'}: {error}"))
             return
         with self._lock:
             if self._closed:
-                _shut(sock)
+                shut(sock)
             else:
                 self._idle.append(sock)
         hand(_END if code == grpc.StatusCode.OK else _failed(code, details))
@@ -208,11 +207,3 @@ def _remaining(deadline: float) -> float:
     if remaining <= 0:
         raise TimeoutError("the call's deadline passed")
     return remaining
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()

@@ -17,6 +17,11 @@ Delivery is at least once (docs/architecture.md, Faults; :mod:`fedpart.server.ta
 - while the server cannot be reached the calls are tried again with capped exponential backoff,
   for ``connect_timeout`` before the first join and ``reconnect_timeout`` once the server was seen.
 
+Tasks and results go by the server's data port when the join reply names one
+(:mod:`fedpart.client.data_link`: the same messages over a TLS socket of their own, for a third of
+gRPC's CPU per byte), else by gRPC; a data port that cannot be reached leaves everything to gRPC
+until the next join.
+
 A dead connection (a vanished peer, a NAT that dropped its mapping, a black-holed route) is found
 by keepalive pings within :data:`~fedpart.common.protocol.KEEPALIVE_SECONDS` +
 :data:`~fedpart.common.protocol.KEEPALIVE_TIMEOUT_SECONDS`, and the call on it fails and is tried
@@ -421,6 +426,7 @@ class Session:
         return await self._read_task(self._get_task(request, timeout=self.call_timeout), reader)
 
     async def _read_task(self, call, reader: Callable[[pb.TaskHeader], TaskReader]) -> ReceivedTask | None:
+        """The task stream of ``call`` (gRPC's, or the data port's in its shape), read to its end."""
         header: pb.TaskHeader | None = None
         tensors: TaskReader | None = None
         received = 0

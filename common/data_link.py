@@ -42,6 +42,7 @@ MESSAGE = 1
 STATUS = 2
 
 SMALL_MESSAGE = 64 << 10  # messages up to this size are joined to their prefix before sending
+PROGRESS_SECONDS = KEEPALIVE_SECONDS + KEEPALIVE_TIMEOUT_SECONDS  # longest wait for a call's next bytes
 MAX_TOKEN_BYTES = 4096
 MAX_DETAILS_BYTES = 64 << 10
 GRPC_MAX_MESSAGE = 4 << 20  # gRPC's default limit on a received message, which the calls keep
@@ -108,3 +109,12 @@ def tune(sock: socket.socket) -> None:
                           ("TCP_KEEPCNT", probes)):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), max(1, int(value)))
+
+
+def shut(sock: socket.socket) -> None:
+    """Close ``sock`` at once, waking a thread blocked on it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

@@ -10,11 +10,11 @@ deadline; a few calls per process), validation, upload slots, at-least-once deli
 
 Bounds against a broken or hostile client: at most ``max_connections`` connections (more are
 closed at once, and their processes keep to gRPC), the TLS handshake, the first call and each
-call's head within :data:`HEAD_SECONDS`, a message every :data:`PROGRESS_SECONDS` while a call
-streams, an idle connection closed after :data:`IDLE_SECONDS`, a connection whose call was refused
-for its credential closed, messages of at most
-:func:`~fedpart.common.data_link.largest_message` bytes, and a call ends by its deadline like a
-gRPC call. A connection that breaks the framing is closed; a refused result is answered after
+call's head within :data:`HEAD_SECONDS`, a message every
+:data:`~fedpart.common.data_link.PROGRESS_SECONDS` while a call streams, an idle connection closed
+after :data:`IDLE_SECONDS`, a connection whose call was refused for its credential closed,
+messages of at most :func:`~fedpart.common.data_link.largest_message` bytes, and a call ends by
+its deadline like a gRPC call. A connection that breaks the framing is closed; a refused result is answered after
 the rest of its messages were read (so the connection stays in step) and the connection stays.
 """
 
@@ -38,6 +38,7 @@ from fedpart.common.data_link import (
     MAX_TOKEN_BYTES,
     MESSAGE,
     METHODS,
+    PROGRESS_SECONDS,
     STATUS,
     LinkBroken,
     frame,
@@ -45,16 +46,15 @@ from fedpart.common.data_link import (
     read_exactly,
     read_length,
     send_prefixed,
-    tune,
+    shut,
     status_body,
+    tune,
 )
-from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from fedpart.common.security import ServerSecurity
 from fedpart.common.wire import IncompleteMessage, ReceivedChunk, read_chunk
 from fedpart.proto import fedpart_pb2 as pb
 
 HEAD_SECONDS = 10.0        # the TLS handshake, and a call's head once its first byte came
-PROGRESS_SECONDS = KEEPALIVE_SECONDS + KEEPALIVE_TIMEOUT_SECONDS  # longest wait for the next bytes of a call
 IDLE_SECONDS = 900.0       # a connection without a call this long is closed
 RESULT_WINDOW = 2          # result messages read ahead of the handler
 
@@ -116,7 +116,10 @@ class _ResultMessages:
     def put(self, item: ReceivedChunk | BaseException | None) -> None:
         while not self.closed.is_set():
             if self._room.acquire(timeout=0.5):
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+                try:
+                    self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+                except RuntimeError:  # the loop closed: the server stopped, the call is over
+                    self.closed.set()
                 return
 
     # used on the loop
@@ -171,7 +174,7 @@ class DataPort:
             connections = list(self._connections)
             calls = list(self._calls)
         for connection in connections:
-            _shut(connection)
+            shut(connection)
         for call in calls:
             call.cancel()
         self._acceptor.join(timeout=5.0)
@@ -226,7 +229,7 @@ class DataPort:
             with self._lock:
                 self._connections.discard(sock)
                 self._connections.discard(raw)
-            _shut(sock)
+            shut(sock)
 
     def _call(self, sock: socket.socket, common_name: str | None, idle: float) -> grpc.StatusCode | None:
         """Serve the next call, if one starts within ``idle`` seconds: its status (None: the
@@ -344,11 +347,3 @@ def _common_name(sock: socket.socket) -> str | None:
             if key == "commonName":
                 return value
     return None
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
