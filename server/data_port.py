@@ -167,7 +167,7 @@ class DataPort:
         """Stop listening; calls under way get ``grace`` seconds to end (the last polls carry the
         run's end to their processes), then every connection is closed and what still runs ends
         as cut."""
-        self._listener.close()
+        shut(self._listener)  # wakes the accepting thread (closing alone does not)
         with self._lock:
             self._closing = True
             self._lock.wait_for(lambda: not self._busy, timeout=grace or 0.0)
