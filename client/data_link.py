@@ -96,7 +96,7 @@ class DataLink:
         replies = [reply async for reply in self._streamed(partial(self._submit_result, chunks), timeout)]
         if len(replies) != 1:
             raise _failed(grpc.StatusCode.INTERNAL, f"the server answered a result with {len(replies)} messages")
-        return pb.SubmitReply.FromString(bytes(replies[0]))
+        return pb.SubmitReply.FromString(replies[0])
 
     async def _streamed(self, call, timeout: float) -> AsyncIterator:
         """Run ``call`` on a thread of the link, yielding what it hands over as it arrives."""
@@ -138,7 +138,7 @@ class DataLink:
             code, details = call(sock, deadline, hand)
         except (OSError, LinkBroken, ssl.SSLError) as error:
             shut(sock)
-            silent = isinstance(error, TimeoutError) or isinstance(error, socket.timeout)
+            silent = isinstance(error, TimeoutError)  # socket.timeout is TimeoutError
             hand(_failed(grpc.StatusCode.DEADLINE_EXCEEDED if silent else grpc.StatusCode.UNAVAILABLE,
                          f"the data port connection {'went silent' if silent else 'broke'}: {error}"))
             return

@@ -28,6 +28,8 @@ from __future__ import annotations
 import socket
 import struct
 
+import grpc
+
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 
 MAGIC = b"FPD1"
@@ -80,11 +82,6 @@ def read_length(sock: socket.socket, largest: int) -> int:
     return length
 
 
-def frame(kind: int, body: bytes) -> bytes:
-    """One frame of the server's answer."""
-    return FRAME.pack(kind, len(body)) + body
-
-
 def send_prefixed(sock: socket.socket, prefix: bytes, body: bytes) -> None:
     """``prefix`` then ``body``, without copying a large body to join them."""
     if len(body) <= SMALL_MESSAGE:
@@ -94,8 +91,14 @@ def send_prefixed(sock: socket.socket, prefix: bytes, body: bytes) -> None:
         sock.sendall(body)
 
 
-def status_body(code_value: int, details: str) -> bytes:
-    return bytes([code_value]) + details.encode()[:MAX_DETAILS_BYTES]
+def send_frame(sock: socket.socket, kind: int, body: bytes) -> None:
+    """One frame of the server's answer."""
+    send_prefixed(sock, FRAME.pack(kind, len(body)), body)
+
+
+def send_status(sock: socket.socket, code: grpc.StatusCode, details: str) -> None:
+    """The frame that ends the server's answer to a call."""
+    send_frame(sock, STATUS, bytes([code.value[0]]) + details.encode()[:MAX_DETAILS_BYTES])
 
 
 def tune(sock: socket.socket) -> None:

@@ -32,22 +32,19 @@ import grpc
 
 from fedpart.common.data_link import (
     CALL_HEAD,
-    FRAME,
     GET_TASK,
     MAGIC,
     MAX_TOKEN_BYTES,
     MESSAGE,
     METHODS,
     PROGRESS_SECONDS,
-    STATUS,
     LinkBroken,
-    frame,
     largest_message,
     read_exactly,
     read_length,
-    send_prefixed,
+    send_frame,
+    send_status,
     shut,
-    status_body,
     tune,
 )
 from fedpart.common.security import ServerSecurity
@@ -268,12 +265,12 @@ class DataPort:
         try:
             request = pb.TaskRequest.FromString(request_bytes)
         except Exception:  # noqa: BLE001 - any undecodable request is the caller's error
-            sock.sendall(frame(STATUS, status_body(grpc.StatusCode.INTERNAL.value[0], "undecodable task request")))
+            send_status(sock, grpc.StatusCode.INTERNAL, "undecodable task request")
             return grpc.StatusCode.INTERNAL
         messages, code, details = self._on_loop(self._run_get_task(request, context)).result()
         for message in messages:
-            send_prefixed(sock, FRAME.pack(MESSAGE, len(message)), message)
-        sock.sendall(frame(STATUS, status_body(code.value[0], details)))
+            send_frame(sock, MESSAGE, message)
+        send_status(sock, code, details)
         return code
 
     async def _run_get_task(self, request: pb.TaskRequest, context: LinkContext
@@ -305,8 +302,8 @@ class DataPort:
             raise
         reply, code, details = outcome.result()
         if reply is not None:
-            sock.sendall(frame(MESSAGE, reply))
-        sock.sendall(frame(STATUS, status_body(code.value[0], details)))
+            send_frame(sock, MESSAGE, reply)
+        send_status(sock, code, details)
         return code
 
     async def _run_submit_result(self, messages: _ResultMessages, context: LinkContext
