@@ -1,5 +1,7 @@
 """The exit codes of ``fedpart server``, ``fedpart client`` and ``fedpart run`` (docs/operating-a-run.md, "Exit
-codes"), and how a process turns SIGINT / SIGTERM into an orderly stop.
+codes"), and how a process turns SIGINT / SIGTERM into an orderly stop: raised at once in the
+main thread (:func:`stop_on_signals`), or handed to the program, which stops at a wait of its
+choosing (:func:`signals_to`, :class:`StoppableCondition`; the server).
 
 A supervisor (systemd, Kubernetes, a shell script) tells from the code alone how a process ended:
 
@@ -27,7 +29,9 @@ code  name          meaning
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+import socket
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import IntEnum
 
@@ -81,3 +85,78 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextmanager
+def signals_to(stop: Callable[[Stopped], None]) -> Iterator[None]:
+    """Within the block SIGINT and SIGTERM raise nothing: a thread of their own hands the first
+    one to ``stop`` (as a :class:`Stopped`; later ones are ignored), and the program stops at a
+    point of its choosing. An exception raised by a signal handler lands between any two
+    bytecodes of the main thread, even between a lock's acquire and the ``with`` that would
+    release it, and a lock left held stops the other threads for good. The handlers and the
+    wakeup descriptor of before come back when the block ends. Call from the main thread."""
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    previous = {signum: signal.signal(signum, _noted) for signum in SIGNAL_REASONS}
+    relay = threading.Thread(target=_relay, args=(reader, stop), name="signals", daemon=True)
+    relay.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        writer.close()  # the relay reads the end of the stream and returns
+        relay.join()
+        reader.close()
+
+
+def _noted(signum: int, frame: object) -> None:
+    """The handler within :func:`signals_to`: the C handler has written ``signum`` to the
+    wakeup descriptor already; nothing is raised here."""
+
+
+def _relay(reader: socket.socket, stop: Callable[[Stopped], None]) -> None:
+    """Read the numbers of the signals that arrived; hand the first SIGINT or SIGTERM to ``stop``."""
+    while data := reader.recv(64):
+        for signum in data:
+            if signum in SIGNAL_REASONS:
+                stop(Stopped(signum))
+                return
+
+
+class StoppableCondition(threading.Condition):
+    """A condition variable whose waits a stop ends: after :meth:`stop` (from any thread) the next
+    :meth:`wait` raises the :class:`Stopped`, once. Every wait of a program's main loop on it is
+    then a point where the program stops in order. :meth:`settle` drops a stop that would come
+    too late (the work is done)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stop: Stopped | None = None
+        self._settled = False
+
+    def stop(self, stop: Stopped) -> None:
+        """Wake the waits; the next one raises ``stop`` (unless settled: stopped already, or
+        :meth:`settle` was called)."""
+        with self:
+            if not self._settled and self._stop is None:
+                self._stop = stop
+                self.notify_all()
+
+    def settle(self) -> None:
+        """From now on a stop is ignored (call holding the lock)."""
+        self._settled = True
+        self._stop = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._raise_stop()
+        woken = super().wait(timeout)
+        self._raise_stop()
+        return woken
+
+    def _raise_stop(self) -> None:
+        if self._stop is not None:
+            stop, self._stop, self._settled = self._stop, None, True
+            raise stop

@@ -31,7 +31,6 @@ result or heartbeat is O(1) in the number of clients and processes.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -41,6 +40,7 @@ import torch
 from fedpart.common.algorithms import Algorithm, Role, RoundContext, learning_rate
 from fedpart.common.config import RunConfig
 from fedpart.common.console import RunProgress
+from fedpart.common.exit_codes import StoppableCondition, Stopped
 from fedpart.common.experiment import build_run_model, run_algorithm
 from fedpart.common.plans import EvalPlan, JoinInfo, ResultInfo, RunOutcome, SecAggStage, TaskKind, TrainPlan
 from fedpart.common.protocol import Rejected
@@ -80,7 +80,8 @@ class Coordinator:
         self.heads = HeadDictionary()
         self.aggregation = ServerPolicy(config, log)
 
-        self._cond = threading.Condition()  # the lock of the whole state machine; the round loop waits on it
+        # the lock of the whole state machine; the round loop waits on it, and a stop ends its waits
+        self._cond = StoppableCondition()
         self.registry = ProcessRegistry(config, self._cond, log)
         self.board = TaskBoard(self.registry, self._cond, log, self._record_failure, config.server.delivery_attempts)
         self._personal: dict[int, set[str]] = {}  # personal parts each client holds, as the server knows
@@ -423,10 +424,17 @@ class Coordinator:
         return Task(TaskKind.EVALUATE, next(self._task_ids), self._round, client, evaluate=plan,
                     personal_init=self._personal_init(client), session=session)
 
+    def stop(self, stop: Stopped) -> None:
+        """SIGINT or SIGTERM (from the signal thread, :func:`~fedpart.common.exit_codes.signals_to`):
+        the round loop's next wait raises ``stop``."""
+        self._cond.stop(stop)
+
     def finish(self, outcome: RunOutcome = RunOutcome.COMPLETED) -> None:
         """Tell every process the run is over and how it ended (their next poll returns DONE);
-        then ``registry.wait_until_released`` waits until they heard it."""
+        then ``registry.wait_until_released`` waits until they heard it. A stop from now on
+        has nothing left to stop."""
         with self._cond:
+            self._cond.settle()
             self.registry.finish(outcome)
             self.board.wake_all()
 

@@ -29,7 +29,7 @@ import grpc
 from fedpart.common.algorithms import has_global_model
 from fedpart.common.config import RunConfig
 from fedpart.common.console import Display, ProgressLines, render_run, stamp
-from fedpart.common.exit_codes import ExitCode, Stopped
+from fedpart.common.exit_codes import ExitCode, Stopped, signals_to
 from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.plans import RunOutcome
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
@@ -283,7 +283,8 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
     also answer health checks in plaintext there (:mod:`fedpart.server.health`);
     ``metrics_port``: serve Prometheus metrics there (:mod:`fedpart.server.metrics`);
     ``data_port``: move tasks and results there too (:mod:`fedpart.server.data_port`; 0: a free
-    port); all on the host of ``address``."""
+    port); all on the host of ``address``. Called in the main thread, SIGINT and SIGTERM end the
+    run at the round loop's next wait (:func:`~fedpart.common.exit_codes.signals_to`)."""
     security = security or ServerSecurity()
     started = time.monotonic()
     # checked before anything is bound or written
@@ -308,6 +309,8 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
         check_address(listening)
     records: list[dict] = []  # the round records (metrics.jsonl), read by the metrics endpoint
     with ExitStack() as stack:
+        if threading.current_thread() is threading.main_thread():
+            stack.enter_context(signals_to(coordinator.stop))  # the round loop stops at a wait, in order
         if metrics_port is not None:
             metrics = _start_metrics(host, metrics_port, RunCollector(coordinator, records))
             stack.callback(metrics.stop)
