@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -49,7 +51,7 @@ from fedpart.common.codecs import build_codec, encode, encode_with_feedback, see
 from fedpart.common.config import config_from_dict
 from fedpart.common.console import ClientActivity, Display, render_client
 from fedpart.common.data.augment import build_augment
-from fedpart.common.exit_codes import ExitCode, Stopped
+from fedpart.common.exit_codes import ExitCode, Stopped, signals_to
 from fedpart.common.experiment import LocalData, build_run_model, check_experiment, dataset_dims, run_algorithm
 from fedpart.common.losses import build_loss
 from fedpart.common.models.zoo import unit_forward_flops
@@ -162,7 +164,9 @@ class ClientProcess:
     def run(self) -> int:
         """Serve tasks until the server says the run is over; returns the exit code (0: the run
         completed, 5: the server ended it early). A :class:`~fedpart.common.exit_codes.Stopped`
-        (SIGINT, SIGTERM) or an error is told to the server (``Leave``) and raised again."""
+        (SIGINT, SIGTERM; in the main thread they are taken at the next wait for the session or
+        within a few training steps) or an error is told to the server (``Leave``) and raised
+        again."""
         from fedpart.client.diagnose import permanent_problem
 
         self._loop = SessionThread()
@@ -171,7 +175,10 @@ class ClientProcess:
                                diagnose=partial(permanent_problem, self.server, self.security),
                                data_address=self.data_address)
         try:
-            with self.display:
+            with ExitStack() as stack:
+                if threading.current_thread() is threading.main_thread():
+                    stack.enter_context(signals_to(self._loop.stops.stop))  # taken at a wait or a training step
+                stack.enter_context(self.display)
                 self._call(self.session.__aenter__())
                 try:
                     return self._joined(self._call(self.session.join()))
@@ -297,7 +304,7 @@ class ClientProcess:
         self.activity.task(f"client {client} round {task.round}: training")
         outcome = train_local(self.model, data, plan, self.loss_fn, reference, self.unit_flops, objective, state,
                               build_augment(self.config.train.augment, plan.seed), self.speed,
-                              on_steps=self.activity.advance, dp_sgd=self.config.privacy.dp_sgd)
+                              on_steps=self._trained, dp_sgd=self.config.privacy.dp_sgd)
         # record-level DP-SGD: this client's epsilon over every round it trained (its ledger in the store)
         private = dp_sgd.spend(self.store.root, client, task.round, outcome.dp_sgd, self.config.privacy.dp_sgd)
         self.log(f"client {client} round {task.round}: trained {outcome.steps} steps in "
@@ -323,6 +330,11 @@ class ClientProcess:
         answer = self._training_answer(task, outcome.samples, metrics, uploads)
         answer.secagg = secagg
         return answer
+
+    def _trained(self, steps: int, all_steps: int) -> None:
+        """Training progress: shown, and a point where a stop (SIGINT, SIGTERM) is taken."""
+        self._loop.stops.take()
+        self.activity.advance(steps, all_steps)
 
     def _training_answer(self, task: TaskInfo, num_samples: int, metrics: dict[str, float],
                          uploads: dict[str, torch.Tensor]) -> Answer:

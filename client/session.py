@@ -29,7 +29,7 @@ again on a new connection.
 
 A session runs on an asyncio event loop. The load generator runs thousands of them on one loop;
 ``fedpart client`` runs one on a loop thread of its own (:class:`SessionThread`) so that its main
-thread trains, and SIGINT or SIGTERM interrupt the training at once. A poll and result uploads may
+thread trains; SIGINT or SIGTERM end a wait for the session, or the training within a few steps. A poll and result uploads may
 run at the same time (the worker fetches its next task and sends earlier results while it trains):
 a lost session is joined again once, by whichever call found it lost first.
 """
@@ -49,7 +49,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from fedpart.client.data_link import DataLink, LinkUnreachable
-from fedpart.common.exit_codes import ExitCode
+from fedpart.common.exit_codes import ExitCode, StopRequest
 from fedpart.common.plans import ResultInfo, SecAggAnswer, TaskInfo, TaskKind
 from fedpart.common.protocol import (
     KEEPALIVE_SECONDS,
@@ -584,10 +584,12 @@ class _Counted:
 
 class SessionThread:
     """An event loop on a thread of its own, for a process whose main thread does the work:
-    :meth:`call` runs a session's coroutine there and waits for it. A signal that interrupts the
-    wait (SIGINT, SIGTERM raise in the main thread) cancels the coroutine and is raised on."""
+    :meth:`call` runs a session's coroutine there and waits for it. A stop handed to
+    :attr:`stops` (SIGINT, SIGTERM: :func:`~fedpart.common.exit_codes.signals_to`) ends the wait
+    under way or the next one: the coroutine is cancelled and the stop raised, once."""
 
     def __init__(self) -> None:
+        self.stops = StopRequest()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="session", daemon=True)
         self._thread.start()
@@ -599,10 +601,11 @@ class SessionThread:
         """Start ``coroutine`` on the loop; the caller goes on (:meth:`wait` for its outcome)."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
-    @staticmethod
-    def wait(future: concurrent.futures.Future[T]) -> T:
-        """The outcome of a submitted coroutine; an interrupted wait cancels it."""
+    def wait(self, future: concurrent.futures.Future[T]) -> T:
+        """The outcome of a submitted coroutine; a stop cancels it and is raised."""
         try:
+            concurrent.futures.wait((future, self.stops.arrived), return_when=concurrent.futures.FIRST_COMPLETED)
+            self.stops.take()
             return future.result()
         except BaseException:
             future.cancel()

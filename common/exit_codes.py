@@ -28,6 +28,7 @@ code  name          meaning
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import socket
 import threading
@@ -126,37 +127,58 @@ def _relay(reader: socket.socket, stop: Callable[[Stopped], None]) -> None:
                 return
 
 
+class StopRequest:
+    """A stop handed over (:func:`signals_to`), to be taken where the program chooses: the first
+    :meth:`take` after :meth:`stop` raises it, once; :meth:`settle` drops a stop that would come
+    too late (the work is done). ``arrived`` completes with the stop, for waits on futures."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stop: Stopped | None = None
+        self._settled = False
+        self.arrived: concurrent.futures.Future[Stopped] = concurrent.futures.Future()
+
+    def stop(self, stop: Stopped) -> bool:
+        """Ask for ``stop``; False when settled (stopped already, or :meth:`settle` was called)."""
+        with self._lock:
+            if self._settled or self._stop is not None:
+                return False
+            self._stop = stop
+        self.arrived.set_result(stop)
+        return True
+
+    def settle(self) -> None:
+        """From now on a stop is ignored."""
+        with self._lock:
+            self._settled, self._stop = True, None
+
+    def take(self) -> None:
+        """Raise the stop asked for, if any (once)."""
+        with self._lock:
+            stop, self._stop = self._stop, None
+            if stop is not None:
+                self._settled = True
+        if stop is not None:
+            raise stop
+
+
 class StoppableCondition(threading.Condition):
     """A condition variable whose waits a stop ends: after :meth:`stop` (from any thread) the next
-    :meth:`wait` raises the :class:`Stopped`, once. Every wait of a program's main loop on it is
-    then a point where the program stops in order. :meth:`settle` drops a stop that would come
-    too late (the work is done)."""
+    :meth:`wait` raises the :class:`Stopped`, once (:class:`StopRequest`). Every wait of a
+    program's main loop on it is then a point where the program stops in order."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._stop: Stopped | None = None
-        self._settled = False
+        self.request = StopRequest()
 
     def stop(self, stop: Stopped) -> None:
-        """Wake the waits; the next one raises ``stop`` (unless settled: stopped already, or
-        :meth:`settle` was called)."""
-        with self:
-            if not self._settled and self._stop is None:
-                self._stop = stop
+        """Wake the waits; the next one raises ``stop`` (see :meth:`StopRequest.stop`)."""
+        if self.request.stop(stop):
+            with self:
                 self.notify_all()
 
-    def settle(self) -> None:
-        """From now on a stop is ignored (call holding the lock)."""
-        self._settled = True
-        self._stop = None
-
     def wait(self, timeout: float | None = None) -> bool:
-        self._raise_stop()
+        self.request.take()
         woken = super().wait(timeout)
-        self._raise_stop()
+        self.request.take()
         return woken
-
-    def _raise_stop(self) -> None:
-        if self._stop is not None:
-            stop, self._stop, self._settled = self._stop, None, True
-            raise stop

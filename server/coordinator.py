@@ -433,8 +433,8 @@ class Coordinator:
         """Tell every process the run is over and how it ended (their next poll returns DONE);
         then ``registry.wait_until_released`` waits until they heard it. A stop from now on
         has nothing left to stop."""
+        self._cond.request.settle()
         with self._cond:
-            self._cond.settle()
             self.registry.finish(outcome)
             self.board.wake_all()
 

@@ -55,8 +55,7 @@ def test_a_stop_before_the_wait_is_raised_by_it_and_later_stops_are_ignored() ->
 
 def test_a_settled_condition_ignores_a_stop() -> None:
     cond = StoppableCondition()
-    with cond:
-        cond.settle()
+    cond.request.settle()
     cond.stop(Stopped(signal.SIGINT))
     with cond:
         assert cond.wait(0) is False
@@ -100,3 +99,20 @@ def test_signals_are_handed_to_the_program_and_raised_only_at_its_wait() -> None
     assert done.returncode == 0, done.stderr
     term = int(signal.SIGTERM)
     assert done.stdout.split() == ["Stopped", str(term), f"[{term}]", "True", "[True]"]
+
+
+def test_a_stop_ends_a_clients_wait_for_its_session_and_cancels_the_call() -> None:
+    import asyncio
+
+    from fedpart.client.session import SessionThread
+
+    loop = SessionThread()
+    try:
+        forever = loop.submit(asyncio.sleep(3600))
+        threading.Timer(0.05, loop.stops.stop, args=(Stopped(signal.SIGINT),)).start()
+        with pytest.raises(Stopped):
+            loop.wait(forever)
+        assert forever.cancelled()
+        assert loop.call(asyncio.sleep(0, result="next")) == "next"  # taken once: the Leave still goes
+    finally:
+        loop.close()
