@@ -29,9 +29,10 @@ again on a new connection.
 
 A session runs on an asyncio event loop. The load generator runs thousands of them on one loop;
 ``fedpart client`` runs one on a loop thread of its own (:class:`SessionThread`) so that its main
-thread trains; SIGINT or SIGTERM end a wait for the session, or the training within a few steps. A poll and result uploads may
-run at the same time (the worker fetches its next task and sends earlier results while it trains):
-a lost session is joined again once, by whichever call found it lost first.
+thread trains; SIGINT or SIGTERM end a wait for the session, or the training within a few steps.
+A poll and result uploads may run at the same time (the worker fetches its next task and sends
+earlier results while it trains): a lost session is joined again once, by whichever call found it
+lost first.
 """
 
 from __future__ import annotations

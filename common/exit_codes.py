@@ -1,7 +1,8 @@
 """The exit codes of ``fedpart server``, ``fedpart client`` and ``fedpart run`` (docs/operating-a-run.md, "Exit
 codes"), and how a process turns SIGINT / SIGTERM into an orderly stop: raised at once in the
-main thread (:func:`stop_on_signals`), or handed to the program, which stops at a wait of its
-choosing (:func:`signals_to`, :class:`StoppableCondition`; the server).
+main thread (:func:`stop_on_signals`: the launcher, and every command until it starts its work),
+or handed to the program, which stops at a point of its choosing (:func:`signals_to` with a
+:class:`StopRequest` or a :class:`StoppableCondition`: the client and the server).
 
 A supervisor (systemd, Kubernetes, a shell script) tells from the code alone how a process ended:
 
