@@ -17,11 +17,9 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
-from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -175,10 +173,7 @@ class ClientProcess:
                                diagnose=partial(permanent_problem, self.server, self.security),
                                data_address=self.data_address)
         try:
-            with ExitStack() as stack:
-                if threading.current_thread() is threading.main_thread():
-                    stack.enter_context(signals_to(self._loop.stops.stop))  # taken at a wait or a training step
-                stack.enter_context(self.display)
+            with signals_to(self._loop.stops.stop), self.display:  # a stop is taken at a wait or a training step
                 self._call(self.session.__aenter__())
                 try:
                     return self._joined(self._call(self.session.join()))

@@ -96,7 +96,11 @@ def signals_to(stop: Callable[[Stopped], None]) -> Iterator[None]:
     point of its choosing. An exception raised by a signal handler lands between any two
     bytecodes of the main thread, even between a lock's acquire and the ``with`` that would
     release it, and a lock left held stops the other threads for good. The handlers and the
-    wakeup descriptor of before come back when the block ends. Call from the main thread."""
+    wakeup descriptor of before come back when the block ends. Outside the main thread (a
+    program embedding fedpart), where no handler can be set, the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)

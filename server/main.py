@@ -309,8 +309,7 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
         check_address(listening)
     records: list[dict] = []  # the round records (metrics.jsonl), read by the metrics endpoint
     with ExitStack() as stack:
-        if threading.current_thread() is threading.main_thread():
-            stack.enter_context(signals_to(coordinator.stop))  # the round loop stops at a wait, in order
+        stack.enter_context(signals_to(coordinator.stop))  # the round loop stops at a wait, in order
         if metrics_port is not None:
             metrics = _start_metrics(host, metrics_port, RunCollector(coordinator, records))
             stack.callback(metrics.stop)
