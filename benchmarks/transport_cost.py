@@ -20,6 +20,11 @@ Transports:
   socket that sends from its buffer (``sendall``), waiting for a one-byte acknowledgement.
 - **ssl-blocking**: the same sender; the receiver a thread per connection reading a blocking
   ``ssl`` socket into one reused buffer (``recv_into``).
+- **ssl-bio**: TLS in memory (``ssl.MemoryBIO``) over plain blocking sockets on both sides, the
+  question being whether fewer, larger socket calls save CPU: an ``ssl`` socket reads each TLS
+  record of at most 16 KiB with two ``recv`` calls and writes each with one ``send``, where the
+  sender here encrypts a whole upload into memory and hands it to one ``sendall``, and the
+  receiver reads up to 256 KiB a call and decrypts them from memory.
 
 For each transport in turn, ``--repeat`` times (the machine's speed drifts): start the receiver and
 the senders, wait ``--warmup`` seconds, then count the uploads the receiver completed and the CPU
@@ -49,7 +54,8 @@ from pathlib import Path
 from typing import IO
 
 BENCHMARKS = Path(__file__).resolve().parent
-TRANSPORTS = ("grpc-aio", "ssl-asyncio", "ssl-blocking")
+TRANSPORTS = ("grpc-aio", "ssl-asyncio", "ssl-blocking", "ssl-bio")
+BIO_READ_BYTES = 256 << 10  # ssl-bio: the most one socket read takes
 CNN2_RESULT_BYTES = 582_026 * 4
 METHOD = "/transport_cost.Receiver/Upload"
 UPLOADED = "uploaded"
@@ -149,6 +155,73 @@ def _blocking_receiver(certs: Path, size: int) -> None:
         threading.Thread(target=serve, args=(connection,), daemon=True).start()
 
 
+class _MemoryTls:
+    """TLS through memory buffers over a plain blocking socket (the ssl-bio transport)."""
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool,
+                 server_hostname: str | None = None) -> None:
+        self.sock = sock
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=server_side,
+                                    server_hostname=server_hostname)
+        self.read_buffer = memoryview(bytearray(BIO_READ_BYTES))
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._flush()
+                self._fill()
+        self._flush()
+
+    def _flush(self) -> None:
+        encrypted = self.outgoing.read()
+        if encrypted:
+            self.sock.sendall(encrypted)
+
+    def _fill(self) -> bool:
+        got = self.sock.recv_into(self.read_buffer)
+        self.incoming.write(self.read_buffer[:got])
+        return got > 0
+
+    def sendall(self, data: bytes | memoryview) -> None:
+        self.tls.write(data)
+        self._flush()
+
+    def recv_into(self, buffer: memoryview) -> int:
+        """Decrypted bytes into ``buffer``: how many (0: the connection ended)."""
+        while True:
+            try:
+                return self.tls.read(len(buffer), buffer)
+            except ssl.SSLWantReadError:
+                if not self._fill():
+                    return 0
+
+
+def _bio_receiver(certs: Path, size: int) -> None:
+    context = _server_context(certs)
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(f"port {listener.getsockname()[1]}", flush=True)
+
+    def serve(connection: socket.socket) -> None:
+        with connection:
+            tls = _MemoryTls(connection, context, server_side=True)
+            buffer = memoryview(bytearray(size))
+            while True:
+                received = 0
+                while received < size:
+                    got = tls.recv_into(buffer[received:])
+                    if not got:
+                        return
+                    received += got
+                _uploaded()
+                tls.sendall(b"k")
+
+    while True:
+        connection, _ = listener.accept()
+        threading.Thread(target=serve, args=(connection,), daemon=True).start()
+
+
 # ------------------------------------------------------------------ senders
 
 def _pacer(rate: float) -> Callable[[], float]:
@@ -195,6 +268,22 @@ def _ssl_sender(port: int, certs: Path, index: int, size: int, rate: float) -> N
             time.sleep(delay())
 
 
+def _bio_sender(port: int, certs: Path, index: int, size: int, rate: float) -> None:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(certs / "ca.pem")
+    context.load_cert_chain(certs / f"process_{index}.pem", certs / f"process_{index}.key")
+    source = memoryview(os.urandom(size))
+    acknowledgement = memoryview(bytearray(1))
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        tls = _MemoryTls(connection, context, server_side=False, server_hostname="127.0.0.1")
+        delay = _pacer(rate)
+        while True:
+            tls.sendall(source)
+            if not tls.recv_into(acknowledgement):
+                raise RuntimeError("the receiver closed the connection")
+            time.sleep(delay())
+
+
 def _role(args: argparse.Namespace) -> None:
     certs = Path(args.certs)
     if args.role == "receiver":
@@ -202,10 +291,14 @@ def _role(args: argparse.Namespace) -> None:
             asyncio.run(_grpc_receiver(certs, args.bytes))
         elif args.transport == "ssl-asyncio":
             asyncio.run(_asyncio_receiver(certs, args.bytes))
+        elif args.transport == "ssl-bio":
+            _bio_receiver(certs, args.bytes)
         else:
             _blocking_receiver(certs, args.bytes)
     elif args.transport == "grpc-aio":
         asyncio.run(_grpc_sender(args.port, certs, args.index, args.bytes, args.rate))
+    elif args.transport == "ssl-bio":
+        _bio_sender(args.port, certs, args.index, args.bytes, args.rate)
     else:
         _ssl_sender(args.port, certs, args.index, args.bytes, args.rate)
 
