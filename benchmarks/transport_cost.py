@@ -132,29 +132,6 @@ async def _asyncio_receiver(certs: Path, size: int) -> None:
     await server.serve_forever()
 
 
-def _blocking_receiver(certs: Path, size: int) -> None:
-    context = _server_context(certs)
-    listener = socket.create_server(("127.0.0.1", 0))
-    print(f"port {listener.getsockname()[1]}", flush=True)
-
-    def serve(connection: socket.socket) -> None:
-        with context.wrap_socket(connection, server_side=True) as tls:
-            buffer = memoryview(bytearray(size))
-            while True:
-                received = 0
-                while received < size:
-                    got = tls.recv_into(buffer[received:], size - received)
-                    if not got:
-                        return
-                    received += got
-                _uploaded()
-                tls.sendall(b"k")
-
-    while True:
-        connection, _ = listener.accept()
-        threading.Thread(target=serve, args=(connection,), daemon=True).start()
-
-
 class _MemoryTls:
     """TLS through memory buffers over a plain blocking socket (the ssl-bio transport)."""
 
@@ -171,8 +148,15 @@ class _MemoryTls:
                 break
             except ssl.SSLWantReadError:
                 self._flush()
-                self._fill()
+                if not self._fill():
+                    raise ConnectionError("the connection ended during the TLS handshake") from None
         self._flush()
+
+    def __enter__(self) -> _MemoryTls:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.sock.close()
 
     def _flush(self) -> None:
         encrypted = self.outgoing.read()
@@ -198,14 +182,17 @@ class _MemoryTls:
                     return 0
 
 
-def _bio_receiver(certs: Path, size: int) -> None:
+def _blocking_receiver(certs: Path, size: int, in_memory: bool) -> None:
+    """A thread per connection, reading each upload into one reused buffer through an ``ssl``
+    socket (ssl-blocking) or TLS in memory (ssl-bio)."""
     context = _server_context(certs)
     listener = socket.create_server(("127.0.0.1", 0))
     print(f"port {listener.getsockname()[1]}", flush=True)
 
     def serve(connection: socket.socket) -> None:
-        with connection:
-            tls = _MemoryTls(connection, context, server_side=True)
+        secured = _MemoryTls(connection, context, server_side=True) if in_memory else \
+            context.wrap_socket(connection, server_side=True)
+        with secured as tls:
             buffer = memoryview(bytearray(size))
             while True:
                 received = 0
@@ -254,32 +241,22 @@ async def _grpc_sender(port: int, certs: Path, index: int, size: int, rate: floa
             await asyncio.sleep(delay())
 
 
-def _ssl_sender(port: int, certs: Path, index: int, size: int, rate: float) -> None:
+def _ssl_sender(port: int, certs: Path, index: int, size: int, rate: float, in_memory: bool) -> None:
+    """Uploads through an ``ssl`` socket (ssl-asyncio, ssl-blocking) or TLS in memory (ssl-bio),
+    each answered by a one-byte acknowledgement."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.load_verify_locations(certs / "ca.pem")
     context.load_cert_chain(certs / f"process_{index}.pem", certs / f"process_{index}.key")
     source = memoryview(os.urandom(size))
-    with context.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="127.0.0.1") as tls:
+    acknowledgement = bytearray(1)
+    connection = socket.create_connection(("127.0.0.1", port))
+    secured = _MemoryTls(connection, context, server_side=False, server_hostname="127.0.0.1") if in_memory else \
+        context.wrap_socket(connection, server_hostname="127.0.0.1")
+    with secured as tls:
         delay = _pacer(rate)
         while True:
             tls.sendall(source)
-            if tls.recv(1) != b"k":
-                raise RuntimeError("the receiver closed the connection")
-            time.sleep(delay())
-
-
-def _bio_sender(port: int, certs: Path, index: int, size: int, rate: float) -> None:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.load_verify_locations(certs / "ca.pem")
-    context.load_cert_chain(certs / f"process_{index}.pem", certs / f"process_{index}.key")
-    source = memoryview(os.urandom(size))
-    acknowledgement = memoryview(bytearray(1))
-    with socket.create_connection(("127.0.0.1", port)) as connection:
-        tls = _MemoryTls(connection, context, server_side=False, server_hostname="127.0.0.1")
-        delay = _pacer(rate)
-        while True:
-            tls.sendall(source)
-            if not tls.recv_into(acknowledgement):
+            if not tls.recv_into(memoryview(acknowledgement)) or acknowledgement != b"k":
                 raise RuntimeError("the receiver closed the connection")
             time.sleep(delay())
 
@@ -291,16 +268,12 @@ def _role(args: argparse.Namespace) -> None:
             asyncio.run(_grpc_receiver(certs, args.bytes))
         elif args.transport == "ssl-asyncio":
             asyncio.run(_asyncio_receiver(certs, args.bytes))
-        elif args.transport == "ssl-bio":
-            _bio_receiver(certs, args.bytes)
         else:
-            _blocking_receiver(certs, args.bytes)
+            _blocking_receiver(certs, args.bytes, in_memory=args.transport == "ssl-bio")
     elif args.transport == "grpc-aio":
         asyncio.run(_grpc_sender(args.port, certs, args.index, args.bytes, args.rate))
-    elif args.transport == "ssl-bio":
-        _bio_sender(args.port, certs, args.index, args.bytes, args.rate)
     else:
-        _ssl_sender(args.port, certs, args.index, args.bytes, args.rate)
+        _ssl_sender(args.port, certs, args.index, args.bytes, args.rate, in_memory=args.transport == "ssl-bio")
 
 
 # ------------------------------------------------------------------ the measurement
