@@ -1,10 +1,10 @@
 """CPU that moving a training result's bytes over mutual TLS costs the receiver and the sender, by
-transport, measured side by side in one run.
+transport, measured side by side in one run beside the same transfers without TLS.
 
 Workload: ``--senders`` processes (default 2, as round_overhead's 2 client processes) each upload
 ``--bytes`` (default 2,328,104: one ``cnn2`` result, 582,026 float32 parameters) ``--rate`` times a
 second (default 1.72: round_overhead's 10 results a round of about 2.9 s from 2 processes) to one
-receiver process on 127.0.0.1, over TLS with client certificates made by
+receiver process on 127.0.0.1, over TLS (but for tcp and unix) with client certificates made by
 :func:`fedpart.deploy.certs.write_run_credentials`. No fedpart code runs on either side of the
 connection: this is what the transport itself costs, the bound under fedpart's own transfers.
 
@@ -25,6 +25,11 @@ Transports:
   record of at most 16 KiB with two ``recv`` calls and writes each with one ``send``, where the
   sender here encrypts a whole upload into memory and hands it to one ``sendall``, and the
   receiver reads up to 256 KiB a call and decrypts them from memory.
+- **tcp**: the ssl-blocking receiver and sender over the same TCP connections with no TLS: what
+  moving the bytes costs without encryption.
+- **unix**: the same over a Unix-domain stream socket, the kind of connection the compute floor
+  of ``round_overhead.py`` moves its deltas over (``multiprocessing.Pipe``); ssl-blocking against
+  tcp and unix is the part of a transfer's CPU that TLS adds.
 
 For each transport in turn, ``--repeat`` times (the machine's speed drifts): start the receiver and
 the senders, wait ``--warmup`` seconds, then count the uploads the receiver completed and the CPU
@@ -54,7 +59,9 @@ from pathlib import Path
 from typing import IO
 
 BENCHMARKS = Path(__file__).resolve().parent
-TRANSPORTS = ("grpc-aio", "ssl-asyncio", "ssl-blocking", "ssl-bio")
+TRANSPORTS = ("grpc-aio", "ssl-asyncio", "ssl-blocking", "ssl-bio", "tcp", "unix")
+# the transports of the blocking receiver and sender, by the layer their bytes go through
+LAYERS = {"ssl-blocking": "tls", "ssl-bio": "tls-in-memory", "tcp": "plain", "unix": "plain"}
 BIO_READ_BYTES = 256 << 10  # ssl-bio: the most one socket read takes
 CNN2_RESULT_BYTES = 582_026 * 4
 METHOD = "/transport_cost.Receiver/Upload"
@@ -182,17 +189,33 @@ class _MemoryTls:
                     return 0
 
 
-def _blocking_receiver(certs: Path, size: int, in_memory: bool) -> None:
-    """A thread per connection, reading each upload into one reused buffer through an ``ssl``
-    socket (ssl-blocking) or TLS in memory (ssl-bio)."""
+def _secured(connection: socket.socket, layer: str, context: ssl.SSLContext, server_side: bool
+             ) -> socket.socket | _MemoryTls:
+    """``connection`` through ``layer`` (see :data:`LAYERS`)."""
+    hostname = None if server_side else "127.0.0.1"
+    if layer == "tls-in-memory":
+        return _MemoryTls(connection, context, server_side=server_side, server_hostname=hostname)
+    if layer == "tls":
+        return context.wrap_socket(connection, server_side=server_side, server_hostname=hostname)
+    return connection
+
+
+def _blocking_receiver(certs: Path, size: int, transport: str) -> None:
+    """A thread per connection, reading each upload into one reused buffer through ``transport``'s
+    layer: an ``ssl`` socket, TLS in memory, or the socket itself (TCP or Unix-domain)."""
     context = _server_context(certs)
-    listener = socket.create_server(("127.0.0.1", 0))
-    print(f"port {listener.getsockname()[1]}", flush=True)
+    if transport == "unix":
+        path = certs / f"receiver-{os.getpid()}.sock"  # one per receiver: a killed one leaves its file
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        listener.listen()
+        print(f"port {path}", flush=True)
+    else:
+        listener = socket.create_server(("127.0.0.1", 0))
+        print(f"port {listener.getsockname()[1]}", flush=True)
 
     def serve(connection: socket.socket) -> None:
-        secured = _MemoryTls(connection, context, server_side=True) if in_memory else \
-            context.wrap_socket(connection, server_side=True)
-        with secured as tls:
+        with _secured(connection, LAYERS[transport], context, server_side=True) as tls:
             buffer = memoryview(bytearray(size))
             while True:
                 received = 0
@@ -241,18 +264,20 @@ async def _grpc_sender(port: int, certs: Path, index: int, size: int, rate: floa
             await asyncio.sleep(delay())
 
 
-def _ssl_sender(port: int, certs: Path, index: int, size: int, rate: float, in_memory: bool) -> None:
-    """Uploads through an ``ssl`` socket (ssl-asyncio, ssl-blocking) or TLS in memory (ssl-bio),
+def _blocking_sender(address: str, certs: Path, index: int, size: int, rate: float, transport: str) -> None:
+    """Uploads through ``transport``'s layer (an ``ssl`` socket for ssl-asyncio and ssl-blocking),
     each answered by a one-byte acknowledgement."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.load_verify_locations(certs / "ca.pem")
     context.load_cert_chain(certs / f"process_{index}.pem", certs / f"process_{index}.key")
     source = memoryview(os.urandom(size))
     acknowledgement = bytearray(1)
-    connection = socket.create_connection(("127.0.0.1", port))
-    secured = _MemoryTls(connection, context, server_side=False, server_hostname="127.0.0.1") if in_memory else \
-        context.wrap_socket(connection, server_hostname="127.0.0.1")
-    with secured as tls:
+    if transport == "unix":
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect(address)
+    else:
+        connection = socket.create_connection(("127.0.0.1", int(address)))
+    with _secured(connection, LAYERS.get(transport, "tls"), context, server_side=False) as tls:
         delay = _pacer(rate)
         while True:
             tls.sendall(source)
@@ -269,11 +294,11 @@ def _role(args: argparse.Namespace) -> None:
         elif args.transport == "ssl-asyncio":
             asyncio.run(_asyncio_receiver(certs, args.bytes))
         else:
-            _blocking_receiver(certs, args.bytes, in_memory=args.transport == "ssl-bio")
+            _blocking_receiver(certs, args.bytes, args.transport)
     elif args.transport == "grpc-aio":
-        asyncio.run(_grpc_sender(args.port, certs, args.index, args.bytes, args.rate))
+        asyncio.run(_grpc_sender(int(args.port), certs, args.index, args.bytes, args.rate))
     else:
-        _ssl_sender(args.port, certs, args.index, args.bytes, args.rate, in_memory=args.transport == "ssl-bio")
+        _blocking_sender(args.port, certs, args.index, args.bytes, args.rate, args.transport)
 
 
 # ------------------------------------------------------------------ the measurement
@@ -353,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", choices=("receiver", "sender"), help=argparse.SUPPRESS)
     parser.add_argument("--transport", choices=TRANSPORTS, help=argparse.SUPPRESS)
     parser.add_argument("--certs", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", help=argparse.SUPPRESS)  # a TCP port, or the unix transport's path
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role:
@@ -379,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, queue.Empty) as error:
             print(f"error: {error or 'a receiver did not report its port in 60 s'}", file=sys.stderr)
             return 1
-    print(f"{args.bytes:,} B uploads over mutual TLS on 127.0.0.1, {args.senders} sender process(es) at "
-          f"{args.rate:g}/s each, {args.seconds:g} s a run, {args.repeat} run(s) a transport taking turns\n")
+    print(f"{args.bytes:,} B uploads to 127.0.0.1 (over mutual TLS but for tcp and unix), {args.senders} sender "
+          f"process(es) at {args.rate:g}/s each, {args.seconds:g} s a run, {args.repeat} run(s) a transport taking turns\n")
     print(f"{'transport':14s} {'receiver ms':>12s} {'senders ms':>11s} {'sum':>7s} {'/ grpc-aio':>10s}   "
           "CPU ms per upload run by run (receiver / senders; uploads)")
     reference = None
