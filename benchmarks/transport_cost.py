@@ -4,9 +4,10 @@ transport, measured side by side in one run beside the same transfers without TL
 Workload: ``--senders`` processes (default 2, as round_overhead's 2 client processes) each upload
 ``--bytes`` (default 2,328,104: one ``cnn2`` result, 582,026 float32 parameters) ``--rate`` times a
 second (default 1.72: round_overhead's 10 results a round of about 2.9 s from 2 processes) to one
-receiver process on 127.0.0.1, over TLS (but for tcp and unix) with client certificates made by
-:func:`fedpart.deploy.certs.write_run_credentials`. No fedpart code runs on either side of the
-connection: this is what the transport itself costs, the bound under fedpart's own transfers.
+receiver process on 127.0.0.1 (the unix transport: a Unix-domain socket), over TLS but for tcp and
+unix, with client certificates made by :func:`fedpart.deploy.certs.write_run_credentials`. No
+fedpart code runs on either side of the connection: this is what the transport itself costs, the
+bound under fedpart's own transfers.
 
 Transports:
 
@@ -28,8 +29,8 @@ Transports:
 - **tcp**: the ssl-blocking receiver and sender over the same TCP connections with no TLS: what
   moving the bytes costs without encryption.
 - **unix**: the same over a Unix-domain stream socket, the kind of connection the compute floor
-  of ``round_overhead.py`` moves its deltas over (``multiprocessing.Pipe``); ssl-blocking against
-  tcp and unix is the part of a transfer's CPU that TLS adds.
+  of ``round_overhead.py`` moves its deltas over (``multiprocessing.Pipe``). The difference
+  between ssl-blocking and these two is the part of a transfer's CPU that TLS adds.
 
 For each transport in turn, ``--repeat`` times (the machine's speed drifts): start the receiver and
 the senders, wait ``--warmup`` seconds, then count the uploads the receiver completed and the CPU
@@ -60,8 +61,9 @@ from typing import IO
 
 BENCHMARKS = Path(__file__).resolve().parent
 TRANSPORTS = ("grpc-aio", "ssl-asyncio", "ssl-blocking", "ssl-bio", "tcp", "unix")
-# the transports of the blocking receiver and sender, by the layer their bytes go through
-LAYERS = {"ssl-blocking": "tls", "ssl-bio": "tls-in-memory", "tcp": "plain", "unix": "plain"}
+# the transports whose sender is the blocking one (and, but for ssl-asyncio, the receiver too), by
+# the layer their bytes go through
+LAYERS = {"ssl-asyncio": "tls", "ssl-blocking": "tls", "ssl-bio": "tls-in-memory", "tcp": "plain", "unix": "plain"}
 BIO_READ_BYTES = 256 << 10  # ssl-bio: the most one socket read takes
 CNN2_RESULT_BYTES = 582_026 * 4
 METHOD = "/transport_cost.Receiver/Upload"
@@ -277,7 +279,7 @@ def _blocking_sender(address: str, certs: Path, index: int, size: int, rate: flo
         connection.connect(address)
     else:
         connection = socket.create_connection(("127.0.0.1", int(address)))
-    with _secured(connection, LAYERS.get(transport, "tls"), context, server_side=False) as tls:
+    with _secured(connection, LAYERS[transport], context, server_side=False) as tls:
         delay = _pacer(rate)
         while True:
             tls.sendall(source)
@@ -404,8 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, queue.Empty) as error:
             print(f"error: {error or 'a receiver did not report its port in 60 s'}", file=sys.stderr)
             return 1
-    print(f"{args.bytes:,} B uploads to 127.0.0.1 (over mutual TLS but for tcp and unix), {args.senders} sender "
-          f"process(es) at {args.rate:g}/s each, {args.seconds:g} s a run, {args.repeat} run(s) a transport taking turns\n")
+    print(f"{args.bytes:,} B uploads on this machine (over mutual TLS but for tcp and unix), {args.senders} "
+          f"sender process(es) at {args.rate:g}/s each, {args.seconds:g} s a run, {args.repeat} run(s) a transport "
+          "taking turns\n")
     print(f"{'transport':14s} {'receiver ms':>12s} {'senders ms':>11s} {'sum':>7s} {'/ grpc-aio':>10s}   "
           "CPU ms per upload run by run (receiver / senders; uploads)")
     reference = None
