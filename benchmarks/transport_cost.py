@@ -334,7 +334,7 @@ def measure(transport: str, certs: Path, args: argparse.Namespace) -> Sample:
         first = lines.get(timeout=60)
         if not first or not first.startswith("port "):
             raise RuntimeError(f"{transport} receiver did not start (said {first!r})")
-        port = first.split()[1]
+        port = first.split(maxsplit=1)[1]  # a path (unix) may hold spaces
         processes += [subprocess.Popen([*common, "--role", "sender", "--port", port, "--index", str(index),
                                         "--rate", str(args.rate)]) for index in range(args.senders)]
         time.sleep(args.warmup)
