@@ -1,7 +1,8 @@
 """The client's side of the data port (:mod:`fedpart.common.data_link`): ``GetTask`` and
 ``SubmitResult`` over TLS sockets of their own, read and written by blocking threads.
 
-:class:`DataLink` offers the two calls in the shape of gRPC's asyncio calls, so that
+With TLS, a connection's bytes go in frames sealed under keys agreed in its TLS handshake
+(:mod:`fedpart.common.sealed`). :class:`DataLink` offers the two calls in the shape of gRPC's asyncio calls, so that
 :class:`~fedpart.client.session.Session` uses either path with the same code: a task call is
 iterated for its chunks, a result call is awaited for its reply, and a failed call raises
 ``grpc.aio.AioRpcError`` with the code the server (or the broken connection) gave: UNAVAILABLE for a
@@ -29,6 +30,7 @@ import grpc
 from fedpart.common.data_link import (
     CALL_HEAD,
     FRAME,
+    Connection,
     GET_TASK,
     LENGTH,
     MAGIC,
@@ -44,6 +46,7 @@ from fedpart.common.data_link import (
     shut,
     tune,
 )
+from fedpart.common.sealed import SealedSocket, seal
 from fedpart.common.security import ClientSecurity
 from fedpart.common.wire import ReceivedChunk, read_chunk
 from fedpart.proto import fedpart_pb2 as pb
@@ -71,7 +74,7 @@ class DataLink:
         self._server_name = security.server_name or self._host
         self._token = (security.token or "").encode() if not security.insecure else b""
         self._largest = largest_message(0)  # task messages keep within gRPC's limit (server.chunk_bytes)
-        self._idle: list[socket.socket] = []
+        self._idle: list[Connection] = []
         self._closed = False
         self._lock = threading.Lock()
         self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="data-link")
@@ -102,7 +105,7 @@ class DataLink:
         """Run ``call`` on a thread of the link, yielding what it hands over as it arrives."""
         loop = asyncio.get_running_loop()
         arrived: asyncio.Queue = asyncio.Queue()
-        held: list[socket.socket] = []  # the call's connection, to cut it if the caller goes away
+        held: list[Connection] = []  # the call's connection, to cut it if the caller goes away
         deadline = time.monotonic() + timeout
 
         def hand(item) -> None:
@@ -126,7 +129,7 @@ class DataLink:
                     shut(sock)
             await asyncio.wait([done])
 
-    def _run(self, call, deadline: float, hand, held: list[socket.socket]) -> None:
+    def _run(self, call, deadline: float, hand, held: list[Connection]) -> None:
         """One call on a connection of the pool (or a new one); whatever happens is handed over."""
         try:
             sock = self._connection()
@@ -143,20 +146,22 @@ class DataLink:
                          f"the data port connection {'went silent' if silent else 'broke'}: {error}"))
             return
         with self._lock:
-            if self._closed:
+            if self._closed or (isinstance(sock, SealedSocket) and sock.worn):
                 shut(sock)
             else:
                 self._idle.append(sock)
         hand(_END if code == grpc.StatusCode.OK else _failed(code, details))
 
-    def _connection(self) -> socket.socket:
+    def _connection(self) -> Connection:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
         raw = socket.create_connection((self._host, self._port), timeout=CONNECT_SECONDS)
         try:
             tune(raw)
-            return self._tls.wrap_socket(raw, server_hostname=self._server_name) if self._tls is not None else raw
+            if self._tls is None:
+                return raw
+            return seal(self._tls.wrap_socket(raw, server_hostname=self._server_name), server_side=False)
         except BaseException:
             raw.close()
             raise
@@ -165,7 +170,7 @@ class DataLink:
         deadline_ms = max(1, int((deadline - time.monotonic()) * 1000))
         return CALL_HEAD.pack(MAGIC, method, deadline_ms, len(self._token)) + self._token
 
-    def _get_task(self, request: bytes, wait_seconds: float, sock: socket.socket, deadline: float,
+    def _get_task(self, request: bytes, wait_seconds: float, sock: Connection, deadline: float,
                   hand) -> tuple[grpc.StatusCode, str]:
         sock.settimeout(_remaining(deadline))
         sock.sendall(self._head(GET_TASK, deadline) + LENGTH.pack(len(request)) + request + LENGTH.pack(0))
@@ -173,7 +178,7 @@ class DataLink:
         return self._answer(sock, deadline, hand, lambda message: read_chunk(pb.TaskHeader, message),
                             first_wait=wait_seconds + PROGRESS_SECONDS)
 
-    def _submit_result(self, chunks: Iterable[bytes], sock: socket.socket, deadline: float,
+    def _submit_result(self, chunks: Iterable[bytes], sock: Connection, deadline: float,
                        hand) -> tuple[grpc.StatusCode, str]:
         sock.settimeout(min(PROGRESS_SECONDS, _remaining(deadline)))
         sock.sendall(self._head(SUBMIT_RESULT, deadline))
@@ -184,7 +189,7 @@ class DataLink:
         sock.sendall(LENGTH.pack(0))
         return self._answer(sock, deadline, hand, bytes, first_wait=PROGRESS_SECONDS)
 
-    def _answer(self, sock: socket.socket, deadline: float, hand, decode,
+    def _answer(self, sock: Connection, deadline: float, hand, decode,
                 first_wait: float) -> tuple[grpc.StatusCode, str]:
         """Read the server's frames: each message decoded and handed over; returns the status."""
         wait = first_wait

@@ -1,5 +1,6 @@
 """The data port's framing: the task and result streams of ``proto/fedpart.proto`` over a TLS
-connection of their own, beside gRPC.
+connection of their own, beside gRPC (its bytes sealed under keys agreed in the TLS handshake,
+:mod:`fedpart.common.sealed`).
 
 Why it exists: moving a model through gRPC's asyncio API over TLS costs about three times the CPU
 of the same bytes through a TLS socket (``benchmarks/transport_cost.py``: 19.0 against 6.4-6.9 ms
@@ -31,6 +32,7 @@ import struct
 import grpc
 
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
+from fedpart.common.sealed import SealedSocket
 
 MAGIC = b"FPD1"
 GET_TASK = 1
@@ -50,6 +52,9 @@ MAX_DETAILS_BYTES = 64 << 10
 GRPC_MAX_MESSAGE = 4 << 20  # gRPC's default limit on a received message, which the calls keep
 
 
+Connection = socket.socket | SealedSocket  # sealed with TLS (fedpart.common.sealed), else plain
+
+
 class LinkBroken(ConnectionError):
     """The connection ended or sent bytes that are not a call: it is closed."""
 
@@ -60,7 +65,7 @@ def largest_message(result_chunk_bytes: int) -> int:
     return max(GRPC_MAX_MESSAGE, result_chunk_bytes + (64 << 10))
 
 
-def read_exactly(sock: socket.socket, count: int) -> bytearray:
+def read_exactly(sock: Connection, count: int) -> bytearray:
     """``count`` bytes from ``sock`` (blocking, within its timeout); :class:`LinkBroken` if the
     connection ends first."""
     buffer = bytearray(count)
@@ -74,7 +79,7 @@ def read_exactly(sock: socket.socket, count: int) -> bytearray:
     return buffer
 
 
-def read_length(sock: socket.socket, largest: int) -> int:
+def read_length(sock: Connection, largest: int) -> int:
     """A message length, at most ``largest``."""
     (length,) = LENGTH.unpack(read_exactly(sock, LENGTH.size))
     if length > largest:
@@ -82,7 +87,7 @@ def read_length(sock: socket.socket, largest: int) -> int:
     return length
 
 
-def send_prefixed(sock: socket.socket, prefix: bytes, body: bytes) -> None:
+def send_prefixed(sock: Connection, prefix: bytes, body: bytes) -> None:
     """``prefix`` then ``body``, without copying a large body to join them."""
     if len(body) <= SMALL_MESSAGE:
         sock.sendall(prefix + body)
@@ -91,12 +96,12 @@ def send_prefixed(sock: socket.socket, prefix: bytes, body: bytes) -> None:
         sock.sendall(body)
 
 
-def send_frame(sock: socket.socket, kind: int, body: bytes) -> None:
+def send_frame(sock: Connection, kind: int, body: bytes) -> None:
     """One frame of the server's answer."""
     send_prefixed(sock, FRAME.pack(kind, len(body)), body)
 
 
-def send_status(sock: socket.socket, code: grpc.StatusCode, details: str) -> None:
+def send_status(sock: Connection, code: grpc.StatusCode, details: str) -> None:
     """The frame that ends the server's answer to a call."""
     send_frame(sock, STATUS, bytes([code.value[0]]) + details.encode()[:MAX_DETAILS_BYTES])
 
@@ -114,7 +119,7 @@ def tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), max(1, int(value)))
 
 
-def shut(sock: socket.socket) -> None:
+def shut(sock: Connection) -> None:
     """Close ``sock`` at once, waking a thread blocked on it."""
     try:
         sock.shutdown(socket.SHUT_RDWR)

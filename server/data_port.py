@@ -38,6 +38,7 @@ from fedpart.common.data_link import (
     MESSAGE,
     METHODS,
     PROGRESS_SECONDS,
+    Connection,
     LinkBroken,
     largest_message,
     read_exactly,
@@ -47,6 +48,7 @@ from fedpart.common.data_link import (
     shut,
     tune,
 )
+from fedpart.common.sealed import seal
 from fedpart.common.security import ServerSecurity
 from fedpart.common.wire import IncompleteMessage, ReceivedChunk, read_chunk
 from fedpart.proto import fedpart_pb2 as pb
@@ -142,7 +144,7 @@ class DataPort:
         self._tls = security.ssl_context()
         self._largest = largest_message(result_chunk_bytes)
         self._max_connections = max_connections
-        self._connections: set[socket.socket] = set()
+        self._connections: set[socket.socket] = set()  # shut by stop(): plain or TLS sockets
         self._calls: set[concurrent.futures.Future] = set()  # handlers running on the loop
         self._busy = 0  # connections in the middle of a call
         self._lock = threading.Condition()
@@ -204,16 +206,19 @@ class DataPort:
             threading.Thread(target=self._serve, args=(connection,), name="data-link", daemon=True).start()
 
     def _serve(self, raw: socket.socket) -> None:
-        sock: socket.socket = raw
+        sock: Connection = raw
+        tracked = raw  # the socket that owns the connection: the TLS one once wrapped (sealed too)
         try:
             tune(raw)
             raw.settimeout(HEAD_SECONDS)
+            common_name = None
             if self._tls is not None:
-                sock = self._tls.wrap_socket(raw, server_side=True)
+                tracked = self._tls.wrap_socket(raw, server_side=True)
                 with self._lock:
                     self._connections.discard(raw)
-                    self._connections.add(sock)
-            common_name = _common_name(sock)
+                    self._connections.add(tracked)
+                common_name = _common_name(tracked)
+                sock = seal(tracked, server_side=True)
             idle = HEAD_SECONDS  # a process connects when it has a call to make
             while not self._closing:
                 code = self._call(sock, common_name, idle)
@@ -224,11 +229,10 @@ class DataPort:
             pass  # the connection is closed; a call it carried ended as cut
         finally:
             with self._lock:
-                self._connections.discard(sock)
-                self._connections.discard(raw)
-            shut(sock)
+                self._connections.discard(tracked)
+            shut(tracked)
 
-    def _call(self, sock: socket.socket, common_name: str | None, idle: float) -> grpc.StatusCode | None:
+    def _call(self, sock: Connection, common_name: str | None, idle: float) -> grpc.StatusCode | None:
         """Serve the next call, if one starts within ``idle`` seconds: its status (None: the
         connection ended)."""
         sock.settimeout(idle)
@@ -244,7 +248,7 @@ class DataPort:
                 self._busy -= 1
                 self._lock.notify_all()
 
-    def _serve_call(self, sock: socket.socket, first: bytes, common_name: str | None) -> grpc.StatusCode:
+    def _serve_call(self, sock: Connection, first: bytes, common_name: str | None) -> grpc.StatusCode:
         sock.settimeout(HEAD_SECONDS)
         magic, method, deadline_ms, token_length = CALL_HEAD.unpack(first + read_exactly(sock, CALL_HEAD.size - 1))
         if magic != MAGIC or method not in METHODS or token_length > MAX_TOKEN_BYTES:
@@ -261,7 +265,7 @@ class DataPort:
 
     # ------------------------------------------------------------------ the two calls
 
-    def _get_task(self, sock: socket.socket, request_bytes: bytes, context: LinkContext) -> grpc.StatusCode:
+    def _get_task(self, sock: Connection, request_bytes: bytes, context: LinkContext) -> grpc.StatusCode:
         try:
             request = pb.TaskRequest.FromString(request_bytes)
         except Exception:  # noqa: BLE001 - any undecodable request is the caller's error
@@ -284,7 +288,7 @@ class DataPort:
         code, details = await _ended(drain(), context)
         return messages, code, details
 
-    def _submit_result(self, sock: socket.socket, context: LinkContext) -> grpc.StatusCode:
+    def _submit_result(self, sock: Connection, context: LinkContext) -> grpc.StatusCode:
         messages = _ResultMessages(self._loop)
         outcome = self._on_loop(self._run_submit_result(messages, context))
         try:
@@ -335,10 +339,9 @@ async def _ended(call, context: LinkContext) -> tuple[grpc.StatusCode, str]:
         context.ended()
 
 
-def _common_name(sock: socket.socket) -> str | None:
+def _common_name(sock: ssl.SSLSocket) -> str | None:
     """The common name of a verified client certificate, if one was presented."""
-    getpeercert = getattr(sock, "getpeercert", None)
-    certificate = (getpeercert() if getpeercert is not None else None) or {}
+    certificate = sock.getpeercert() or {}
     for entry in certificate.get("subject", ()):
         for key, value in entry:
             if key == "commonName":

@@ -1,24 +1,30 @@
 """The data port (``common/data_link.py``, ``server/data_port.py``): tasks and results over TLS
-connections of their own, answered by gRPC's handlers. Hostile clients here are raw TLS sockets
-written against the framing (not fedpart's client), with real certificates and tokens made in the
-test; the whole path with fedpart's client is in test_faults.py and test_end_to_end.py."""
+connections of their own, answered by gRPC's handlers. Hostile clients here are TLS sockets
+written against the framing and the sealing (test_sealed.py's :class:`Peer`, not fedpart's
+client), with real certificates and tokens made in the test; the whole path with fedpart's client
+is in test_faults.py and test_end_to_end.py."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import ssl
+import struct
 import time
 
 import grpc
 import pytest
 import torch
 
+from fedpart.client.data_link import DataLink
 from fedpart.common.data_link import CALL_HEAD, FRAME, GET_TASK, LENGTH, MAGIC, MESSAGE, STATUS, SUBMIT_RESULT
+from fedpart.common.security import ClientSecurity
 from fedpart.common.wire import decode_chunks
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.data_port import HEAD_SECONDS
 from fedpart.deploy.certs import write_run_credentials
-from test_security import BOUND, SecureHarness, _join, _ready, _result
+from test_sealed import Peer, sealed_as_described
+from test_security import BOUND, SecureHarness, _join, _ready, _Recorder, _result
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -44,12 +50,14 @@ def _data_port(harness: SecureHarness) -> tuple[str, int]:
     return host, int(port)
 
 
-def _dial(harness: SecureHarness, tls: bool = True) -> socket.socket:
+def _dial(harness: SecureHarness, layer: str = "sealed") -> socket.socket | ssl.SSLSocket | Peer:
+    """A connection to the data port: plaintext, TLS only, or sealed as the protocol describes."""
     raw = socket.create_connection(_data_port(harness), timeout=BOUND)
-    if not tls:
+    if layer == "plaintext":
         return raw
     context = ssl.create_default_context(cadata=(harness.secrets / "ca.pem").read_text())
-    return context.wrap_socket(raw, server_hostname="127.0.0.1")
+    tls = context.wrap_socket(raw, server_hostname="127.0.0.1")
+    return tls if layer == "tls" else sealed_as_described(tls)
 
 
 def _token(harness: SecureHarness, process: int = 0) -> bytes:
@@ -175,7 +183,7 @@ def test_bytes_that_are_no_call_close_the_connection_and_nothing_else(harness, j
 
 def test_plaintext_against_the_tls_data_port_gets_nothing(harness) -> None:
     server = harness()
-    with _dial(server, tls=False) as sock:
+    with _dial(server, layer="plaintext") as sock:
         try:
             _send_call(sock, GET_TASK, _token(server), [pb.TaskRequest(session="none").SerializeToString()])
         except ConnectionError:
@@ -211,9 +219,70 @@ def test_a_result_cut_off_mid_stream_leaves_its_task_open_for_the_next_attempt(h
     assert pb.SubmitReply.FromString(messages[0]).accepted
 
 
-def test_a_connection_that_makes_no_call_is_closed_within_the_head_bound(harness) -> None:
+@pytest.mark.parametrize("layer", ["tls", "sealed"], ids=["no-hello", "no-call"])
+def test_a_connection_that_makes_no_call_is_closed_within_the_head_bound(harness, layer) -> None:
+    """Neither a TLS connection that never starts the sealing nor a sealed one without a call
+    holds the server's thread past :data:`HEAD_SECONDS`."""
     server = harness()
-    with _dial(server) as sock:
+    with _dial(server, layer) as sock:
         started = time.monotonic()
         assert _closed(sock)
     assert time.monotonic() - started < HEAD_SECONDS + 5.0
+
+
+@pytest.mark.parametrize("fault", ["unsealed", "changed", "replayed"])
+def test_a_frame_that_does_not_open_closes_the_connection_and_nothing_else(harness, fault) -> None:
+    """Bytes that are not the next sealed frame (sent in the clear after TLS ended, changed on the
+    way, or a frame sent again) end the connection; a good connection still gets its call."""
+    server = harness()
+    request = pb.TaskRequest(session="none", wait_seconds=0).SerializeToString()
+    with _dial(server) as sock:
+        call = CALL_HEAD.pack(MAGIC, GET_TASK, 1000, len(_token(server))) + _token(server)
+        frame = sock.frame(call)
+        wire = {"unsealed": LENGTH.pack(len(call)) + call + bytes(16),
+                "changed": frame[:-1] + bytes([frame[-1] ^ 1]),
+                "replayed": frame + frame}[fault]
+        sock.raw.sendall(wire)
+        assert _closed(sock)
+    with _dial(server) as sock:
+        assert _call(sock, GET_TASK, _token(server), [request])[1] == grpc.StatusCode.NOT_FOUND
+
+
+def test_fedparts_link_sends_tokens_sessions_and_tensors_only_sealed(harness) -> None:
+    """What fedpart's client sends to the data port, recorded on the wire: neither the token, nor
+    the session, nor a result's tensor bytes appear in it (they go in sealed frames), and the
+    result is taken."""
+    server = harness()
+    recorder = _Recorder(server.server.data_address)
+    token = _token(server).decode()
+    security = ClientSecurity(ca=(server.secrets / "ca.pem").read_bytes(), token=token, server_name="127.0.0.1")
+    link = DataLink("127.0.0.1", int(recorder.address.rpartition(":")[2]), security)
+    value = 0.123
+    try:
+        stub = server.stub(0)
+        session = _join(stub, [0, 1]).session
+        other = server.stub(1)
+        _ready(other, _join(other, [2, 3]).session)
+        server.start_round()
+
+        async def train() -> tuple[pb.SubmitReply, int]:
+            request = pb.TaskRequest(session=session, wait_seconds=BOUND / 2)
+            while True:
+                chunks = [chunk async for chunk in link.get_task(request, BOUND)]
+                header = chunks[0].header
+                if header.kind != pb.IDLE:
+                    break
+            uploads = {n: torch.full_like(server.coordinator.global_state[n], value) for n in header.train.upload_deltas}
+            chunks = [chunk.SerializeToString() for chunk in _result(session, header, uploads)]
+            return await link.submit_result(chunks, BOUND), sum(t.numel() * t.element_size() for t in uploads.values())
+
+        reply, tensor_bytes = asyncio.run(train())
+        assert reply.accepted
+    finally:
+        link.close()
+        recorder.close()
+    seen = bytes(recorder.sent)
+    assert len(seen) > tensor_bytes  # the result went this way
+    assert token.encode() not in seen
+    assert session.encode() not in seen
+    assert struct.pack("<f", value) * 4 not in seen
