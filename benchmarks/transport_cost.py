@@ -28,8 +28,8 @@ Transports:
   receiver reads up to 256 KiB a call and decrypts them from memory.
 - **sealed** (what fedpart's data port uses, :mod:`fedpart.common.sealed`): the ssl-blocking
   receiver and sender over connections that agree keys inside their TLS handshake, shut TLS down
-  and carry AES-256-GCM frames of up to 1 MiB, each read with a few large ``recv_into`` calls and
-  opened by one call.
+  and carry AES-256-GCM frames of up to a 1 MiB message and its fields, each read with a few
+  large ``recv_into`` calls and opened by one call.
 - **tcp**: the ssl-blocking receiver and sender over the same TCP connections with no TLS: what
   moving the bytes costs without encryption.
 - **unix**: the same over a Unix-domain stream socket, the kind of connection the compute floor

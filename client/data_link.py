@@ -161,9 +161,14 @@ class DataLink:
             tune(raw)
             if self._tls is None:
                 return raw
-            return seal(self._tls.wrap_socket(raw, server_hostname=self._server_name), server_side=False)
+            tls = self._tls.wrap_socket(raw, server_hostname=self._server_name)
         except BaseException:
             raw.close()
+            raise
+        try:
+            return seal(tls, server_side=False)
+        except BaseException:
+            tls.close()
             raise
 
     def _head(self, method: int, deadline: float) -> bytes:

@@ -5,8 +5,9 @@ Why not TLS's own records: Python's ``ssl`` decrypts one TLS record (at most 16 
 reads each with two ``recv`` calls, so a 2.3 MB result costs about 140 interpreter round trips and
 280 system calls on each side. That is most of what TLS adds to a transfer's CPU on the data port
 (``benchmarks/transport_cost.py``: ssl-blocking against sealed), where the server and its client
-processes share the cores with training (``benchmarks/round_overhead.py``). Sealed frames of up to
-1 MiB are read with a few large ``recv_into`` calls and opened by one call into the caller's buffer.
+processes share the cores with training (``benchmarks/round_overhead.py``). A sealed frame holds a
+whole message of up to 1 MiB and its fields; it is read with a few large ``recv_into`` calls and
+opened by one call, into the caller's buffer when it fits there.
 
 The protocol (:func:`seal`), once the TLS handshake has verified the certificates:
 
@@ -35,6 +36,7 @@ import os
 import socket
 import ssl
 import struct
+import threading
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -45,15 +47,40 @@ HELLO = b"FPS1"
 RANDOM_BYTES = 32
 KEY_BYTES = 32                        # AES-256
 TAG_BYTES = 16
-FRAME_BYTES = 1 << 20                 # the most plaintext one frame seals
+FRAME_BYTES = (1 << 20) + (1 << 16)   # the most plaintext one frame seals: a 1 MiB message and its fields
 LENGTH = struct.Struct(">I")
 SEALED_BYTES_LIMIT = 1 << 36          # per direction and connection
 WORN_BYTES = SEALED_BYTES_LIMIT // 2  # a connection past this is not used for another call
+KEPT_BUFFERS = 4                      # frame buffers a process keeps between frames
 _INFO = b"fedpart data port v1"
 
 
 class SealBroken(ConnectionError):
     """The peer did not follow the protocol, a frame failed to open, or the stream ended."""
+
+
+class _FrameBuffers:
+    """Buffers for one sealed frame each, shared by a process's connections: a frame borrows one
+    while it is sealed and sent or read and opened, so an idle connection holds none, and at most
+    :data:`KEPT_BUFFERS` wait between frames."""
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> bytearray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return bytearray(LENGTH.size + FRAME_BYTES + TAG_BYTES)
+
+    def give(self, buffer: bytearray) -> None:
+        with self._lock:
+            if len(self._free) < KEPT_BUFFERS:
+                self._free.append(buffer)
+
+
+_buffers = _FrameBuffers()
 
 
 class SealedSocket:
@@ -67,11 +94,7 @@ class SealedSocket:
         self._receive = AESGCM(receive_key)
         self._sent_frames = self._received_frames = 0
         self.sealed_bytes = self.opened_bytes = 0
-        self._out = bytearray(LENGTH.size + FRAME_BYTES + TAG_BYTES)
-        self._in = bytearray(FRAME_BYTES + TAG_BYTES)
-        self._pending = memoryview(bytearray(FRAME_BYTES))  # plaintext opened but not yet read
-        self._pending_start = self._pending_end = 0
-        self._head = b""  # the frame being opened: its length, as sent
+        self._pending = memoryview(b"")  # opened bytes of the last frame not read yet
 
     @property
     def worn(self) -> bool:
@@ -98,18 +121,22 @@ class SealedSocket:
     def sendall(self, data: bytes | bytearray | memoryview) -> None:
         """Seal ``data`` into as many frames as it takes and send them."""
         view = memoryview(data).cast("B")
-        out = memoryview(self._out)
-        for start in range(0, len(view), FRAME_BYTES):
-            piece = view[start:start + FRAME_BYTES]
-            if self.sealed_bytes + len(piece) > SEALED_BYTES_LIMIT:
-                raise SealBroken("the connection sealed all it may under one key; a new one is needed")
-            head = LENGTH.pack(len(piece))
-            out[:LENGTH.size] = head
-            end = LENGTH.size + len(piece) + TAG_BYTES
-            self._send.encrypt_into(self._nonce(self._sent_frames), piece, head, out[LENGTH.size:end])
-            self._sent_frames += 1
-            self.sealed_bytes += len(piece)
-            self._raw.sendall(out[:end])
+        buffer = _buffers.take()
+        try:
+            out = memoryview(buffer)
+            for start in range(0, len(view), FRAME_BYTES):
+                piece = view[start:start + FRAME_BYTES]
+                if self.sealed_bytes + len(piece) > SEALED_BYTES_LIMIT:
+                    raise SealBroken("the connection sealed all it may under one key; a new one is needed")
+                head = LENGTH.pack(len(piece))
+                out[:LENGTH.size] = head
+                end = LENGTH.size + len(piece) + TAG_BYTES
+                self._send.encrypt_into(self._nonce(self._sent_frames), piece, head, out[LENGTH.size:end])
+                self._sent_frames += 1
+                self.sealed_bytes += len(piece)
+                self._raw.sendall(out[:end])
+        finally:
+            _buffers.give(buffer)
 
     def recv_into(self, buffer: bytearray | memoryview, nbytes: int = 0) -> int:
         """Opened bytes into ``buffer`` (at most ``nbytes`` if given): how many; 0 when the peer
@@ -118,18 +145,16 @@ class SealedSocket:
         wanted = min(nbytes or len(target), len(target))
         if not wanted:
             return 0
-        if self._pending_start == self._pending_end:
-            size = self._next_frame()
-            if size is None:
+        if not self._pending:
+            opened = self._next_frame(target[:wanted])
+            if opened is None:
                 return 0
-            if size <= wanted:  # the whole frame fits: open it straight into the caller's buffer
-                self._open(size, target[:size])
-                return size
-            self._open(size, self._pending[:size])
-            self._pending_start, self._pending_end = 0, size
-        count = min(wanted, self._pending_end - self._pending_start)
-        target[:count] = self._pending[self._pending_start:self._pending_start + count]
-        self._pending_start += count
+            if isinstance(opened, int):
+                return opened
+            self._pending = opened
+        count = min(wanted, len(self._pending))
+        target[:count] = self._pending[:count]
+        self._pending = self._pending[count:]
         return count
 
     def recv(self, count: int) -> bytes:
@@ -142,8 +167,9 @@ class SealedSocket:
     def _nonce(number: int) -> bytes:
         return number.to_bytes(12, "big")
 
-    def _next_frame(self) -> int | None:
-        """Read the next frame's length and sealed bytes (None: the stream ended before it)."""
+    def _next_frame(self, target: memoryview) -> int | memoryview | None:
+        """Read and open the next frame: into ``target`` if it fits (how many bytes), else into
+        bytes of its own (returned); None when the stream ended before it."""
         head = bytearray(LENGTH.size)
         got = self._raw.recv_into(head)
         if not got:
@@ -153,9 +179,24 @@ class SealedSocket:
         (size,) = LENGTH.unpack(head)
         if not 0 < size <= FRAME_BYTES:
             raise SealBroken(f"a frame of {size} bytes is announced; 1 to {FRAME_BYTES} are sealed")
-        self._head = bytes(head)
-        self._fill(memoryview(self._in)[:size + TAG_BYTES])
-        return size
+        buffer = _buffers.take()
+        try:
+            sealed = memoryview(buffer)[:size + TAG_BYTES]
+            self._fill(sealed)
+            nonce = self._nonce(self._received_frames)
+            try:
+                if size <= len(target):  # the whole frame fits: opened straight into the caller's buffer
+                    self._receive.decrypt_into(nonce, sealed, bytes(head), target[:size])
+                    opened: int | memoryview = size
+                else:
+                    opened = memoryview(self._receive.decrypt(nonce, sealed, bytes(head)))
+            except InvalidTag:
+                raise SealBroken("a frame failed to open: changed, injected, replayed or out of order") from None
+        finally:
+            _buffers.give(buffer)
+        self._received_frames += 1
+        self.opened_bytes += size
+        return opened
 
     def _fill(self, view: memoryview) -> None:
         filled = 0
@@ -164,15 +205,6 @@ class SealedSocket:
             if not got:
                 raise SealBroken("the connection ended in the middle of a frame")
             filled += got
-
-    def _open(self, size: int, into: memoryview) -> None:
-        try:
-            self._receive.decrypt_into(self._nonce(self._received_frames),
-                                       memoryview(self._in)[:size + TAG_BYTES], self._head, into)
-        except InvalidTag:
-            raise SealBroken("a frame failed to open: changed, injected, replayed or out of order") from None
-        self._received_frames += 1
-        self.opened_bytes += size
 
 
 def seal(tls: ssl.SSLSocket, server_side: bool) -> SealedSocket:
@@ -191,7 +223,8 @@ def seal(tls: ssl.SSLSocket, server_side: bool) -> SealedSocket:
                 info=_INFO).derive(client_random + server_random)
     to_server, to_client = keys[:KEY_BYTES], keys[KEY_BYTES:]
     timeout = tls.gettimeout()
-    raw = tls.unwrap()
+    tls.unwrap()
+    raw = socket.socket(tls.family, tls.type, tls.proto, fileno=tls.detach())  # the bare TCP socket
     raw.settimeout(timeout)
     return SealedSocket(raw, *((to_client, to_server) if server_side else (to_server, to_client)))
 

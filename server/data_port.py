@@ -144,7 +144,7 @@ class DataPort:
         self._tls = security.ssl_context()
         self._largest = largest_message(result_chunk_bytes)
         self._max_connections = max_connections
-        self._connections: set[socket.socket] = set()  # shut by stop(): plain or TLS sockets
+        self._connections: set[Connection] = set()  # shut by stop()
         self._calls: set[concurrent.futures.Future] = set()  # handlers running on the loop
         self._busy = 0  # connections in the middle of a call
         self._lock = threading.Condition()
@@ -206,19 +206,18 @@ class DataPort:
             threading.Thread(target=self._serve, args=(connection,), name="data-link", daemon=True).start()
 
     def _serve(self, raw: socket.socket) -> None:
-        sock: Connection = raw
-        tracked = raw  # the socket that owns the connection: the TLS one once wrapped (sealed too)
+        sock: Connection = raw  # what owns the connection: the TLS socket once wrapped, then the sealed one
         try:
             tune(raw)
             raw.settimeout(HEAD_SECONDS)
             common_name = None
             if self._tls is not None:
-                tracked = self._tls.wrap_socket(raw, server_side=True)
-                with self._lock:
-                    self._connections.discard(raw)
-                    self._connections.add(tracked)
-                common_name = _common_name(tracked)
-                sock = seal(tracked, server_side=True)
+                tls = self._tls.wrap_socket(raw, server_side=True)
+                self._track(raw, tls)
+                sock = tls
+                common_name = _common_name(tls)
+                sock = seal(tls, server_side=True)
+                self._track(tls, sock)
             idle = HEAD_SECONDS  # a process connects when it has a call to make
             while not self._closing:
                 code = self._call(sock, common_name, idle)
@@ -229,8 +228,17 @@ class DataPort:
             pass  # the connection is closed; a call it carried ended as cut
         finally:
             with self._lock:
-                self._connections.discard(tracked)
-            shut(tracked)
+                self._connections.discard(sock)
+            shut(sock)
+
+    def _track(self, old: Connection, new: Connection) -> None:
+        """``new`` owns the connection that ``old`` did: stop() shuts it (at once if it already ran)."""
+        with self._lock:
+            self._connections.discard(old)
+            self._connections.add(new)
+            closing = self._closing
+        if closing:
+            shut(new)
 
     def _call(self, sock: Connection, common_name: str | None, idle: float) -> grpc.StatusCode | None:
         """Serve the next call, if one starts within ``idle`` seconds: its status (None: the

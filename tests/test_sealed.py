@@ -277,3 +277,24 @@ def test_both_ends_of_seal_talk_and_a_wrong_hello_is_refused(credentials) -> Non
     sealing.join(BOUND)
     assert failures and "did not start" in str(failures[0])
     client.close()
+
+
+def test_idle_connections_hold_no_frame_buffer_and_few_wait_between_frames() -> None:
+    """Frame buffers are borrowed per frame from one pool: an idle sealed connection holds none,
+    and the pool keeps at most ``KEPT_BUFFERS`` between frames."""
+    pairs = [socket.socketpair() for _ in range(8)]
+    try:
+        ends = [(SealedSocket(ours, KEY_TO_PEER, KEY_TO_US), Peer(theirs, KEY_TO_US, KEY_TO_PEER))
+                for ours, theirs in pairs]
+        for sock, peer in ends:
+            peer.send(b"x" * 1000)
+            assert sock.recv(1000) == b"x" * 1000
+            sock.sendall(b"y" * 1000)
+            assert peer.receive() == b"y" * 1000
+        assert len(sealed._buffers._free) <= sealed.KEPT_BUFFERS
+        assert all(not vars(sock).get("_pending") for sock, _ in ends)
+        assert not any(isinstance(value, bytearray) for sock, _ in ends for value in vars(sock).values())
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
