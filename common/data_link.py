@@ -2,11 +2,11 @@
 connection of their own, beside gRPC (its bytes sealed under keys agreed in the TLS handshake,
 :mod:`fedpart.common.sealed`).
 
-Why it exists: moving a model through gRPC's asyncio API over TLS costs about three times the CPU
-of the same bytes through a TLS socket (``benchmarks/transport_cost.py``: 19.0 against 6.4-6.9 ms
-of CPU per 2.3 MB result, sender and receiver together). Where the server and its client processes
-share the cores (``fedpart run``), that CPU is the round's excess over the compute floor
-(``benchmarks/round_overhead.py``, docs/benchmarks.md).
+Why it exists: moving a model through gRPC's asyncio API over TLS costs about four times the CPU
+of the same bytes over this link (``benchmarks/transport_cost.py``: 12.5 against 2.8-3.0 ms of CPU
+per 2.3 MB result, sender and receiver together, where an ``ssl`` socket's TLS records cost 4.5-4.9
+ms). Where the server and its client processes share the cores (``fedpart run``), that CPU is the
+round's excess over the compute floor (``benchmarks/round_overhead.py``, docs/benchmarks.md).
 
 What travels are the very messages of the ``GetTask`` and ``SubmitResult`` calls, and the server
 answers them with the same code as gRPC's (:mod:`fedpart.server.data_port`), so validation,
