@@ -2,13 +2,13 @@
 ``SubmitResult`` over TLS sockets of their own, read and written by blocking threads.
 
 With TLS, a connection's bytes go in frames sealed under keys agreed in its TLS handshake
-(:mod:`fedpart.common.sealed`). :class:`DataLink` offers the two calls in the shape of gRPC's asyncio calls, so that
-:class:`~fedpart.client.session.Session` uses either path with the same code: a task call is
-iterated for its chunks, a result call is awaited for its reply, and a failed call raises
-``grpc.aio.AioRpcError`` with the code the server (or the broken connection) gave: UNAVAILABLE for a
-connection that broke, DEADLINE_EXCEEDED for one that went silent, as gRPC would. A data port
-that cannot be reached at all raises :class:`LinkUnreachable` instead: the session then keeps to
-gRPC until it joins again.
+(:mod:`fedpart.common.sealed`). :class:`DataLink` offers the two calls in the shape of gRPC's
+asyncio calls, so that :class:`~fedpart.client.session.Session` uses either path with the same
+code: a task call is iterated for its chunks, a result call is awaited for its reply, and a failed
+call raises ``grpc.aio.AioRpcError`` with the code the server (or the broken connection) gave:
+UNAVAILABLE for a connection that broke, DEADLINE_EXCEEDED for one that went silent, as gRPC
+would. A data port that cannot be reached at all raises :class:`LinkUnreachable` instead: the
+session then keeps to gRPC until it joins again.
 
 Connections are kept between calls (one per call at a time: a poll and an upload may run
 together) and closed after any failure.

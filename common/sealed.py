@@ -52,6 +52,7 @@ LENGTH = struct.Struct(">I")
 SEALED_BYTES_LIMIT = 1 << 36          # per direction and connection
 WORN_BYTES = SEALED_BYTES_LIMIT // 2  # a connection past this is not used for another call
 KEPT_BUFFERS = 4                      # frame buffers a process keeps between frames
+SMALL_FRAME = 64 << 10                # frames up to this size are sealed and opened in buffers of their own size
 _INFO = b"fedpart data port v1"
 
 
@@ -60,9 +61,9 @@ class SealBroken(ConnectionError):
 
 
 class _FrameBuffers:
-    """Buffers for one sealed frame each, shared by a process's connections: a frame borrows one
-    while it is sealed and sent or read and opened, so an idle connection holds none, and at most
-    :data:`KEPT_BUFFERS` wait between frames."""
+    """Buffers for one sealed frame each, shared by a process's connections: a frame larger than
+    :data:`SMALL_FRAME` borrows one while it is sealed and sent or read and opened, so an idle
+    connection holds none, and at most :data:`KEPT_BUFFERS` wait between frames."""
 
     def __init__(self) -> None:
         self._free: list[bytearray] = []
@@ -121,22 +122,32 @@ class SealedSocket:
     def sendall(self, data: bytes | bytearray | memoryview) -> None:
         """Seal ``data`` into as many frames as it takes and send them."""
         view = memoryview(data).cast("B")
+        if len(view) <= SMALL_FRAME:  # the call heads, lengths and statuses: no frame buffer
+            if view:
+                head, nonce = self._number(len(view))
+                self._raw.sendall(head + self._send.encrypt(nonce, view, head))
+            return
         buffer = _buffers.take()
         try:
             out = memoryview(buffer)
             for start in range(0, len(view), FRAME_BYTES):
                 piece = view[start:start + FRAME_BYTES]
-                if self.sealed_bytes + len(piece) > SEALED_BYTES_LIMIT:
-                    raise SealBroken("the connection sealed all it may under one key; a new one is needed")
-                head = LENGTH.pack(len(piece))
+                head, nonce = self._number(len(piece))
                 out[:LENGTH.size] = head
                 end = LENGTH.size + len(piece) + TAG_BYTES
-                self._send.encrypt_into(self._nonce(self._sent_frames), piece, head, out[LENGTH.size:end])
-                self._sent_frames += 1
-                self.sealed_bytes += len(piece)
+                self._send.encrypt_into(nonce, piece, head, out[LENGTH.size:end])
                 self._raw.sendall(out[:end])
         finally:
             _buffers.give(buffer)
+
+    def _number(self, size: int) -> tuple[bytes, bytes]:
+        """The head and nonce of the next frame sent, of ``size`` bytes (within the limit)."""
+        if self.sealed_bytes + size > SEALED_BYTES_LIMIT:
+            raise SealBroken("the connection sealed all it may under one key; a new one is needed")
+        nonce = self._nonce(self._sent_frames)
+        self._sent_frames += 1
+        self.sealed_bytes += size
+        return LENGTH.pack(size), nonce
 
     def recv_into(self, buffer: bytearray | memoryview, nbytes: int = 0) -> int:
         """Opened bytes into ``buffer`` (at most ``nbytes`` if given): how many; 0 when the peer
@@ -179,7 +190,8 @@ class SealedSocket:
         (size,) = LENGTH.unpack(head)
         if not 0 < size <= FRAME_BYTES:
             raise SealBroken(f"a frame of {size} bytes is announced; 1 to {FRAME_BYTES} are sealed")
-        buffer = _buffers.take()
+        pooled = size > SMALL_FRAME
+        buffer = _buffers.take() if pooled else bytearray(size + TAG_BYTES)
         try:
             sealed = memoryview(buffer)[:size + TAG_BYTES]
             self._fill(sealed)
@@ -193,7 +205,8 @@ class SealedSocket:
             except InvalidTag:
                 raise SealBroken("a frame failed to open: changed, injected, replayed or out of order") from None
         finally:
-            _buffers.give(buffer)
+            if pooled:
+                _buffers.give(buffer)
         self._received_frames += 1
         self.opened_bytes += size
         return opened

@@ -298,3 +298,19 @@ def test_idle_connections_hold_no_frame_buffer_and_few_wait_between_frames() -> 
         for ours, theirs in pairs:
             ours.close()
             theirs.close()
+
+
+def test_small_frames_take_no_pooled_buffer(pair, monkeypatch) -> None:
+    """A call's head, a length or a status (up to ``SMALL_FRAME``) is sealed and opened in a
+    buffer of its own size, never one of the pool's 1 MiB buffers."""
+    sock, peer = pair
+    taken: list[bytearray] = []
+    original = sealed._buffers.take
+    monkeypatch.setattr(sealed._buffers, "take", lambda: taken.append(original()) or taken[-1])
+    sock.sendall(b"s" * sealed.SMALL_FRAME)
+    assert peer.receive() == b"s" * sealed.SMALL_FRAME
+    peer.send(b"r" * 5)
+    assert sock.recv(5) == b"r" * 5
+    assert not taken
+    sock.sendall(b"b" * (sealed.SMALL_FRAME + 1))  # the counter counts: a larger frame takes one
+    assert len(taken) == 1
