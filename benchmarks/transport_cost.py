@@ -11,8 +11,8 @@ is what the transport itself costs, the bound under fedpart's own transfers.
 
 Transports:
 
-- **grpc-aio** (what fedpart uses without its data port): a client-streaming call of ``grpc.aio`` on both sides, the
-  result in messages of ``server.result_chunk_bytes`` (1 MiB), each made as ``bytes`` from the
+- **grpc-aio** (what fedpart uses without its data port): a client-streaming call of ``grpc.aio``
+  on both sides, the result in messages of ``server.result_chunk_bytes`` (1 MiB), each made as ``bytes`` from the
   sender's buffer (gRPC Python sends ``bytes``), the server's HTTP/2 receive window of a 10-client
   run (:func:`fedpart.server.transfers.receive_window`); the receiver counts the bytes of the
   messages it is handed.
@@ -67,7 +67,8 @@ BENCHMARKS = Path(__file__).resolve().parent
 TRANSPORTS = ("grpc-aio", "ssl-asyncio", "ssl-blocking", "ssl-bio", "sealed", "tcp", "unix")
 # the transports whose sender is the blocking one (and, but for ssl-asyncio, the receiver too), by
 # the layer their bytes go through
-LAYERS = {"ssl-asyncio": "tls", "ssl-blocking": "tls", "ssl-bio": "tls-in-memory", "sealed": "tls-sealed", "tcp": "plain", "unix": "plain"}
+LAYERS = {"ssl-asyncio": "tls", "ssl-blocking": "tls", "ssl-bio": "tls-in-memory", "sealed": "tls-sealed",
+          "tcp": "plain", "unix": "plain"}
 BIO_READ_BYTES = 256 << 10  # ssl-bio: the most one socket read takes
 CNN2_RESULT_BYTES = 582_026 * 4
 METHOD = "/transport_cost.Receiver/Upload"

@@ -181,12 +181,13 @@ class SealedSocket:
     def _next_frame(self, target: memoryview) -> int | memoryview | None:
         """Read and open the next frame: into ``target`` if it fits (how many bytes), else into
         bytes of its own (returned); None when the stream ended before it."""
-        head = bytearray(LENGTH.size)
-        got = self._raw.recv_into(head)
+        length = bytearray(LENGTH.size)
+        got = self._raw.recv_into(length)
         if not got:
             return None
         if got < LENGTH.size:
-            self._fill(memoryview(head)[got:])
+            self._fill(memoryview(length)[got:])
+        head = bytes(length)  # the frame's associated data
         (size,) = LENGTH.unpack(head)
         if not 0 < size <= FRAME_BYTES:
             raise SealBroken(f"a frame of {size} bytes is announced; 1 to {FRAME_BYTES} are sealed")
@@ -198,10 +199,10 @@ class SealedSocket:
             nonce = self._nonce(self._received_frames)
             try:
                 if size <= len(target):  # the whole frame fits: opened straight into the caller's buffer
-                    self._receive.decrypt_into(nonce, sealed, bytes(head), target[:size])
+                    self._receive.decrypt_into(nonce, sealed, head, target[:size])
                     opened: int | memoryview = size
                 else:
-                    opened = memoryview(self._receive.decrypt(nonce, sealed, bytes(head)))
+                    opened = memoryview(self._receive.decrypt(nonce, sealed, head))
             except InvalidTag:
                 raise SealBroken("a frame failed to open: changed, injected, replayed or out of order") from None
         finally:
