@@ -47,7 +47,10 @@ processes' other threads (fedpart: each client's session and gRPC threads) and t
 do not train (fedpart's server and launcher, the floor's parent), the share of their runnable
 time the training threads waited in a run queue for a core ("waited", from
 ``/proc/<pid>/task/<pid>/schedstat``, sampled likewise), which tells training slowed because
-other threads held the cores apart from training that itself ran slower, the core-seconds the
+other threads held the cores apart from training that itself ran slower, how often a training
+thread was taken off its core while it could still run, per second it ran ("preempted":
+involuntary context switches, ``/proc/<pid>/task/<pid>/status``; its time slice ended, or a thread
+that woke took the core), the core-seconds the
 machine's cores sat idle ("idle", from ``/proc/stat``, sampled likewise), which tells a round that
 outlasted its CPU over the cores because cores went unused apart from one that used more CPU, and
 the CPU other processes on the machine used meanwhile ("foreign"). Linux only.
@@ -255,31 +258,47 @@ def main_thread_schedstat(pid: int) -> tuple[float, float]:
     return int(running) / 1e9, int(waiting) / 1e9
 
 
+def main_thread_preemptions(pid: int) -> int:
+    """Times the main thread of process ``pid`` has so far been taken off its core while it could
+    still run (involuntary context switches, ``/proc/<pid>/task/<pid>/status``); 0 once it has
+    ended."""
+    try:
+        status = Path(f"/proc/{pid}/task/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) for line in status.splitlines()
+                 if line.startswith("nonvoluntary_ctxt_switches:")), 0)
+
+
 @dataclass(frozen=True)
 class Usage:
     """What a system's processes have used so far: CPU seconds of all of them, seconds its
     training threads (each training process's main thread, the one torch computes in at one
-    thread) ran on a core and waited for one, the core-seconds the machine's cores sat idle, and
-    CPU seconds of the training processes (all their threads)."""
+    thread) ran on a core and waited for one, the core-seconds the machine's cores sat idle, CPU
+    seconds of the training processes (all their threads) and the times the training threads were
+    preempted."""
 
     cpu: float
     trainers_running: float
     trainers_waiting: float
     machine_idle: float
     training_processes: float
+    trainers_preempted: int
 
     @staticmethod
     def of(processes: Iterable[int], trainers: Iterable[int]) -> Usage:
         trainers = list(trainers)
         stats = [main_thread_schedstat(pid) for pid in trainers]
         return Usage(sum(map(cpu_seconds, processes)), sum(run for run, _ in stats), sum(wait for _, wait in stats),
-                     machine_seconds()[1], sum(map(cpu_seconds, trainers)))
+                     machine_seconds()[1], sum(map(cpu_seconds, trainers)),
+                     sum(map(main_thread_preemptions, trainers)))
 
     def __sub__(self, earlier: Usage) -> Usage:
         """The usage between ``earlier`` and this one."""
         return Usage(self.cpu - earlier.cpu, self.trainers_running - earlier.trainers_running,
                      self.trainers_waiting - earlier.trainers_waiting, self.machine_idle - earlier.machine_idle,
-                     self.training_processes - earlier.training_processes)
+                     self.training_processes - earlier.training_processes,
+                     self.trainers_preempted - earlier.trainers_preempted)
 
     @property
     def others(self) -> float:
@@ -304,6 +323,11 @@ class Usage:
         when they were not runnable)."""
         runnable = self.trainers_running + self.trainers_waiting
         return self.trainers_waiting / runnable if runnable > 0 else None
+
+    @property
+    def trainers_preempted_per_second(self) -> float | None:
+        """Preemptions of the training threads per second they ran (None when they did not run)."""
+        return self.trainers_preempted / self.trainers_running if self.trainers_running > 0 else None
 
 
 class ForeignCpu:
@@ -648,6 +672,10 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
               f"{_pooled(fed_times, 'not_training'):.3f} s, floor {_pooled(floor_times, 'not_training'):.3f} s")
         print(f"  training threads waited   fedpart {_percent(_pooled(fed_times, 'trainers_waited'))}, floor "
               f"{_percent(_pooled(floor_times, 'trainers_waited'))} of their runnable time")
+        print(f"  training threads preempted fedpart "
+              f"{_pooled(fed_times, 'trainers_preempted_per_second'):.0f}, floor "
+              f"{_pooled(floor_times, 'trainers_preempted_per_second'):.0f} times per second on a core "
+              f"(involuntary context switches)")
         print(f"  cores idle                fedpart {_pooled(fed_times, 'machine_idle'):.3f} s, floor "
               f"{_pooled(floor_times, 'machine_idle'):.3f} s a round (core-seconds)")
     print(f"same work check             max |floor - fedpart| over the final weights: "

@@ -58,11 +58,11 @@ def test_the_report_pools_the_rounds_of_runs_that_took_turns(capsys) -> None:
     compute = {c: 0.2 for c in range(10)}
     floors, fedparts = [], []
     for walls in ([1.0, 1.1], [1.2, 1.3], [1.0, 1.0]):
-        times = round_overhead.RoundTimes(walls, [w - 0.05 for w in walls], [None, Usage(2.0, 1.9, 0.0192, 0.02, 1.95)])
+        times = round_overhead.RoundTimes(walls, [w - 0.05 for w in walls], [None, Usage(2.0, 1.9, 0.0192, 0.02, 1.95, 494)])
         floors.append(round_overhead.FloorRun(times, vector, 0.0))
     for walls in ([1.1, 1.2], [1.15, 1.25]):
         records = [_record(n + 1, w, compute) for n, w in enumerate(walls)]
-        times = round_overhead.RoundTimes(walls, [1.0, 1.0], [None, Usage(2.1, 1.9, 0.1, 0.15, 1.98)])
+        times = round_overhead.RoundTimes(walls, [1.0, 1.0], [None, Usage(2.1, 1.9, 0.1, 0.15, 1.98, 551)])
         fedparts.append(round_overhead.FedpartRun(records, times, state, 0.0))
     round_overhead.report(2, floors, fedparts)
     out = capsys.readouterr().out
@@ -77,21 +77,24 @@ def test_the_report_pools_the_rounds_of_runs_that_took_turns(capsys) -> None:
     assert "training threads on a core fedpart 1.900 s, floor 1.900 s; all other threads fedpart 0.200 s, " \
            "floor 0.100 s" in out
     assert "training threads waited   fedpart 5.0 %, floor 1.0 % of their runnable time" in out
+    assert "training threads preempted fedpart 290, floor 260 times per second on a core" in out  # 551/1.9, 494/1.9
     assert "cores idle                fedpart 0.150 s, floor 0.020 s a round (core-seconds)" in out
     assert "of the other threads      in the training processes fedpart 0.080 s, floor 0.050 s; in the others " \
            "(fedpart: server, launcher; floor: parent) fedpart 0.120 s, floor 0.050 s" in out
 
 
 def test_usage_between_two_samples_subtracts_every_measure() -> None:
-    later, earlier = Usage(3.0, 2.0, 1.0, 4.0, 2.5), Usage(1.0, 1.5, 0.25, 1.5, 1.75)
+    later, earlier = Usage(3.0, 2.0, 1.0, 4.0, 2.5, 700), Usage(1.0, 1.5, 0.25, 1.5, 1.75, 500)
     between = later - earlier
-    assert between == Usage(2.0, 0.5, 0.75, 2.5, 0.75)
+    assert between == Usage(2.0, 0.5, 0.75, 2.5, 0.75, 200)
     assert (between.others, between.beside_training, between.not_training) == (1.5, 0.25, 1.25)
+    assert between.trainers_preempted_per_second == 400.0
+    assert Usage(1.0, 0.0, 0.0, 0.0, 0.0, 0).trainers_preempted_per_second is None, "a thread that did not run"
 
 
-def test_the_waited_share_counts_a_thread_held_off_its_core() -> None:
+def test_the_waited_share_and_the_preemptions_count_a_thread_held_off_its_core() -> None:
     """Two busy processes pinned to one core: each main thread waits for about half its runnable
-    time (more where other load shares that core)."""
+    time (more where other load shares that core), and each is taken off the core it could still use."""
     core = min(os.sched_getaffinity(0))
     pair = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
                              preexec_fn=lambda: os.sched_setaffinity(0, {core})) for _ in range(2)]
@@ -99,13 +102,15 @@ def test_the_waited_share_counts_a_thread_held_off_its_core() -> None:
         pids = [process.pid for process in pair]
         before = Usage.of(pids, pids)
         time.sleep(1.0)  # the span measured while both run, not a synchronization
-        shared = (Usage.of(pids, pids) - before).trainers_waited
+        between = Usage.of(pids, pids) - before
     finally:
         for process in pair:
             process.kill()
             process.wait(timeout=30)
-    assert 0.3 < shared < 0.9
+    assert 0.3 < between.trainers_waited < 0.9
+    assert between.trainers_preempted > 0, "two threads taking turns on one core take each other's core"
     assert round_overhead.main_thread_schedstat(pair[0].pid) == (0.0, 0.0), "an ended process reads as zeros"
+    assert round_overhead.main_thread_preemptions(pair[0].pid) == 0, "an ended process reads as zero"
 
 
 class _ScriptedRun:
