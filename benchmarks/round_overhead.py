@@ -50,10 +50,10 @@ time the training threads waited in a run queue for a core ("waited", from
 other threads held the cores apart from training that itself ran slower, how often a training
 thread was taken off its core while it could still run, per second it ran ("preempted":
 involuntary context switches, ``/proc/<pid>/task/<pid>/status``; its time slice ended, or a thread
-that woke took the core), the core-seconds the
-machine's cores sat idle ("idle", from ``/proc/stat``, sampled likewise), which tells a round that
-outlasted its CPU over the cores because cores went unused apart from one that used more CPU, and
-the CPU other processes on the machine used meanwhile ("foreign"). Linux only.
+that woke took the core), the core-seconds the machine's cores sat idle ("idle", from
+``/proc/stat``, sampled likewise), which tells a round that outlasted its CPU over the cores
+because cores went unused apart from one that used more CPU, and the CPU other processes on the
+machine used meanwhile ("foreign"). Linux only.
 """
 
 from __future__ import annotations
