@@ -12,10 +12,10 @@ is what the transport itself costs, the bound under fedpart's own transfers.
 Transports:
 
 - **grpc-aio** (what fedpart uses without its data port): a client-streaming call of ``grpc.aio``
-  on both sides, the result in messages of ``server.result_chunk_bytes`` (1 MiB), each made as ``bytes`` from the
-  sender's buffer (gRPC Python sends ``bytes``), the server's HTTP/2 receive window of a 10-client
-  run (:func:`fedpart.server.transfers.receive_window`); the receiver counts the bytes of the
-  messages it is handed.
+  on both sides, the result in messages of ``server.result_chunk_bytes`` (1 MiB), each made as
+  ``bytes`` from the sender's buffer (gRPC Python sends ``bytes``), the server's HTTP/2 receive
+  window of a 10-client run (:func:`fedpart.server.transfers.receive_window`); the receiver counts
+  the bytes of the messages it is handed.
 - **ssl-asyncio**: the receiver an ``asyncio`` TLS server whose ``BufferedProtocol`` has the
   bytes decrypted into one reused buffer per connection; the sender a blocking Python ``ssl``
   socket that sends from its buffer (``sendall``), waiting for a one-byte acknowledgement.
