@@ -3,7 +3,7 @@
 Workload (fixed): FedAvg, model ``cnn2`` (582,026 float32 parameters) on real MNIST, 10 clients,
 client i holding training samples [600i, 600i+600) and test samples [100i, 100i+100) in file
 order, all 10 clients every round, 1 local epoch of batch 10 (60 SGD steps, lr 0.01, momentum 0)
-over shuffled index batches, sample-weighted mean of the deltas, ``--rounds`` rounds (default 5).
+over shuffled index batches, sample-weighted mean of the deltas, ``--rounds`` rounds (default 12).
 
 What is measured:
 
@@ -25,35 +25,38 @@ What is measured:
   over a pipe; the parent takes the sample-weighted mean of the deltas in float64 and adds it.
   The floor does not evaluate (fedpart's training rounds do not evaluate either).
 
-The floor's final model is compared with fedpart's final checkpoint: both computed the same
-steps, so they agree to float rounding. The speed of this kind of machine drifts by 10-30 % over
-minutes (other tenants of the host, frequency), more than the 3 % being measured, so the two
-systems take turns: ``--pairs K`` (default 3) runs the floor, then K times fedpart and the floor
-again. The ratio is the median of all fedpart rounds over the median of all floor rounds; each
-fedpart run is also set against the mean of the floor runs on either side of it, which shows how
-far the drift moved the pooled figure.
-Wire bytes per client-round come from ``metrics.jsonl`` (every message of the round, divided
-by the clients that completed it) next to the raw size of one float32 model copy.
+The two take turns round by round, because the speed of this kind of machine drifts by 10-30 %
+within minutes and by several per cent from one round to the next (other tenants of the host,
+frequency), more than the 3 % being measured. Both systems' processes are started and loaded
+first; then, each time a fedpart round's line lands in ``metrics.jsonl``, the benchmark waits
+:data:`PAUSE_AFTER_SECONDS` (the next fedpart round is under way by then), stops every process of
+the fedpart run (SIGSTOP to its process group), times one floor round while they are stopped,
+and lets them go on (SIGCONT). So floor round n runs inside fedpart round n + 1, and that fedpart
+round's time is its ``seconds`` less the pause: the pair saw the same state of the machine.
+A pair counts once its pause is shown to lie inside the fedpart round (the round's line landed
+``seconds`` after a moment no later than the pause's start, and the round outlasted its pause);
+the first round of each system (start-up work) is not paired. The ratio is the median of the
+pairs' ratios; the medians of the paired rounds and their ratio are printed beside it.
+``--runs K`` (default 2) repeats the whole and pools the pairs. A pause of a few seconds is far
+inside every timeout of the run (heartbeats, gRPC keepalive), and fedpart's final checkpoint is
+compared with the floor's final model: both computed the same steps, so they agree to float
+rounding. Wire bytes per client-round come from ``metrics.jsonl`` (every message of the round,
+divided by the clients that completed it) next to the raw size of one float32 model copy.
 
-Diagnostics printed beside the timings, per run: the training seconds of the round's slowest
-process (fedpart's ``compute_seconds`` per client, summed per client process) and the round
-minus them ("outside": task delivery, the work between tasks, the last upload, aggregation;
-the part of the round that does not drift with the speed of training), CPU seconds per round of
-every process of each system (read from ``/proc``; for fedpart sampled when a round's line lands
-in ``metrics.jsonl``, looked for every 50 ms so that the looking takes fedpart's cores little, so
-not for round 1) and of them the seconds the training threads (each training process's main
-thread: torch computes in it at one thread) ran on a core, the rest split into the training
-processes' other threads (fedpart: each client's session and gRPC threads) and the processes that
-do not train (fedpart's server and launcher, the floor's parent), the share of their runnable
-time the training threads waited in a run queue for a core ("waited", from
-``/proc/<pid>/task/<pid>/schedstat``, sampled likewise), which tells training slowed because
-other threads held the cores apart from training that itself ran slower, how often a training
-thread was taken off its core while it could still run, per second it ran ("preempted":
-involuntary context switches, ``/proc/<pid>/task/<pid>/status``; its time slice ended, or a thread
-that woke took the core), the core-seconds the machine's cores sat idle ("idle", from
-``/proc/stat``, sampled likewise), which tells a round that outlasted its CPU over the cores
-because cores went unused apart from one that used more CPU, and the CPU other processes on the
-machine used meanwhile ("foreign"). Linux only.
+Diagnostics printed beside the timings: CPU seconds per round of every process of each system
+(read from ``/proc``; for fedpart between two pauses, while its processes are stopped, which
+spans one round's work and the checkpoint after it) and of them the seconds the training threads
+(each training process's main thread: torch computes in it at one thread) ran on a core, the rest
+split into the training processes' other threads (fedpart: each client's session and data-link
+threads) and the processes that do not train (fedpart's server and launcher, the floor's parent),
+the share of their runnable time the training threads waited in a run queue for a core
+("waited", from ``/proc/<pid>/task/<pid>/schedstat``), which tells training slowed because other
+threads held the cores apart from training that itself ran slower, how often a training thread
+was taken off its core while it could still run, per second it ran ("preempted": involuntary
+context switches, ``/proc/<pid>/task/<pid>/status``; its time slice ended, or a thread that woke
+took the core), the core-seconds the machine's cores sat idle ("idle", from ``/proc/stat``), which
+tells a round that outlasted its CPU over the cores because cores went unused apart from one that
+used more CPU, and the CPU other processes on the machine used meanwhile ("foreign"). Linux only.
 """
 
 from __future__ import annotations
@@ -104,9 +107,11 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # have no such observer), and every 10 ms, reading the file, it took 2.7-3.4 % of a core; a size
 # check every 50 ms takes 0.4 %
 POLL_SECONDS = 0.05
+PAUSE_AFTER_SECONDS = 0.3  # from a round's line to the pause: the checkpoint is written and the next round under way
 WORKER_START_SECONDS = 300.0
 WORKER_STOP_SECONDS = 30.0
 FLOOR_ROUND_SECONDS = 600.0
+STOP_SECONDS = 5.0
 
 
 def default_data_root() -> Path:
@@ -175,7 +180,7 @@ def _train_epoch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, seed:
 def floor_worker(conn: Connection, clients: list[int], threads: int, raw: str) -> None:
     """Worker process: load data once, then per message ``(round, global vector)`` train every
     hosted client from the global weights and send back
-    ``[(client, samples, training seconds, delta), ...]``."""
+    ``[(client, samples, delta), ...]``."""
     torch.set_num_threads(threads)
     model = build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED)
     torch.optim.SGD(model.parameters(), lr=0.0)  # torch's one-off optimizer import (~1 s), start-up like in fedpart
@@ -189,11 +194,9 @@ def floor_worker(conn: Connection, clients: list[int], threads: int, raw: str) -
         for client in clients:
             x, y = data[client]
             model.load_state_dict(state)
-            started = time.perf_counter()
             _train_epoch(model, x, y, task_seed(round_number, client))
-            trained = time.perf_counter() - started
             delta = parameters_to_vector(model.parameters()).detach() - start
-            results.append((client, x.shape[0], trained, delta.numpy()))
+            results.append((client, x.shape[0], delta.numpy()))
         conn.send(results)
     conn.close()
 
@@ -359,83 +362,67 @@ class ForeignCpu:
         self.cores = max(0.0, (machine - own) / wall)
 
 
-@dataclass
-class RoundTimes:
-    """Per round: wall seconds, training seconds of the slowest process (the sum over its
-    clients) and the usage of the system under test (None where not measured)."""
+class Floor:
+    """The floor's worker processes, started and loaded on entry and stopped on exit (bounded, by
+    process handle); :meth:`round` times one round from the current global weights."""
 
-    seconds: list[float]
-    train_seconds: list[float]
-    usage: list[Usage | None]
+    def __init__(self, processes: int, raw: Path) -> None:
+        self.groups, self.threads = client_processes(processes)
+        self.raw = raw
+        self.pipes: list[Connection] = []
+        self.workers: list[mp.process.BaseProcess] = []
+        self.global_vector = parameters_to_vector(
+            build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED).parameters()).detach()
+        self.rounds_done = 0
 
-    def measured(self, measure: str) -> list[float | None]:
-        """The ``Usage`` attribute ``measure`` of each round from round 2 on (round 1 includes
-        start-up work)."""
-        return [getattr(u, measure) if u is not None else None for u in self.usage[1:]]
+    def __enter__(self) -> Floor:
+        context = mp.get_context("spawn")
+        try:
+            for clients in self.groups:
+                parent, child = context.Pipe()
+                worker: mp.process.BaseProcess = context.Process(
+                    target=floor_worker, args=(child, clients, self.threads, str(self.raw)), daemon=True)
+                worker.start()
+                child.close()
+                self.pipes.append(parent)
+                self.workers.append(worker)
+            for pipe in self.pipes:
+                _receive(pipe, WORKER_START_SECONDS)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
 
-
-@dataclass
-class FloorRun:
-    """One floor run: its round times, final global weights and the foreign CPU during it."""
-
-    times: RoundTimes
-    final: torch.Tensor
-    foreign_cores: float
-
-
-def run_floor(processes: int, rounds: int, raw: Path) -> FloorRun:
-    """Run the floor; workers are started and loaded before the first timed round."""
-    with ForeignCpu() as foreign:
-        times, final = _floor_rounds(processes, rounds, raw)
-    return FloorRun(times, final, foreign.cores)
-
-
-def _floor_rounds(processes: int, rounds: int, raw: Path) -> tuple[RoundTimes, torch.Tensor]:
-    """Start the workers, time the rounds, stop the workers (bounded, by process handle)."""
-    groups, threads = client_processes(processes)
-    context = mp.get_context("spawn")
-    pipes: list[Connection] = []
-    workers: list[mp.process.BaseProcess] = []
-    try:
-        for clients in groups:
-            parent, child = context.Pipe()
-            worker: mp.process.BaseProcess = context.Process(
-                target=floor_worker, args=(child, clients, threads, str(raw)), daemon=True)
-            worker.start()
-            child.close()
-            pipes.append(parent)
-            workers.append(worker)
-        for pipe in pipes:
-            _receive(pipe, WORKER_START_SECONDS)
-        global_vector = parameters_to_vector(build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED).parameters()).detach()
-        times = RoundTimes([], [], [])
-        trainers = [worker.pid for worker in workers]
-        for round_number in range(1, rounds + 1):
-            before = Usage.of(process_tree(os.getpid()), trainers)
-            started = time.perf_counter()
-            payload = (round_number, global_vector.numpy())
-            for pipe in pipes:
-                pipe.send(payload)
-            by_worker = [_receive(pipe, FLOOR_ROUND_SECONDS) for pipe in pipes]
-            results = sorted((r for worker_results in by_worker for r in worker_results), key=lambda r: r[0])
-            total = torch.zeros(PARAMETERS, dtype=torch.float64)
-            for _, samples, _, delta in results:
-                total += torch.from_numpy(delta).to(torch.float64) * samples
-            mean = total / sum(r[1] for r in results)
-            global_vector = (global_vector.to(torch.float64) + mean).to(torch.float32)
-            times.seconds.append(time.perf_counter() - started)
-            times.usage.append(Usage.of(process_tree(os.getpid()), trainers) - before)
-            times.train_seconds.append(max(sum(r[2] for r in worker_results) for worker_results in by_worker))
-        return times, global_vector
-    finally:
-        for pipe in pipes:
+    def __exit__(self, *_: object) -> None:
+        for pipe in self.pipes:
             pipe.close()
         deadline = time.monotonic() + WORKER_STOP_SECONDS
-        for worker in workers:
+        for worker in self.workers:
             worker.join(timeout=max(0.0, deadline - time.monotonic()))
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5)
+
+    def usage(self) -> Usage:
+        trainers = [worker.pid for worker in self.workers]
+        return Usage.of([os.getpid(), *trainers], trainers)
+
+    def round(self) -> tuple[float, Usage]:
+        """The next round: its wall seconds and the usage of the parent and the workers in it."""
+        self.rounds_done += 1
+        before = self.usage()
+        started = time.perf_counter()
+        payload = (self.rounds_done, self.global_vector.numpy())
+        for pipe in self.pipes:
+            pipe.send(payload)
+        results = sorted((r for pipe in self.pipes for r in _receive(pipe, FLOOR_ROUND_SECONDS)), key=lambda r: r[0])
+        total = torch.zeros(PARAMETERS, dtype=torch.float64)
+        for _, samples, delta in results:
+            total += torch.from_numpy(delta).to(torch.float64) * samples
+        mean = total / sum(samples for _, samples, _ in results)
+        self.global_vector = (self.global_vector.to(torch.float64) + mean).to(torch.float32)
+        seconds = time.perf_counter() - started
+        return seconds, self.usage() - before
 
 
 def _receive(pipe: Connection, timeout: float) -> Any:
@@ -448,7 +435,7 @@ def _receive(pipe: Connection, timeout: float) -> Any:
     raise RuntimeError(f"a floor worker sent nothing within {timeout:.0f} s")
 
 
-# ------------------------------------------------------------------------------------- fedpart
+# -------------------------------------------------------------------------------- taking turns
 
 
 def fedpart_config(rounds: int, processes: int, data_root: Path) -> dict:
@@ -474,58 +461,113 @@ def fedpart_config(rounds: int, processes: int, data_root: Path) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Pause:
+    """The fedpart run stopped from ``started`` to ``ended`` (``time.monotonic``) while the floor
+    ran ``floor_rounds``, with the run's usage when it was stopped."""
+
+    started: float
+    ended: float
+    floor_rounds: tuple[int, ...]
+    usage: Usage
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A fedpart round and the floor round that ran inside it."""
+
+    round: int
+    fedpart_seconds: float
+    floor_seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.fedpart_seconds / self.floor_seconds
+
+
 @dataclass
-class FedpartRun:
-    """One ``fedpart run``: its per-round records (``metrics.jsonl``), round times, final global
-    weights and the foreign CPU during it."""
+class Sitting:
+    """One run of both systems taking turns: fedpart's round records, the moment (monotonic) each
+    round's line was seen, the pauses after each line, the floor's rounds (seconds and usage, by
+    round), both final models and the foreign CPU meanwhile."""
 
     records: list[RoundRecord]
-    times: RoundTimes
-    final: dict[str, torch.Tensor]
+    landed: dict[int, float]
+    pauses: dict[int, Pause]
+    floor_rounds: dict[int, tuple[float, Usage]]
+    floor_final: torch.Tensor
+    fedpart_final: dict[str, torch.Tensor]
     foreign_cores: float
 
+    def pairs(self) -> list[Pair]:
+        """Each fedpart round whose pause (the one after the previous round's line) held exactly
+        one floor round, not the floor's first, and lies inside it: the round started no later than
+        the pause (its line was seen ``seconds`` after a moment no later than the pause's start)
+        and outlasted it. Its time is its ``seconds`` less the pause."""
+        pairs = []
+        for record in self.records:
+            pause = self.pauses.get(record.round - 1)
+            if pause is None or len(pause.floor_rounds) != 1 or pause.floor_rounds[0] < 2:
+                continue
+            seconds = record.seconds - pause.seconds
+            seen = self.landed.get(record.round)
+            if seconds > 0 and seen is not None and seen - record.seconds <= pause.started:
+                pairs.append(Pair(record.round, seconds, self.floor_rounds[pause.floor_rounds[0]][0]))
+        return pairs
 
-def run_fedpart(rounds: int, processes: int, data_root: Path, work: Path, timeout: float) -> FedpartRun:
-    """``fedpart run`` as a subprocess (bounded wait, stopped by PID); raises if it fails."""
+    def fedpart_usage(self) -> list[Usage]:
+        """The run's usage between consecutive pauses: a round's work each (from round 2 on)."""
+        rounds = sorted(self.pauses)
+        return [self.pauses[n].usage - self.pauses[m].usage for m, n in zip(rounds, rounds[1:]) if n == m + 1]
+
+    def floor_usage(self) -> list[Usage]:
+        """The floor's usage per round from round 2 on (round 1 includes start-up work)."""
+        return [usage for n, (_, usage) in sorted(self.floor_rounds.items()) if n >= 2]
+
+
+def run_sitting(rounds: int, processes: int, data_root: Path, work: Path, timeout: float) -> Sitting:
+    """Both systems, taking turns (the module's docstring); raises if fedpart's run fails."""
     config_path = work / "round_overhead.yaml"
     config_path.write_text(yaml.safe_dump(fedpart_config(rounds, processes, data_root), sort_keys=False))
     out = work / "run"
     log_path = work / "fedpart.log"
     command = [sys.executable, "-m", "fedpart", "run", str(config_path), "--out", str(out)]
-    with log_path.open("w") as log, ForeignCpu() as foreign:
-        # Its own process group (to stop it as a whole) but not its own session: with autogroup
-        # scheduling a new session would get its own share of the CPU next to other users' load,
-        # which the floor's workers, in this session, do not.
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
-        try:
-            code, usage_at_lines = _follow(process, out / "metrics.jsonl", time.monotonic() + timeout)
-        finally:
-            _stop(process)
-    if code != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        reason = f"exit code {code}" if code is not None else f"no end within {timeout:.0f} s"
-        raise RuntimeError(f"fedpart run failed ({reason}); last lines of its output:\n{tail}")
-    records = read_rounds(out / "metrics.jsonl")
-    # Round 1 has no usage figure: its start is not observable from outside, and the client
-    # processes are still starting up in it.
-    usage = [None] + [usage_at_lines[n] - usage_at_lines[n - 1] if {n - 1, n} <= usage_at_lines.keys() else None
-                      for n in range(2, len(records) + 1)]
-    groups, _ = client_processes(processes)
-    times = RoundTimes([r.seconds for r in records], [_slowest_training(r, groups) for r in records], usage)
+    with ForeignCpu() as foreign, Floor(processes, data_root / "MNIST" / "raw") as floor:
+        with log_path.open("w") as log:
+            # Its own process group (to stop and continue it as a whole) but not its own session:
+            # with autogroup scheduling a new session would get its own share of the CPU next to
+            # other users' load, which the floor's workers, in this session, do not.
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
+            try:
+                code, landed, pauses, floor_rounds = take_turns(process, out / "metrics.jsonl", floor, rounds,
+                                                                time.monotonic() + timeout)
+            finally:
+                _stop(process)
+        if code != 0:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+            reason = f"exit code {code}" if code is not None else f"no end within {timeout:.0f} s"
+            raise RuntimeError(f"fedpart run failed ({reason}); last lines of its output:\n{tail}")
+        while (number := floor.rounds_done + 1) <= rounds:  # the floor's rounds after fedpart's last line: not paired
+            floor_rounds[number] = floor.round()
     final = load_tensors(out / "checkpoints" / f"round_{rounds:04d}.safetensors")
-    return FedpartRun(records, times, final, foreign.cores)
+    return Sitting(read_rounds(out / "metrics.jsonl"), landed, pauses, floor_rounds, floor.global_vector, final,
+                   foreign.cores)
 
 
-def _slowest_training(record: RoundRecord, groups: list[list[int]]) -> float:
-    """Training seconds of the round's slowest client process: its clients' ``compute_seconds``."""
-    return max(sum(record.clients[str(c)]["compute_seconds"] for c in group) for group in groups)
-
-
-def _follow(process: subprocess.Popen, metrics: Path, deadline: float) -> tuple[int | None, dict[int, Usage]]:
-    """Wait for the run to end (None: not by ``deadline``), sampling the usage of its process tree
-    (training threads: the client processes' main threads) the first time ``metrics`` is seen
-    holding n round lines, for each n (within :data:`POLL_SECONDS` of the line's writing)."""
-    usage_at_lines: dict[int, Usage] = {}
+def take_turns(process: subprocess.Popen, metrics: Path, floor: Floor, rounds: int, deadline: float
+               ) -> tuple[int | None, dict[int, float], dict[int, Pause], dict[int, tuple[float, Usage]]]:
+    """Follow the run until it ends (None: not by ``deadline``), noting when each count of round
+    lines is first seen; after a count below ``rounds`` is seen, wait :data:`PAUSE_AFTER_SECONDS`,
+    stop the run's process group, run the floor up to that count, and continue the run.
+    Returns the exit code, the moments seen, the pauses (by the count they followed) and the
+    floor's rounds."""
+    landed: dict[int, float] = {}
+    pauses: dict[int, Pause] = {}
+    floor_rounds: dict[int, tuple[float, Usage]] = {}
     size = -1
     while (code := process.poll()) is None and time.monotonic() < deadline:
         try:
@@ -535,11 +577,52 @@ def _follow(process: subprocess.Popen, metrics: Path, deadline: float) -> tuple[
         if changed:
             content = metrics.read_bytes()
             size, lines = len(content), content.count(b"\n")
-            if lines not in usage_at_lines:
-                tree = process_tree(process.pid)
-                usage_at_lines[lines] = Usage.of(tree, [pid for pid in tree if is_client_process(pid)])
+            for line in range(len(landed) + 1, lines + 1):
+                landed[line] = time.monotonic()
+            if floor.rounds_done < lines < rounds:
+                time.sleep(PAUSE_AFTER_SECONDS)
+                pauses[lines] = _pause(process, floor, lines, floor_rounds)
+                continue
         time.sleep(POLL_SECONDS)
-    return code, usage_at_lines
+    return code, landed, pauses, floor_rounds
+
+
+def _pause(process: subprocess.Popen, floor: Floor, rounds: int, floor_rounds: dict[int, tuple[float, Usage]]) -> Pause:
+    """Stop the run's process group, run the floor up to ``rounds``, continue the run."""
+    started = time.monotonic()
+    os.killpg(process.pid, signal.SIGSTOP)
+    try:
+        tree = process_tree(process.pid)
+        _wait_stopped(tree)
+        usage = Usage.of(tree, [pid for pid in tree if is_client_process(pid)])
+        ran = []
+        while floor.rounds_done < rounds:
+            ran.append(floor.rounds_done + 1)
+            floor_rounds[ran[-1]] = floor.round()
+    finally:
+        os.killpg(process.pid, signal.SIGCONT)
+    return Pause(started, time.monotonic(), tuple(ran), usage)
+
+
+def _wait_stopped(pids: list[int]) -> None:
+    """Return once every process of ``pids`` has taken its SIGSTOP (state T) or ended; a signal
+    is taken when its process next runs, not when it is sent. RuntimeError after
+    :data:`STOP_SECONDS`."""
+    deadline = time.monotonic() + STOP_SECONDS
+    while True:
+        running = []
+        for pid in pids:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+                    running.append(pid)
+            except OSError:  # it has ended
+                pass
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {running} did not stop within {STOP_SECONDS:.0f} s of SIGSTOP")
+        time.sleep(0.001)
+        pids = running
 
 
 def is_client_process(pid: int) -> bool:
@@ -577,110 +660,85 @@ def _median(values: Iterable[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def _seconds(value: float | None, width: int) -> str:
-    return f"{value:>{width}.3f}" if value is not None else f"{'-':>{width}}"
+def _percent(share: float | None) -> str:
+    return f"{100 * share:.1f} %" if share is not None else "-"
 
 
-def _pooled(runs: list[RoundTimes], measure: str) -> float | None:
-    """The median of the ``Usage`` attribute ``measure`` over rounds 2.. of all ``runs``."""
-    return _median(value for times in runs for value in times.measured(measure))
+def _row(name: str, values: Iterable[float], digits: int = 3) -> str:
+    return f"{name:<10}" + "".join(f"{v:>7.{digits}f}" for v in values)
 
 
-def _percent(share: float | None, width: int = 0) -> str:
-    return (f"{100 * share:.1f} %" if share is not None else "-").rjust(width)
-
-
-def _outside_training(times: RoundTimes) -> list[float]:
-    """Per round: wall seconds minus the slowest process's training seconds."""
-    return [wall - train for wall, train in zip(times.seconds, times.train_seconds, strict=True)]
-
-
-def _pair_ratios(fedparts: list[FedpartRun], floors: list[FloorRun]) -> list[float]:
-    """Each fedpart run's median round over the mean of the medians of the floor runs before and
-    after it (the runs alternate: floor, fedpart, floor, ...)."""
-    medians = [statistics.median(f.times.seconds) for f in floors]
-    return [statistics.median(fed.times.seconds) / ((medians[k] + medians[k + 1]) / 2)
-            for k, fed in enumerate(fedparts)]
-
-
-def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -> None:
-    """Print the runs in the order they ran (floor, fedpart, ..., floor: one floor run more than
-    fedpart runs), the pooled medians, the ratio and the byte counts."""
+def report(processes: int, sittings: list[Sitting]) -> None:
+    """Print each sitting's pairs, the median of the pairs' ratios over all sittings, the medians
+    of the paired rounds, the usage diagnostics and the byte counts."""
     _, threads = client_processes(processes)
     print(f"cnn2 / MNIST / FedAvg: {CLIENTS} clients x {TRAIN_PER_CLIENT} samples, {EPOCHS} epoch, batch "
           f"{BATCH_SIZE}, lr {LR}, all clients every round; {processes} client processes x {threads} torch "
           f"thread(s) on {os.cpu_count()} CPUs; torch {torch.__version__}")
     print("fedpart: the server's round seconds from metrics.jsonl (sampling -> tasks over gRPC -> training -> "
-          "results over gRPC -> validated and aggregated; no evaluation, no checkpoint)")
+          "results over gRPC -> validated and aggregated; no evaluation, no checkpoint), less the pause")
     print("floor:   plain PyTorch, same processes, threads, clients and steps (weights to the workers -> "
-          "training -> deltas back -> weighted mean; no evaluation)")
-    print("train:   training seconds of the round's slowest process (the sum over its clients); "
-          "outside: round minus train")
+          "training -> deltas back -> weighted mean; no evaluation), run while fedpart's round is paused")
     print("cpu:     CPU seconds of every process of the system in a round (fedpart: launcher, server, "
-          "clients; not measurable for round 1)")
+          "clients, between two pauses)")
     print("trainer: of those, the seconds the training threads (each training process's main thread) ran "
           "on a core; waited: the share of their runnable time they waited for one (/proc/<pid>/schedstat)")
-    print("idle:    core-seconds in a round that the machine's cores sat idle (/proc/stat idle + iowait; "
-          "fedpart: between round lines, so with the round's checkpoint)")
-    print("foreign: cores' worth of CPU used by processes outside this benchmark during the run (noise)")
+    print("idle:    core-seconds in a round that the machine's cores sat idle (/proc/stat idle + iowait)")
+    print("foreign: cores' worth of CPU used by processes outside this benchmark during the sitting (noise)")
+    all_pairs: list[Pair] = []
+    for k, sitting in enumerate(sittings, start=1):
+        pairs = sitting.pairs()
+        all_pairs += pairs
+        fed_usage, floor_usage = sitting.fedpart_usage(), sitting.floor_usage()
+        print()
+        print(f"sitting {k}: {len(pairs)} of rounds 3..{len(sitting.records)} paired; foreign "
+              f"{sitting.foreign_cores:.2f} cores; cpu fedpart {_median(u.cpu for u in fed_usage) or 0:.3f} s, "
+              f"floor {_median(u.cpu for u in floor_usage) or 0:.3f} s a round (medians)")
+        print(_row("round", (p.round for p in pairs), 0))
+        print(_row("fedpart s", (p.fedpart_seconds for p in pairs)))
+        print(_row("floor s", (p.floor_seconds for p in pairs)))
+        print(_row("ratio", (p.ratio for p in pairs)))
     print()
-    runs: list[tuple[str, RoundTimes, float]] = []
-    for k, floor in enumerate(floors):
-        runs.append((f"floor#{k + 1}", floor.times, floor.foreign_cores))
-        if k < len(fedparts):
-            runs.append((f"fedpart#{k + 1}", fedparts[k].times, fedparts[k].foreign_cores))
-    walls_width = max(7 * len(floors[0].times.seconds), len("round wall s"))
-    print(f"{'run':<10} {'round wall s':<{walls_width}} {'median':>7} {'train':>7} {'outside':>8} "
-          f"{'cpu s':>7} {'trainer':>8} {'waited':>7} {'idle':>6} {'foreign':>8}")
-    for name, times, cores in runs:
-        walls = "".join(f"{s:>7.3f}" for s in times.seconds)
-        print(f"{name:<10} {walls:<{walls_width}} {statistics.median(times.seconds):>7.3f} "
-              f"{statistics.median(times.train_seconds):>7.3f} {statistics.median(_outside_training(times)):>8.3f} "
-              f"{_seconds(_median(times.measured('cpu')), 7)} "
-              f"{_seconds(_median(times.measured('trainers_running')), 8)} "
-              f"{_percent(_median(times.measured('trainers_waited')), 7)} "
-              f"{_seconds(_median(times.measured('machine_idle')), 6)} {cores:>8.2f}")
-
-    fed_times = [f.times for f in fedparts]
-    floor_times = [f.times for f in floors]
-    fed_median = statistics.median(s for t in fed_times for s in t.seconds)
-    floor_median = statistics.median(s for t in floor_times for s in t.seconds)
-    ratio = fed_median / floor_median
-    print()
-    print(f"fedpart round median        {fed_median:.3f} s  (all {sum(len(t.seconds) for t in fed_times)} rounds "
-          f"of {len(fedparts)} run(s))")
-    print(f"floor round median          {floor_median:.3f} s  (all {sum(len(t.seconds) for t in floor_times)} rounds "
-          f"of {len(floors)} run(s))")
+    if not all_pairs:
+        print("no round could be paired (see Sitting.pairs)")
+        return
+    ratios = sorted(p.ratio for p in all_pairs)
+    ratio = statistics.median(ratios)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratio, ratio, ratio]
     verdict = "meets" if ratio <= TARGET_RATIO else "MISSES"
-    print(f"ratio fedpart / floor       {ratio:.3f}  ({verdict} the {TARGET_RATIO:.2f}x target)")
-    pairs = _pair_ratios(fedparts, floors)
-    print(f"run by run                  {', '.join(f'{r:.3f}' for r in pairs)}  (each fedpart run over "
-          f"the mean of the floor runs either side; median {statistics.median(pairs):.3f})")
-    fed_outside = statistics.median(s for t in fed_times for s in _outside_training(t))
-    floor_outside = statistics.median(s for t in floor_times for s in _outside_training(t))
-    print(f"outside training            fedpart {fed_outside:.3f} s, floor {floor_outside:.3f} s (medians)")
-    fed_cpu, floor_cpu = _pooled(fed_times, "cpu"), _pooled(floor_times, "cpu")
-    if fed_cpu is not None and floor_cpu is not None:
-        print(f"cpu per round, rounds 2..   fedpart {fed_cpu:.3f} s, floor {floor_cpu:.3f} s, ratio "
-              f"{fed_cpu / floor_cpu:.3f} (medians)")
-        fed_trainers, floor_trainers = _pooled(fed_times, "trainers_running"), _pooled(floor_times, "trainers_running")
-        print(f"  training threads on a core fedpart {fed_trainers:.3f} s, floor {floor_trainers:.3f} s; all other "
-              f"threads fedpart {_pooled(fed_times, 'others'):.3f} s, floor {_pooled(floor_times, 'others'):.3f} s")
-        print(f"  of the other threads      in the training processes fedpart "
-              f"{_pooled(fed_times, 'beside_training'):.3f} s, floor {_pooled(floor_times, 'beside_training'):.3f} s; "
-              f"in the others (fedpart: server, launcher; floor: parent) fedpart "
-              f"{_pooled(fed_times, 'not_training'):.3f} s, floor {_pooled(floor_times, 'not_training'):.3f} s")
-        print(f"  training threads waited   fedpart {_percent(_pooled(fed_times, 'trainers_waited'))}, floor "
-              f"{_percent(_pooled(floor_times, 'trainers_waited'))} of their runnable time")
-        print(f"  training threads preempted fedpart "
-              f"{_pooled(fed_times, 'trainers_preempted_per_second'):.0f}, floor "
-              f"{_pooled(floor_times, 'trainers_preempted_per_second'):.0f} times per second on a core "
-              f"(involuntary context switches)")
-        print(f"  cores idle                fedpart {_pooled(fed_times, 'machine_idle'):.3f} s, floor "
-              f"{_pooled(floor_times, 'machine_idle'):.3f} s a round (core-seconds)")
+    print(f"ratio fedpart / floor       {ratio:.3f}  ({verdict} the {TARGET_RATIO:.2f}x target; median of "
+          f"{len(ratios)} pairs, quartiles {quartiles[0]:.3f} and {quartiles[2]:.3f})")
+    fed_median = statistics.median(p.fedpart_seconds for p in all_pairs)
+    floor_median = statistics.median(p.floor_seconds for p in all_pairs)
+    print(f"paired round medians        fedpart {fed_median:.3f} s, floor {floor_median:.3f} s, ratio "
+          f"{fed_median / floor_median:.3f}")
+    fed = [u for sitting in sittings for u in sitting.fedpart_usage()]
+    flo = [u for sitting in sittings for u in sitting.floor_usage()]
+    if fed and flo:
+        def both(measure: str) -> tuple[float, float]:
+            return _median(getattr(u, measure) for u in fed), _median(getattr(u, measure) for u in flo)
+
+        cpu = both("cpu")
+        print(f"cpu per round, rounds 2..   fedpart {cpu[0]:.3f} s, floor {cpu[1]:.3f} s, ratio "
+              f"{cpu[0] / cpu[1]:.3f} (medians)")
+        trainers, others = both("trainers_running"), both("others")
+        print(f"  training threads on a core fedpart {trainers[0]:.3f} s, floor {trainers[1]:.3f} s; all other "
+              f"threads fedpart {others[0]:.3f} s, floor {others[1]:.3f} s")
+        beside, apart = both("beside_training"), both("not_training")
+        print(f"  of the other threads      in the training processes fedpart {beside[0]:.3f} s, floor "
+              f"{beside[1]:.3f} s; in the others (fedpart: server, launcher; floor: parent) fedpart "
+              f"{apart[0]:.3f} s, floor {apart[1]:.3f} s")
+        waited = both("trainers_waited")
+        print(f"  training threads waited   fedpart {_percent(waited[0])}, floor {_percent(waited[1])} of their "
+              f"runnable time")
+        preempted = both("trainers_preempted_per_second")
+        print(f"  training threads preempted fedpart {preempted[0]:.0f}, floor {preempted[1]:.0f} times per "
+              f"second on a core (involuntary context switches)")
+        idle = both("machine_idle")
+        print(f"  cores idle                fedpart {idle[0]:.3f} s, floor {idle[1]:.3f} s a round (core-seconds)")
     print(f"same work check             max |floor - fedpart| over the final weights: "
-          f"{max(_max_difference(f.final, fed.final) for f in floors for fed in fedparts):.3g}")
-    records = [r for fed in fedparts for r in fed.records]
+          f"{max(_max_difference(s.floor_final, s.fedpart_final) for s in sittings):.3g}")
+    records = [r for sitting in sittings for r in sitting.records]
     client_rounds = sum(len(r.completed) for r in records)
     print()
     print(f"bytes per client-round (all messages of the round / completed clients; raw float32 model "
@@ -697,32 +755,27 @@ def report(processes: int, floors: list[FloorRun], fedparts: list[FedpartRun]) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of each run (default 5)")
+    parser.add_argument("--rounds", type=int, default=12, help="rounds of each sitting (default 12)")
     parser.add_argument("--processes", type=int, default=2, help="client processes, and floor workers (default 2)")
-    parser.add_argument("--pairs", type=int, default=3,
-                        help="fedpart runs, each followed by a floor run, after a first floor run (default 3)")
+    parser.add_argument("--runs", type=int, default=2, help="sittings of both systems taking turns (default 2)")
     parser.add_argument("--data-root", type=Path, default=default_data_root(),
                         help="directory holding MNIST/raw/*.gz (default <checkout>/../shared/data)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one fedpart run may take")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or not 1 <= args.processes <= CLIENTS or args.pairs < 1:
-        parser.error(f"--rounds and --pairs must be >= 1 and --processes in 1..{CLIENTS}")
-    raw = args.data_root.resolve() / "MNIST" / "raw"
-    if not raw.is_dir():
+    if args.rounds < 3 or not 1 <= args.processes <= CLIENTS or args.runs < 1:
+        parser.error(f"--rounds must be >= 3, --runs >= 1 and --processes in 1..{CLIENTS}")
+    data_root = args.data_root.resolve()
+    if not (data_root / "MNIST" / "raw").is_dir():
         parser.error(f"no MNIST/raw under {args.data_root}")
-
+    sittings = []
     try:
-        floors = [run_floor(args.processes, args.rounds, raw)]
-        fedparts = []
-        for _ in range(args.pairs):
+        for _ in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="fedpart-round-overhead-") as work:
-                fedparts.append(run_fedpart(args.rounds, args.processes, args.data_root.resolve(), Path(work),
-                                            args.timeout))
-            floors.append(run_floor(args.processes, args.rounds, raw))
+                sittings.append(run_sitting(args.rounds, args.processes, data_root, Path(work), args.timeout))
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    report(args.processes, floors, fedparts)
+    report(args.processes, sittings)
     return 0
 
 

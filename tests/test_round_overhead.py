@@ -1,17 +1,17 @@
-"""``benchmarks/round_overhead.py``'s arithmetic: the slowest process's training per round from a
-round record, each fedpart run against the floor runs either side of it, the report over runs
-that took turns, the run-queue wait it reads from ``/proc``, and how it samples a run's usage at
-its round lines (the benchmark itself runs for minutes and is not run here)."""
+"""``benchmarks/round_overhead.py``'s arithmetic and its turns: which fedpart rounds pair with the
+floor round run inside them, the report over sittings, the run-queue wait and preemptions it reads
+from ``/proc``, and how it stops a run's process group while the floor takes its turn (the benchmark
+itself runs for minutes and is not run here)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-import pytest
-import torch
 from torch.nn.utils import parameters_to_vector
 
 from conftest import REPO, load_script
@@ -19,59 +19,65 @@ from fedpart.common.records import RoundRecord
 
 round_overhead = load_script(REPO / "benchmarks" / "round_overhead.py")
 Usage = round_overhead.Usage
+IDLE = Usage(0.0, 0.0, 0.0, 0.0, 0.0, 0)
 
 
-def _record(round_number: int, seconds: float, compute: dict[int, float]) -> RoundRecord:
-    return RoundRecord(round=round_number, sampled=sorted(compute), completed=sorted(compute), seconds=seconds,
+def _record(round_number: int, seconds: float) -> RoundRecord:
+    return RoundRecord(round=round_number, sampled=list(range(10)), completed=list(range(10)), seconds=seconds,
                        bytes_down=1000, bytes_up=2000,
-                       bytes_by_part={"body": {"down": 900, "up": 1900}, "control": {"down": 100, "up": 100}},
-                       clients={str(c): {"compute_seconds": s} for c, s in compute.items()})
+                       bytes_by_part={"body": {"down": 900, "up": 1900}, "control": {"down": 100, "up": 100}})
 
 
-def test_the_slowest_process_is_the_one_whose_clients_trained_longest_in_all() -> None:
-    groups, _ = round_overhead.client_processes(2)
-    assert groups == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
-    # process 0: 5 x 0.5 = 2.5 s; process 1 holds the slowest single client but 0.9 + 4 x 0.3 = 2.1 s
-    compute = {c: 0.5 for c in range(5)} | {5: 0.9} | {c: 0.3 for c in range(6, 10)}
-    assert round_overhead._slowest_training(_record(1, 2.6, compute), groups) == pytest.approx(2.5)
+def _pause(started: float, seconds: float, floor_rounds: tuple[int, ...], usage: Usage = IDLE):
+    return round_overhead.Pause(started, started + seconds, floor_rounds, usage)
 
 
-def test_each_fedpart_run_is_set_against_the_mean_of_the_floors_either_side() -> None:
-    def floor(seconds: list[float]):
-        return round_overhead.FloorRun(round_overhead.RoundTimes(seconds, seconds, [None] * len(seconds)),
-                                       torch.zeros(1), 0.0)
-
-    def fed(seconds: list[float]):
-        return round_overhead.FedpartRun([], round_overhead.RoundTimes(seconds, seconds, [None] * len(seconds)),
-                                         {}, 0.0)
-
-    floors = [floor([2.0, 2.0, 9.0]), floor([3.0, 3.0, 1.0]), floor([4.0, 4.0, 4.0])]
-    fedparts = [fed([2.75, 2.75, 0.1]), fed([3.5, 3.5, 3.5])]
-    assert round_overhead._pair_ratios(fedparts, floors) == pytest.approx([2.75 / 2.5, 3.5 / 3.5])
+def _sitting(records, landed, pauses, floor_seconds, usage=None, final=None, fedpart_final=None):
+    floor_rounds = {n: (s, (usage or {}).get(n, IDLE)) for n, s in floor_seconds.items()}
+    return round_overhead.Sitting(records, landed, pauses, floor_rounds, final, fedpart_final or {}, 0.0)
 
 
-def test_the_report_pools_the_rounds_of_runs_that_took_turns(capsys) -> None:
+def test_a_fedpart_round_pairs_with_the_one_floor_round_its_pause_held() -> None:
+    # round n's line is seen at 3.2 n; round n + 1 runs from 0.1 s after it for 3.0 s, the pause
+    # after line n (1 s, from 0.5 s after it) included
+    seen = {n: 3.2 * n for n in range(1, 7)}
+    records = [_record(n, 3.0) for n in range(1, 7)]
+    pauses = {n: _pause(seen[n] + 0.5, 1.0, (n,)) for n in range(1, 6)}
+    pauses[4] = _pause(seen[4] + 0.5, 1.0, (4, 5))    # two floor rounds in one pause: no pair for round 5
+    pauses[5] = _pause(seen[5] + 0.5, 1.0, ())
+    landed = dict(seen)
+    landed[4] = seen[4] + 0.4                          # seen late: it may have started after its pause began
+    floor = {n: 2.0 for n in range(1, 7)}
+    pairs = _sitting(records, landed, pauses, floor).pairs()
+    assert [(p.round, p.fedpart_seconds, p.floor_seconds) for p in pairs] == [(3, 2.0, 2.0)], \
+        "round 2 holds the floor's first round; 4 cannot be shown to hold its pause; 5 and 6 hold no single one"
+    assert pairs[0].ratio == 1.0
+    short = _sitting([_record(3, 0.9)], {3: seen[2] + 1.0}, {2: _pause(seen[2] + 0.5, 1.0, (2,))}, floor).pairs()
+    assert short == [], "a round that does not outlast its pause did not hold it"
+
+
+def test_the_report_pools_the_pairs_of_every_sitting(capsys) -> None:
     model = round_overhead.build_model(round_overhead.MODEL, round_overhead.NUM_CLASSES,
                                        round_overhead.INPUT_SHAPE, round_overhead.SEED)
     vector = parameters_to_vector(model.parameters()).detach()
     state = {name: value.clone() for name, value in model.state_dict().items()}
-    compute = {c: 0.2 for c in range(10)}
-    floors, fedparts = [], []
-    for walls in ([1.0, 1.1], [1.2, 1.3], [1.0, 1.0]):
-        times = round_overhead.RoundTimes(walls, [w - 0.05 for w in walls], [None, Usage(2.0, 1.9, 0.0192, 0.02, 1.95, 494)])
-        floors.append(round_overhead.FloorRun(times, vector, 0.0))
-    for walls in ([1.1, 1.2], [1.15, 1.25]):
-        records = [_record(n + 1, w, compute) for n, w in enumerate(walls)]
-        times = round_overhead.RoundTimes(walls, [1.0, 1.0], [None, Usage(2.1, 1.9, 0.1, 0.15, 1.98, 551)])
-        fedparts.append(round_overhead.FedpartRun(records, times, state, 0.0))
-    round_overhead.report(2, floors, fedparts)
+    sittings = []
+    for fedpart_seconds, floor_seconds in (([2.1, 2.2, 2.0], [2.0, 2.0, 2.0]), ([2.6, 2.2, 2.3], [2.0, 2.2, 2.0])):
+        records = [_record(1, 5.0), _record(2, 5.0)] + [_record(n + 3, s + 1.0) for n, s in enumerate(fedpart_seconds)]
+        landed = {n: 3.2 * n for n in range(1, 6)}
+        pauses = {n: _pause(3.2 * n + 0.5, 1.0, (n,), Usage(2.1 * n, 1.9 * n, 0.1 * n, 0.15 * n, 1.98 * n, 551 * n))
+                  for n in range(1, 5)}
+        floor = dict(zip(range(1, 6), [9.0, *floor_seconds, 9.0]))
+        usage = {n: Usage(2.0, 1.9, 0.0192, 0.02, 1.95, 494) for n in floor}
+        sittings.append(_sitting(records, landed, pauses, floor, usage, vector, state))
+    round_overhead.report(2, sittings)
     out = capsys.readouterr().out
-    lines = [line.split() for line in out.splitlines()]
-    names = [line[0] for line in lines if line and line[0].startswith(("floor#", "fedpart#"))]
-    assert names == ["floor#1", "fedpart#1", "floor#2", "fedpart#2", "floor#3"], "in the order they ran"
-    # medians: fedpart over 1.1, 1.2, 1.15, 1.25 -> 1.175; floor over 1.0, 1.1, 1.2, 1.3, 1.0, 1.0 -> 1.05
-    assert "ratio fedpart / floor       1.119  (MISSES the 1.03x target)" in out
-    assert "run by run                  1.000, 1.067" in out  # 1.15 / ((1.05 + 1.25) / 2), 1.2 / ((1.25 + 1.0) / 2)
+    assert "sitting 1: 3 of rounds 3..5 paired" in out
+    assert "ratio       1.050  1.100  1.000" in out
+    assert "ratio       1.300  1.000  1.150" in out
+    # the six ratios 1.0, 1.0, 1.05, 1.1, 1.15, 1.3: median 1.075
+    assert "ratio fedpart / floor       1.075  (MISSES the 1.03x target; median of 6 pairs" in out
+    assert "paired round medians        fedpart 2.200 s, floor 2.000 s, ratio 1.100" in out
     assert "max |floor - fedpart| over the final weights: 0" in out
     assert "cpu per round, rounds 2..   fedpart 2.100 s, floor 2.000 s, ratio 1.050" in out
     assert "training threads on a core fedpart 1.900 s, floor 1.900 s; all other threads fedpart 0.200 s, " \
@@ -115,13 +121,13 @@ def test_the_waited_share_and_the_preemptions_count_a_thread_held_off_its_core()
 
 class _ScriptedRun:
     """Stands in for ``fedpart run``: its n-th poll appends the round lines ``writes[n]`` names to
-    ``metrics``; it has ended (exit 0) after the last."""
+    ``metrics``; it has ended (exit 0) after the last. Its ``pid`` leads a real process group
+    (a sleeping child), which the pauses stop and continue."""
 
-    pid = os.getpid()
-
-    def __init__(self, metrics, writes: dict[int, list[int]]) -> None:
+    def __init__(self, metrics: Path, writes: dict[int, list[int]], group: subprocess.Popen) -> None:
         self.metrics = metrics
         self.writes = writes
+        self.pid = group.pid
         self.polls = 0
 
     def poll(self) -> int | None:
@@ -132,10 +138,40 @@ class _ScriptedRun:
         return 0 if self.polls > max(self.writes) else None
 
 
-def test_following_a_run_samples_its_usage_once_per_line_count_seen(tmp_path) -> None:
-    metrics = tmp_path / "metrics.jsonl"
-    run = _ScriptedRun(metrics, {2: [1], 4: [2], 5: [3, 4]})
-    code, usage_at_lines = round_overhead._follow(run, metrics, time.monotonic() + 60)
-    assert code == 0 and run.polls == 6
-    assert sorted(usage_at_lines) == [1, 2, 4], "each count once; two lines landing together are one sample"
-    assert all(isinstance(usage, Usage) for usage in usage_at_lines.values())
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+class _RecordingFloor:
+    """Stands in for the floor: each round notes the state of the run's process meanwhile."""
+
+    def __init__(self, watched: int) -> None:
+        self.watched = watched
+        self.rounds_done = 0
+        self.states: list[str] = []
+
+    def round(self) -> tuple[float, Usage]:
+        self.rounds_done += 1
+        self.states.append(_state(self.watched))
+        return 0.5, IDLE
+
+
+def test_taking_turns_stops_the_run_while_the_floor_catches_up_to_its_lines(tmp_path) -> None:
+    group = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], preexec_fn=os.setpgrp)
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        run = _ScriptedRun(metrics, {2: [1], 4: [2], 5: [3, 4], 7: [5]}, group)
+        floor = _RecordingFloor(group.pid)
+        code, landed, pauses, floor_rounds = round_overhead.take_turns(run, metrics, floor, 5, time.monotonic() + 60)
+        assert code == 0 and run.polls == 8
+        assert sorted(landed) == [1, 2, 3, 4, 5]
+        assert {n: p.floor_rounds for n, p in pauses.items()} == {1: (1,), 2: (2,), 4: (3, 4)}, \
+            "after each count seen, below the last round: the floor runs up to it"
+        assert sorted(floor_rounds) == [1, 2, 3, 4], "the last round is the caller's, after the run ended"
+        assert floor.states == ["T"] * 4, "the run's process group is stopped while the floor runs"
+        assert _state(group.pid) in "SR", "and continued after"
+        assert all(p.ended - p.started >= 0 and isinstance(p.usage, Usage) for p in pauses.values())
+    finally:
+        os.killpg(group.pid, signal.SIGCONT)
+        group.kill()
+        group.wait(timeout=30)
