@@ -404,6 +404,7 @@ class Floor:
                 worker.join(timeout=5)
 
     def usage(self) -> Usage:
+        """What the parent (this process) and the workers (the training processes) used so far."""
         trainers = [worker.pid for worker in self.workers]
         return Usage.of([os.getpid(), *trainers], trainers)
 
