@@ -232,10 +232,16 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
+def stat_fields(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name, the state first; OSError once
+    process ``pid`` has ended."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system) process ``pid`` has used so far; 0 once it has ended."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat_fields(pid)
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
@@ -614,7 +620,7 @@ def _wait_stopped(pids: list[int]) -> None:
         running = []
         for pid in pids:
             try:
-                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+                if stat_fields(pid)[0] != "T":
                     running.append(pid)
             except OSError:  # it has ended
                 pass

@@ -139,7 +139,7 @@ class _ScriptedRun:
 
 
 def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return round_overhead.stat_fields(pid)[0]
 
 
 class _RecordingFloor:
