@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -76,7 +77,10 @@ def test_the_report_pools_the_pairs_of_every_sitting(capsys) -> None:
     assert "ratio       1.050  1.100  1.000" in out
     assert "ratio       1.300  1.000  1.150" in out
     # the six ratios 1.0, 1.0, 1.05, 1.1, 1.15, 1.3: median 1.075
-    assert "ratio fedpart / floor       1.075  (MISSES the 1.03x target; median of 6 pairs" in out
+    assert "ratio fedpart / floor       1.075  (median of 6 pairs, quartiles" in out
+    # six pairs cannot place the median on either side of 1.03
+    assert "  90% interval        1.000-1.175 (bootstrap over the pairs): neither meets nor misses the 1.03x " \
+           "target as far as these pairs can tell" in out
     assert "paired round medians        fedpart 2.200 s, floor 2.000 s, ratio 1.100" in out
     assert "max |floor - fedpart| over the final weights: 0" in out
     assert "cpu per round, rounds 2..   fedpart 2.100 s, floor 2.000 s, ratio 1.050" in out
@@ -87,6 +91,18 @@ def test_the_report_pools_the_pairs_of_every_sitting(capsys) -> None:
     assert "cores idle                fedpart 0.150 s, floor 0.020 s a round (core-seconds)" in out
     assert "of the other threads      in the training processes fedpart 0.080 s, floor 0.050 s; in the others " \
            "(fedpart: server, launcher; floor: parent) fedpart 0.120 s, floor 0.050 s" in out
+
+
+def test_the_interval_of_the_median_narrows_with_the_pairs_and_decides_the_verdict() -> None:
+    spread = [1.0 + 0.04 * (k * 37 % 97) / 96 for k in range(40)]  # scattered over 1.00-1.04
+    low, high = round_overhead.median_interval(spread)
+    assert (low, high) == round_overhead.median_interval(spread), "seeded: the same pairs give the same interval"
+    assert low <= statistics.median(spread) <= high
+    assert high - low < round_overhead.median_interval(spread[:8])[1] - round_overhead.median_interval(spread[:8])[0]
+    assert round_overhead.median_interval([1.01] * 7) == (1.01, 1.01)
+    assert round_overhead.verdict(0.99, 1.03) == "meets the 1.03x target"
+    assert round_overhead.verdict(1.031, 1.06) == "MISSES the 1.03x target"
+    assert round_overhead.verdict(1.02, 1.04).startswith("neither meets nor misses")
 
 
 def test_usage_between_two_samples_subtracts_every_measure() -> None:
