@@ -565,8 +565,7 @@ def run_sitting(rounds: int, processes: int, data_root: Path, work: Path, timeou
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
             reason = f"exit code {code}" if code is not None else f"no end within {timeout:.0f} s"
             raise RuntimeError(f"fedpart run failed ({reason}); last lines of its output:\n{tail}")
-        while (number := floor.rounds_done + 1) <= rounds:  # the floor's rounds after fedpart's last line: not paired
-            floor_rounds[number] = floor.round()
+        _floor_up_to(floor, rounds, floor_rounds)  # the floor's rounds after fedpart's last line: not paired
     final = load_tensors(out / "checkpoints" / f"round_{rounds:04d}.safetensors")
     return Sitting(read_rounds(out / "metrics.jsonl"), landed, pauses, floor_rounds, floor.global_vector, final,
                    foreign.cores)
@@ -609,13 +608,19 @@ def _pause(process: subprocess.Popen, floor: Floor, rounds: int, floor_rounds: d
         tree = process_tree(process.pid)
         _wait_stopped(tree)
         usage = Usage.of(tree, [pid for pid in tree if is_client_process(pid)])
-        ran = []
-        while floor.rounds_done < rounds:
-            ran.append(floor.rounds_done + 1)
-            floor_rounds[ran[-1]] = floor.round()
+        ran = _floor_up_to(floor, rounds, floor_rounds)
     finally:
         os.killpg(process.pid, signal.SIGCONT)
     return Pause(started, time.monotonic(), tuple(ran), usage)
+
+
+def _floor_up_to(floor: Floor, rounds: int, floor_rounds: dict[int, tuple[float, Usage]]) -> list[int]:
+    """Run the floor's rounds up to ``rounds``, filed in ``floor_rounds``; returns their numbers."""
+    ran = []
+    while floor.rounds_done < rounds:
+        ran.append(floor.rounds_done + 1)
+        floor_rounds[ran[-1]] = floor.round()
+    return ran
 
 
 def _wait_stopped(pids: list[int]) -> None:
