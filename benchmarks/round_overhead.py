@@ -56,7 +56,8 @@ the share of their runnable time the training threads waited in a run queue for 
 threads held the cores apart from training that itself ran slower, how often a training thread
 was taken off its core while it could still run, per second it ran ("preempted": involuntary
 context switches, ``/proc/<pid>/task/<pid>/status``; its time slice ended, or a thread that woke
-took the core), the core-seconds the machine's cores sat idle ("idle", from ``/proc/stat``), which
+took the core), the core-seconds the machine's cores sat idle ("idle", from ``/proc/stat``;
+fedpart's without the floor's turn in its pause), which
 tells a round that outlasted its CPU over the cores because cores went unused apart from one that
 used more CPU, and the CPU other processes on the machine used meanwhile ("foreign"). Linux only.
 """
@@ -76,7 +77,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -478,12 +479,14 @@ def fedpart_config(rounds: int, processes: int, data_root: Path) -> dict:
 @dataclass(frozen=True)
 class Pause:
     """The fedpart run stopped from ``started`` to ``ended`` (``time.monotonic``) while the floor
-    ran ``floor_rounds``, with the run's usage when it was stopped."""
+    ran ``floor_rounds``, with the run's usage when it was stopped and the core-seconds the cores
+    sat idle after that, while the floor ran (not fedpart's)."""
 
     started: float
     ended: float
     floor_rounds: tuple[int, ...]
     usage: Usage
+    idle_while_stopped: float
 
     @property
     def seconds(self) -> float:
@@ -534,13 +537,20 @@ class Sitting:
         return pairs
 
     def fedpart_usage(self) -> list[Usage]:
-        """The run's usage between consecutive pauses: a round's work each (from round 2 on)."""
+        """The run's usage between consecutive pauses: a round's work each (from round 2 on). The
+        cores' idle time leaves out the floor's rounds in the earlier pause; it keeps the few
+        milliseconds the later pause took to stop the run."""
         rounds = sorted(self.pauses)
-        return [self.pauses[n].usage - self.pauses[m].usage for m, n in zip(rounds, rounds[1:]) if n == m + 1]
+        return [_idle_less(self.pauses[n].usage - self.pauses[m].usage, self.pauses[m].idle_while_stopped)
+                for m, n in zip(rounds, rounds[1:]) if n == m + 1]
 
     def floor_usage(self) -> list[Usage]:
         """The floor's usage per round from round 2 on (round 1 includes start-up work)."""
         return [usage for n, (_, usage) in sorted(self.floor_rounds.items()) if n >= 2]
+
+
+def _idle_less(usage: Usage, idle: float) -> Usage:
+    return replace(usage, machine_idle=usage.machine_idle - idle)
 
 
 def run_sitting(rounds: int, processes: int, data_root: Path, work: Path, timeout: float) -> Sitting:
@@ -609,9 +619,10 @@ def _pause(process: subprocess.Popen, floor: Floor, rounds: int, floor_rounds: d
         _wait_stopped(tree)
         usage = Usage.of(tree, [pid for pid in tree if is_client_process(pid)])
         ran = _floor_up_to(floor, rounds, floor_rounds)
+        idle_while_stopped = machine_seconds()[1] - usage.machine_idle
     finally:
         os.killpg(process.pid, signal.SIGCONT)
-    return Pause(started, time.monotonic(), tuple(ran), usage)
+    return Pause(started, time.monotonic(), tuple(ran), usage, idle_while_stopped)
 
 
 def _floor_up_to(floor: Floor, rounds: int, floor_rounds: dict[int, tuple[float, Usage]]) -> list[int]:
@@ -723,7 +734,8 @@ def report(processes: int, sittings: list[Sitting]) -> None:
           "clients, between two pauses)")
     print("trainer: of those, the seconds the training threads (each training process's main thread) ran "
           "on a core; waited: the share of their runnable time they waited for one (/proc/<pid>/schedstat)")
-    print("idle:    core-seconds in a round that the machine's cores sat idle (/proc/stat idle + iowait)")
+    print("idle:    core-seconds in a round that the machine's cores sat idle (/proc/stat idle + iowait; "
+          "fedpart's without the floor's turns)")
     print("foreign: cores' worth of CPU used by processes outside this benchmark during the sitting (noise)")
     all_pairs: list[Pair] = []
     for k, sitting in enumerate(sittings, start=1):

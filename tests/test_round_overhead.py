@@ -29,8 +29,9 @@ def _record(round_number: int, seconds: float) -> RoundRecord:
                        bytes_by_part={"body": {"down": 900, "up": 1900}, "control": {"down": 100, "up": 100}})
 
 
-def _pause(started: float, seconds: float, floor_rounds: tuple[int, ...], usage: Usage = IDLE):
-    return round_overhead.Pause(started, started + seconds, floor_rounds, usage)
+def _pause(started: float, seconds: float, floor_rounds: tuple[int, ...], usage: Usage = IDLE,
+           idle_while_stopped: float = 0.0):
+    return round_overhead.Pause(started, started + seconds, floor_rounds, usage, idle_while_stopped)
 
 
 def _sitting(records, landed, pauses, floor_seconds, usage=None, final=None, fedpart_final=None):
@@ -66,7 +67,9 @@ def test_the_report_pools_the_pairs_of_every_sitting(capsys) -> None:
     for fedpart_seconds, floor_seconds in (([2.1, 2.2, 2.0], [2.0, 2.0, 2.0]), ([2.6, 2.2, 2.3], [2.0, 2.2, 2.0])):
         records = [_record(1, 5.0), _record(2, 5.0)] + [_record(n + 3, s + 1.0) for n, s in enumerate(fedpart_seconds)]
         landed = {n: 3.2 * n for n in range(1, 6)}
-        pauses = {n: _pause(3.2 * n + 0.5, 1.0, (n,), Usage(2.1 * n, 1.9 * n, 0.1 * n, 0.15 * n, 1.98 * n, 551 * n))
+        # the cores sat idle 0.15 core-seconds from one pause to the next, 0.05 of them while the floor ran
+        pauses = {n: _pause(3.2 * n + 0.5, 1.0, (n,), Usage(2.1 * n, 1.9 * n, 0.1 * n, 0.15 * n, 1.98 * n, 551 * n),
+                            idle_while_stopped=0.05)
                   for n in range(1, 5)}
         floor = dict(zip(range(1, 6), [9.0, *floor_seconds, 9.0]))
         usage = {n: Usage(2.0, 1.9, 0.0192, 0.02, 1.95, 494) for n in floor}
@@ -88,7 +91,8 @@ def test_the_report_pools_the_pairs_of_every_sitting(capsys) -> None:
            "floor 0.100 s" in out
     assert "training threads waited   fedpart 5.0 %, floor 1.0 % of their runnable time" in out
     assert "training threads preempted fedpart 290, floor 260 times per second on a core" in out  # 551/1.9, 494/1.9
-    assert "cores idle                fedpart 0.150 s, floor 0.020 s a round (core-seconds)" in out
+    assert "cores idle                fedpart 0.100 s, floor 0.020 s a round (core-seconds)" in out, \
+        "fedpart's idle cores leave out those of the floor's round in its pause"
     assert "of the other threads      in the training processes fedpart 0.080 s, floor 0.050 s; in the others " \
            "(fedpart: server, launcher; floor: parent) fedpart 0.120 s, floor 0.050 s" in out
 
