@@ -550,6 +550,7 @@ class Sitting:
 
 
 def _idle_less(usage: Usage, idle: float) -> Usage:
+    """``usage`` with ``idle`` core-seconds taken off the cores' idle time."""
     return replace(usage, machine_idle=usage.machine_idle - idle)
 
 

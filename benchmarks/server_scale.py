@@ -32,8 +32,8 @@ Columns:
   ``add_`` of the same tensors (the bare summation) is printed beside it.
 
 ``--data-port`` starts the server with a data port, as ``fedpart run`` does, so that the virtual
-processes move tasks and results over its sealed connections (:mod:`fedpart.server.data_port`)
-instead of gRPC: the server's CPU per result on the path ``fedpart run``'s clients take. The rows
+processes move tasks and results over its connections (:mod:`fedpart.server.data_port`) instead
+of gRPC: the server's CPU per result on the path ``fedpart run``'s clients take. The rows
 run without credentials, so neither path is encrypted here (``transport_cost.py`` measures what TLS
 and the sealing add). It cannot be combined with the relay, which carries gRPC only.
 
