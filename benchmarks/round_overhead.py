@@ -195,18 +195,24 @@ def floor_worker(conn: Connection, clients: list[int], threads: int, raw: str) -
     data = _client_train_data(Path(raw), clients)
     conn.send("ready")
     while (message := _next_message(conn)) is not None:
-        round_number, global_vector = message
-        start = torch.from_numpy(global_vector)
-        state = _unflatten(start, model)
-        results = []
-        for client in clients:
-            x, y = data[client]
-            model.load_state_dict(state)
-            _train_epoch(model, x, y, task_seed(round_number, client))
-            delta = parameters_to_vector(model.parameters()).detach() - start
-            results.append((client, x.shape[0], delta.numpy()))
-        conn.send(results)
+        conn.send(train_clients(model, data, clients, *message))
     conn.close()
+
+
+def train_clients(model: torch.nn.Module, data: dict[int, tuple[torch.Tensor, torch.Tensor]], clients: list[int],
+                  round_number: int, global_vector: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    """A worker's round: each of ``clients`` trained from the global weights, as
+    ``[(client, samples, delta), ...]``."""
+    start = torch.from_numpy(global_vector)
+    state = _unflatten(start, model)
+    results = []
+    for client in clients:
+        x, y = data[client]
+        model.load_state_dict(state)
+        _train_epoch(model, x, y, task_seed(round_number, client))
+        delta = parameters_to_vector(model.parameters()).detach() - start
+        results.append((client, x.shape[0], delta.numpy()))
+    return results
 
 
 def _next_message(conn: Connection) -> Any:
@@ -430,14 +436,20 @@ class Floor:
         payload = (self.rounds_done, self.global_vector.numpy())
         for pipe in self.pipes:
             pipe.send(payload)
-        results = sorted((r for pipe in self.pipes for r in _receive(pipe, FLOOR_ROUND_SECONDS)), key=lambda r: r[0])
-        total = torch.zeros(PARAMETERS, dtype=torch.float64)
-        for _, samples, delta in results:
-            total += torch.from_numpy(delta).to(torch.float64) * samples
-        mean = total / sum(samples for _, samples, _ in results)
-        self.global_vector = (self.global_vector.to(torch.float64) + mean).to(torch.float32)
+        self.global_vector = add_mean(self.global_vector, [r for pipe in self.pipes
+                                                           for r in _receive(pipe, FLOOR_ROUND_SECONDS)])
         seconds = time.perf_counter() - started
         return seconds, self.usage() - before
+
+
+def add_mean(global_vector: torch.Tensor, results: list[tuple[int, int, np.ndarray]]) -> torch.Tensor:
+    """The global weights plus the sample-weighted mean of the workers' deltas, summed in float64
+    in client order."""
+    total = torch.zeros(PARAMETERS, dtype=torch.float64)
+    for _, samples, delta in sorted(results, key=lambda r: r[0]):
+        total += torch.from_numpy(delta).to(torch.float64) * samples
+    mean = total / sum(samples for _, samples, _ in results)
+    return (global_vector.to(torch.float64) + mean).to(torch.float32)
 
 
 def _receive(pipe: Connection, timeout: float) -> Any:

@@ -81,7 +81,8 @@ def _uploaded() -> None:
 
 # ------------------------------------------------------------------ receivers (processes of their own)
 
-def _server_context(certs: Path) -> ssl.SSLContext:
+def server_context(certs: Path) -> ssl.SSLContext:
+    """The receiving end's TLS: the run's server certificate, client certificates required."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(certs / "server.pem", certs / "server.key")
     context.load_verify_locations(certs / "ca.pem")
@@ -141,7 +142,7 @@ class _BufferedReceiver(asyncio.BufferedProtocol):
 
 async def _asyncio_receiver(certs: Path, size: int) -> None:
     server = await asyncio.get_running_loop().create_server(lambda: _BufferedReceiver(size), "127.0.0.1", 0,
-                                                            ssl=_server_context(certs))
+                                                            ssl=server_context(certs))
     print(f"port {server.sockets[0].getsockname()[1]}", flush=True)
     await server.serve_forever()
 
@@ -214,7 +215,7 @@ def _secured(connection: socket.socket, layer: str, context: ssl.SSLContext, ser
 def _blocking_receiver(certs: Path, size: int, transport: str) -> None:
     """A thread per connection, reading each upload into one reused buffer through ``transport``'s
     layer: an ``ssl`` socket, TLS in memory, or the socket itself (TCP or Unix-domain)."""
-    context = _server_context(certs)
+    context = server_context(certs)
     if transport == "unix":
         path = certs / f"receiver-{os.getpid()}.sock"  # one per receiver: a killed one leaves its file
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -275,12 +276,18 @@ async def _grpc_sender(port: int, certs: Path, index: int, size: int, rate: floa
             await asyncio.sleep(delay())
 
 
-def _blocking_sender(address: str, certs: Path, index: int, size: int, rate: float, transport: str) -> None:
-    """Uploads through ``transport``'s layer (an ``ssl`` socket for ssl-asyncio and ssl-blocking),
-    each answered by a one-byte acknowledgement."""
+def client_context(certs: Path, index: int) -> ssl.SSLContext:
+    """The sending end's TLS: the run's CA, and the certificate of client process ``index``."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.load_verify_locations(certs / "ca.pem")
     context.load_cert_chain(certs / f"process_{index}.pem", certs / f"process_{index}.key")
+    return context
+
+
+def _blocking_sender(address: str, certs: Path, index: int, size: int, rate: float, transport: str) -> None:
+    """Uploads through ``transport``'s layer (an ``ssl`` socket for ssl-asyncio and ssl-blocking),
+    each answered by a one-byte acknowledgement."""
+    context = client_context(certs, index)
     source = memoryview(os.urandom(size))
     acknowledgement = bytearray(1)
     if transport == "unix":
