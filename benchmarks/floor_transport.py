@@ -115,6 +115,7 @@ class SealedFloor(floor.Floor):
                     raw, _ = listener.accept()
                     raw.settimeout(CONNECT_SECONDS)
                     connection = seal(tls.wrap_socket(raw, server_side=True), server_side=True)
+                    self.connections.append(connection)  # closed on exit from here on
                     connection.settimeout(floor.FLOOR_ROUND_SECONDS)
                     by_index[receive_message(connection)] = connection
             self.connections = [by_index[index] for index in range(len(self.groups))]

@@ -436,8 +436,8 @@ class Floor:
         payload = (self.rounds_done, self.global_vector.numpy())
         for pipe in self.pipes:
             pipe.send(payload)
-        self.global_vector = add_mean(self.global_vector, [r for pipe in self.pipes
-                                                           for r in _receive(pipe, FLOOR_ROUND_SECONDS)])
+        results = [result for pipe in self.pipes for result in _receive(pipe, FLOOR_ROUND_SECONDS)]
+        self.global_vector = add_mean(self.global_vector, results)
         seconds = time.perf_counter() - started
         return seconds, self.usage() - before
 

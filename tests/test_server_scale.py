@@ -124,8 +124,9 @@ def test_rounds_complete_with_more_client_processes_than_the_old_thread_limit(pr
 
 
 def test_the_load_generator_moves_tasks_and_results_over_the_data_port_when_asked(tmp_path: Path) -> None:
-    """``server_scale.py --data-port``: the server listens on a data port as under ``fedpart run``,
-    and the virtual processes' rounds and final evaluation complete over it."""
+    """``server_scale.py --data-port``: the server listens on a data port as under ``fedpart run``
+    (and advertises it in its join replies, which sessions follow: test_end_to_end.py), and the
+    rounds and the final evaluation complete; with the relay the option is refused."""
     server_scale = load_script(REPO / "benchmarks" / "server_scale.py")
     parser = server_scale.build_parser()
     with pytest.raises(SystemExit):
