@@ -10,7 +10,10 @@ torch threads and training steps); only what carries the bytes differs:
   frames of :mod:`fedpart.common.sealed` (AES-256-GCM under keys agreed inside that handshake):
   the transport of fedpart's data port, with none of fedpart's calls, checks or threads around it.
 
-Each message is pickled as a pipe pickles it and sent with its length. The two floors take turns
+Messages go as raw bytes with their length (nothing is unpickled): the worker's index, the round
+and the global float32 weights, and each client's number, sample count and float32 delta. Each
+array is copied once into the message and once out of it, as a pipe's pickling and unpickling copy
+it. The two floors take turns
 round by round (the machine's speed drifts more than the difference measured); the first round of
 each is not paired. Printed: the median of the pairs' ratios (sealed / pipes) with its 90 %
 interval (``round_overhead.median_interval``), the medians of each floor's CPU a round (all its
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import pickle
 import socket
 import statistics
 import struct
@@ -36,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,6 +49,10 @@ from fedpart.common.sealed import SealedSocket, seal  # noqa: E402
 from fedpart.deploy.certs import write_run_credentials  # noqa: E402
 
 LENGTH = struct.Struct(">Q")
+INDEX = struct.Struct(">I")           # a worker's hello
+ROUND = struct.Struct(">Q")           # heads the global weights
+RESULT = struct.Struct(">II")         # heads a client's delta: client, samples
+DELTA_BYTES = floor.PARAMETERS * 4    # float32
 CONNECT_SECONDS = 300.0  # a worker loads torch and its data before it connects
 
 
@@ -65,14 +72,38 @@ def _read_exactly(connection: SealedSocket, count: int) -> bytearray:
     return buffer
 
 
-def receive_message(connection: SealedSocket):
-    """The next message, unpickled; None once the peer closed the connection between messages."""
+def receive_message(connection: SealedSocket) -> bytearray | None:
+    """The next message's bytes; None once the peer closed the connection between messages."""
     head = bytearray(LENGTH.size)
     if not connection.recv_into(head, 1):
         return None
     head[1:] = _read_exactly(connection, LENGTH.size - 1)
     (length,) = LENGTH.unpack(head)
-    return pickle.loads(_read_exactly(connection, length))
+    return _read_exactly(connection, length)
+
+
+def weights_message(round_number: int, global_vector: np.ndarray) -> bytes:
+    return ROUND.pack(round_number) + global_vector.tobytes()
+
+
+def read_weights(message: bytearray) -> tuple[int, np.ndarray]:
+    """The round and a copy of the global weights of :func:`weights_message`'s message."""
+    (round_number,) = ROUND.unpack_from(message)
+    return round_number, np.frombuffer(message, dtype=np.float32, offset=ROUND.size).copy()
+
+
+def results_message(results: list[tuple[int, int, np.ndarray]]) -> bytes:
+    return b"".join(RESULT.pack(client, samples) + delta.tobytes() for client, samples, delta in results)
+
+
+def read_results(message: bytearray) -> list[tuple[int, int, np.ndarray]]:
+    """The ``(client, samples, delta)`` of :func:`results_message`'s message, each delta a copy."""
+    step = RESULT.size + DELTA_BYTES
+    if len(message) % step:
+        raise ValueError(f"a results message of {len(message)} bytes, not a multiple of {step}")
+    return [(*RESULT.unpack_from(message, start),
+             np.frombuffer(message, dtype=np.float32, count=floor.PARAMETERS, offset=start + RESULT.size).copy())
+            for start in range(0, len(message), step)]
 
 
 def sealed_worker(port: int, certs: str, index: int, clients: list[int], threads: int, raw: str) -> None:
@@ -85,9 +116,10 @@ def sealed_worker(port: int, certs: str, index: int, clients: list[int], threads
         socket.create_connection(("127.0.0.1", port), timeout=CONNECT_SECONDS), server_hostname="127.0.0.1")
     with seal(tls, server_side=False) as connection:
         connection.settimeout(None)
-        send_message(connection, pickle.dumps(index))
+        send_message(connection, INDEX.pack(index))
         while (message := receive_message(connection)) is not None:
-            send_message(connection, pickle.dumps(floor.train_clients(model, data, clients, *message)))
+            send_message(connection, results_message(floor.train_clients(model, data, clients,
+                                                                         *read_weights(message))))
 
 
 class SealedFloor(floor.Floor):
@@ -117,7 +149,10 @@ class SealedFloor(floor.Floor):
                     connection = seal(tls.wrap_socket(raw, server_side=True), server_side=True)
                     self.connections.append(connection)  # closed on exit from here on
                     connection.settimeout(floor.FLOOR_ROUND_SECONDS)
-                    by_index[receive_message(connection)] = connection
+                    hello = receive_message(connection)
+                    if hello is None or len(hello) != INDEX.size:
+                        raise RuntimeError("a sealed floor worker did not say which one it is (see its output above)")
+                    by_index[INDEX.unpack(hello)[0]] = connection
             self.connections = [by_index[index] for index in range(len(self.groups))]
         except BaseException:
             self.__exit__()
@@ -134,7 +169,7 @@ class SealedFloor(floor.Floor):
         self.rounds_done += 1
         before = self.usage()
         started = time.perf_counter()
-        payload = pickle.dumps((self.rounds_done, self.global_vector.numpy()))
+        payload = weights_message(self.rounds_done, self.global_vector.numpy())
         for connection in self.connections:
             send_message(connection, payload)
         results = []
@@ -142,7 +177,7 @@ class SealedFloor(floor.Floor):
             answer = receive_message(connection)
             if answer is None:
                 raise RuntimeError("a sealed floor worker closed its connection (see its output above)")
-            results += answer
+            results += read_results(answer)
         self.global_vector = floor.add_mean(self.global_vector, results)
         return time.perf_counter() - started, self.usage() - before
 

@@ -5,7 +5,6 @@ processes of their own, certificates made in the run) take turns and end with th
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import socket
 import subprocess
@@ -30,19 +29,22 @@ def _sealed_pair() -> tuple[SealedSocket, SealedSocket]:
 
 def test_messages_cross_a_sealed_connection_whole_and_a_cut_one_is_told_apart_from_an_end() -> None:
     sender, receiver = _sealed_pair()
-    results = [(3, 600, np.arange(300_000, dtype=np.float32))]  # a message of several sealed frames
+    delta = np.arange(floor_transport.floor.PARAMETERS, dtype=np.float32)
+    results = [(3, 600, delta), (4, 590, -delta)]  # a message of several sealed frames
 
     def send() -> None:  # beside the reader: a socket pair buffers far less than the message
-        floor_transport.send_message(sender, pickle.dumps(results))
-        floor_transport.send_message(sender, pickle.dumps(7))
+        floor_transport.send_message(sender, floor_transport.results_message(results))
+        floor_transport.send_message(sender, floor_transport.weights_message(7, results[0][2]))
         sender.close()
 
     receiver.settimeout(WAIT)
     sending = threading.Thread(target=send)
     sending.start()
-    (client, samples, delta), = floor_transport.receive_message(receiver)
-    assert (client, samples) == (3, 600) and np.array_equal(delta, results[0][2])
-    assert floor_transport.receive_message(receiver) == 7
+    received = floor_transport.read_results(floor_transport.receive_message(receiver))
+    assert [(client, samples) for client, samples, _ in received] == [(3, 600), (4, 590)]
+    assert all(np.array_equal(got, sent) for (_, _, got), (_, _, sent) in zip(received, results))
+    round_number, weights = floor_transport.read_weights(floor_transport.receive_message(receiver))
+    assert round_number == 7 and np.array_equal(weights, delta)
     assert floor_transport.receive_message(receiver) is None, "closed between messages: the end"
     sending.join(timeout=WAIT)
     receiver.close()
