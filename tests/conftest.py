@@ -219,7 +219,11 @@ def read_summary(out: Path) -> dict[str, Any]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` skip, saying why, where torch sees no CUDA device."""
+    """Files with ``slow`` cases run first (each file's own order kept), so that the workers of
+    ``-n 2 --dist loadfile`` start the longest files early and finish together. Tests marked
+    ``gpu`` skip, saying why, where torch sees no CUDA device."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # a stable sort: otherwise as collected
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return
