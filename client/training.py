@@ -108,6 +108,8 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
         noise = torch.Generator(device=device).manual_seed(seed + 1)
         private = dpsgd.PrivateGradients(model, optimizer, dp_sgd, min(plan.batch_size, n), noise)
 
+    autocast = speed.autocast()  # entered once a step
+
     def gradients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         if private is not None:
@@ -118,7 +120,7 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
                 objective.adjust_gradients(ctx)
                 return torch.zeros((), device=device)
         forward = speed.forward(model, full_batch=x.shape[0] == plan.batch_size)
-        with speed.autocast():
+        with autocast:
             loss = objective.batch_loss(ctx, forward(speed.layout(x), pieces=True), y)
         backward(loss)
         if private is not None:
@@ -140,6 +142,7 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
         steps_of_unfreezing = model.unfreeze_steps(list(phase.trainable))
         steps_per_epoch = math.ceil(n / plan.batch_size)
         total = phase.epochs * steps_per_epoch
+        gradual = phase.unfreeze_fraction > 0  # else every unit of the phase trains from its first step
         current: tuple[str, ...] | None = None
         step = 0
         for _ in range(phase.epochs):
@@ -147,17 +150,18 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
                      else batches(n, plan.batch_size, generator, device))
             for index in epoch:
                 step += 1
-                wanted = unfrozen_units(steps_of_unfreezing, phase.unfreeze_fraction, step, total)
-                if wanted != current:
-                    model.set_trainable(wanted)
-                    current = wanted
-                    if private is not None:
-                        private.attach()  # Opacus' hooks on the units that train now
-                    sample_flops = step_flops(unit_flops, order, set(wanted), 1)
+                if gradual or current is None:
+                    wanted = unfrozen_units(steps_of_unfreezing, phase.unfreeze_fraction, step, total)
+                    if wanted != current:
+                        model.set_trainable(wanted)
+                        current = wanted
+                        if private is not None:
+                            private.attach()  # Opacus' hooks on the units that train now
+                        sample_flops = step_flops(unit_flops, order, set(wanted), 1)
                 x, y = data.x_train[index], data.y_train[index]
                 loss = objective.step_rule.step(ctx, augment(x) if augment else x, y, gradients, scaled or optimizer)
-                size = len(index)
-                total_loss += loss * size
+                size = index.shape[0]
+                total_loss.add_(loss, alpha=size)  # one op: a Python int times a tensor is a conversion and two
                 seen += size
                 steps += 1
                 flops += sample_flops * size
