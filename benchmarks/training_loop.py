@@ -59,13 +59,13 @@ class Loops:
                               batch_size=floor.BATCH_SIZE, upload_deltas=tuple(self.start), seed=self.seed)
         self.loss_fn = torch.nn.CrossEntropyLoss()
 
-    def fedpart(self) -> dict[str, torch.Tensor]:
+    def fedpart_epoch(self) -> dict[str, torch.Tensor]:
         self.model.load_state_dict(self.start)
         train_local(self.model, self.data, self.plan, self.loss_fn, self.start, self.unit_flops,
                     on_steps=lambda steps, all_steps: None)
         return self._weights()
 
-    def floor(self) -> dict[str, torch.Tensor]:
+    def floor_epoch(self) -> dict[str, torch.Tensor]:
         self.model.load_state_dict(self.start)
         floor._train_epoch(self.model, self.x, self.y, self.seed)
         return self._weights()
@@ -94,9 +94,9 @@ def paired_ratios(loops: Loops, pairs: int) -> tuple[list[float], list[float], l
     ratios, fedpart_seconds, floor_seconds = [], [], []
     for index in range(pairs):
         if index % 2:
-            ours, theirs = thread_seconds(loops.fedpart), thread_seconds(loops.floor)
+            ours, theirs = thread_seconds(loops.fedpart_epoch), thread_seconds(loops.floor_epoch)
         else:
-            theirs, ours = thread_seconds(loops.floor), thread_seconds(loops.fedpart)
+            theirs, ours = thread_seconds(loops.floor_epoch), thread_seconds(loops.fedpart_epoch)
         ratios.append(ours / theirs)
         fedpart_seconds.append(ours)
         floor_seconds.append(theirs)
@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     loops = Loops(args.data_root)
-    same = all(torch.equal(ours, theirs) for ours, theirs in zip(loops.fedpart().values(), loops.floor().values()))
-    ours, theirs = operator_counts(loops.fedpart), operator_counts(loops.floor)
+    ours_final, floor_final = loops.fedpart_epoch(), loops.floor_epoch()
+    same = all(torch.equal(ours_final[name], floor_final[name]) for name in ours_final)
+    ours, theirs = operator_counts(loops.fedpart_epoch), operator_counts(loops.floor_epoch)
     print(f"{floor.MODEL} / MNIST client {CLIENT}: {len(loops.x)} samples, batch {floor.BATCH_SIZE}, "
           f"{floor.EPOCHS} epoch, 1 torch thread; torch {torch.__version__}")
     print(f"operators an epoch  fedpart {sum(ours.values())}, floor {sum(theirs.values())}")

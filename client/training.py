@@ -108,7 +108,7 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
         noise = torch.Generator(device=device).manual_seed(seed + 1)
         private = dpsgd.PrivateGradients(model, optimizer, dp_sgd, min(plan.batch_size, n), noise)
 
-    autocast = speed.autocast()  # entered once a step
+    autocast = speed.autocast()  # made once, entered every step
 
     def gradients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
@@ -161,7 +161,7 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
                 x, y = data.x_train[index], data.y_train[index]
                 loss = objective.step_rule.step(ctx, augment(x) if augment else x, y, gradients, scaled or optimizer)
                 size = index.shape[0]
-                total_loss.add_(loss, alpha=size)  # one op: a Python int times a tensor is a conversion and two
+                total_loss.add_(loss, alpha=size)  # one op; `loss * size` would first convert, copy and multiply
                 seen += size
                 steps += 1
                 flops += sample_flops * size
