@@ -81,9 +81,10 @@ def test_the_report_pools_the_pairs_of_every_sitting(capsys) -> None:
     assert "ratio       1.300  1.000  1.150" in out
     # the six ratios 1.0, 1.0, 1.05, 1.1, 1.15, 1.3: median 1.075
     assert "ratio fedpart / floor       1.075  (median of 6 pairs, quartiles" in out
-    # six pairs cannot place the median on either side of 1.03
-    assert "  90% interval        1.000-1.175 (bootstrap over the pairs): neither meets nor misses the 1.03x " \
-           "target as far as these pairs can tell" in out
+    # six pairs in two sittings cannot place the median on either side of 1.03
+    assert "  90% interval        1.000-1.175 (bootstrap over the pairs)\n" in out
+    assert "  90% interval        1.000-1.225 (bootstrap over the 2 sittings, then their pairs): neither meets nor " \
+           "misses the 1.03x target as far as these pairs can tell" in out
     assert "paired round medians        fedpart 2.200 s, floor 2.000 s, ratio 1.100" in out
     assert "max |floor - fedpart| over the final weights: 0" in out
     assert "cpu per round, rounds 2..   fedpart 2.100 s, floor 2.000 s, ratio 1.050" in out
@@ -107,6 +108,21 @@ def test_the_interval_of_the_median_narrows_with_the_pairs_and_decides_the_verdi
     assert round_overhead.verdict(0.99, 1.03) == "meets the 1.03x target"
     assert round_overhead.verdict(1.031, 1.06) == "MISSES the 1.03x target"
     assert round_overhead.verdict(1.02, 1.04).startswith("neither meets nor misses")
+
+
+def test_the_interval_over_sittings_carries_how_far_whole_sittings_differ() -> None:
+    scattered = [1.0 + 0.04 * (k * 37 % 97) / 96 for k in range(40)]
+    low, high = round_overhead.sittings_interval([scattered[:20], scattered[20:]])
+    assert (low, high) == round_overhead.sittings_interval([scattered[:20], scattered[20:]]), "seeded"
+    pairs_low, pairs_high = round_overhead.median_interval(scattered)
+    assert abs(low - pairs_low) < 0.002 and abs(high - pairs_high) < 0.002, \
+        "sittings alike: about the interval over the pooled pairs"
+    apart = [[1.0 + 0.002 * k for k in range(20)], [1.08 + 0.002 * k for k in range(20)]]
+    low, high = round_overhead.sittings_interval(apart)
+    pairs_low, pairs_high = round_overhead.median_interval(apart[0] + apart[1])
+    assert low < pairs_low and high > pairs_high, "sittings apart: wider than the pairs alone say"
+    assert round_overhead.sittings_interval([[1.01, 1.02, 1.03], []]) == \
+        round_overhead.median_interval([1.01, 1.02, 1.03]), "one sitting with pairs: the interval over its pairs"
 
 
 def test_usage_between_two_samples_subtracts_every_measure() -> None:
