@@ -41,10 +41,10 @@ over the sittings and then the pairs within them. A sitting's pairs share its pr
 sittings of the same code differ by more than their pairs scatter, so the second is the one the
 verdict reads: the target counts as met or missed only when that whole interval lies on one side
 of it. The medians of the paired rounds and their ratio are printed beside it.
-``--runs K`` (default 2) repeats the whole with fresh processes and pools the pairs. A pause of a few seconds is far
-inside every timeout of the run (heartbeats, gRPC keepalive), and fedpart's final checkpoint is
-compared with the floor's final model: both computed the same steps, so they agree to float
-rounding. Wire bytes per client-round come from ``metrics.jsonl`` (every message of the round,
+``--runs K`` (default 2) repeats the whole with fresh processes and pools the pairs. A pause of a
+few seconds is far inside every timeout of the run (heartbeats, gRPC keepalive), and fedpart's
+final checkpoint is compared with the floor's final model: both computed the same steps, so they
+agree to float rounding. Wire bytes per client-round come from ``metrics.jsonl`` (every message of the round,
 divided by the clients that completed it) next to the raw size of one float32 model copy.
 
 Diagnostics printed beside the timings: CPU seconds per round of every process of each system
@@ -78,7 +78,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -706,10 +706,7 @@ def median_interval(ratios: list[float], confidence: float = CONFIDENCE,
     ``resamples`` draws of as many pairs with replacement (seeded: the same pairs give the same
     interval), cut at both tails. A pair's ratio scatters by several per cent round to round: the
     90 % intervals of 30-40 pairs measured 3-5 points wide, as wide as the gap to the target."""
-    draw = random.Random(0)
-    medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    tail = int(resamples * (1 - confidence) / 2)
-    return medians[tail], medians[resamples - 1 - tail]
+    return _bootstrap(lambda draw: draw.choices(ratios, k=len(ratios)), confidence, resamples)
 
 
 def sittings_interval(sittings: list[list[float]], confidence: float = CONFIDENCE,
@@ -724,10 +721,16 @@ def sittings_interval(sittings: list[list[float]], confidence: float = CONFIDENC
     present = [ratios for ratios in sittings if ratios]
     if len(present) < 2:
         return median_interval([ratio for ratios in present for ratio in ratios], confidence, resamples)
+    return _bootstrap(lambda draw: [ratio for ratios in draw.choices(present, k=len(present))
+                                    for ratio in draw.choices(ratios, k=len(ratios))], confidence, resamples)
+
+
+def _bootstrap(resample: Callable[[random.Random], list[float]], confidence: float,
+               resamples: int) -> tuple[float, float]:
+    """The ``confidence`` percentile interval of the medians of ``resamples`` draws of ``resample``
+    from one seeded generator (the same ratios give the same interval)."""
     draw = random.Random(0)
-    medians = sorted(statistics.median([ratio for ratios in draw.choices(present, k=len(present))
-                                        for ratio in draw.choices(ratios, k=len(ratios))])
-                     for _ in range(resamples))
+    medians = sorted(statistics.median(resample(draw)) for _ in range(resamples))
     tail = int(resamples * (1 - confidence) / 2)
     return medians[tail], medians[resamples - 1 - tail]
 
