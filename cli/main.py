@@ -50,6 +50,10 @@ def default_out_dir(name: str) -> str:
 
 
 def _server(args: argparse.Namespace) -> int:
+    from fedpart.common.limits import yield_to_training
+
+    if args.yield_to_training:
+        yield_to_training()  # before any thread starts (torch's import starts one): they all inherit it
     from fedpart.common.config import ConfigError, load_config
     from fedpart.common.experiment import check_experiment
     from fedpart.common.security import ServerSecurity
@@ -354,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also move tasks and results over TLS connections of their own on this port of the "
                              "--address host (0: any free port; about a third of gRPC's CPU per byte); clients "
                              "that reach it use it, others keep to gRPC (default: off; fedpart run: on)")
+    server.add_argument("--yield-to-training", action="store_true",
+                        help="client processes train on this host too: the server's threads wait for the "
+                             "scheduler's next tick instead of taking a core from training when they wake up "
+                             "(Linux SCHED_BATCH, same CPU share; fedpart run passes it)")
     server.set_defaults(handler=_server)
 
     client = commands.add_parser("client", help="run a client process hosting one or more clients")

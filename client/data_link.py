@@ -11,7 +11,8 @@ would. A data port that cannot be reached at all raises :class:`LinkUnreachable`
 session then keeps to gRPC until it joins again.
 
 Connections are kept between calls (one per call at a time: a poll and an upload may run
-together) and closed after any failure.
+together) and closed after any failure. The link's threads yield to the training thread
+(:func:`~fedpart.common.limits.yield_to_training`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from fedpart.common.data_link import (
     shut,
     tune,
 )
+from fedpart.common.limits import yield_to_training
 from fedpart.common.sealed import SealedSocket, seal
 from fedpart.common.security import ClientSecurity
 from fedpart.common.wire import ReceivedChunk, read_chunk
@@ -77,7 +79,8 @@ class DataLink:
         self._idle: list[Connection] = []
         self._closed = False
         self._lock = threading.Lock()
-        self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="data-link")
+        self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="data-link",
+                                           initializer=yield_to_training)
 
     def close(self) -> None:
         """Close the idle connections; a call under way ends on its own and closes its connection."""

@@ -51,6 +51,7 @@ import grpc
 
 from fedpart.client.data_link import DataLink, LinkUnreachable
 from fedpart.common.exit_codes import ExitCode, StopRequest
+from fedpart.common.limits import yield_to_training
 from fedpart.common.plans import ResultInfo, SecAggAnswer, TaskInfo, TaskKind
 from fedpart.common.protocol import (
     KEEPALIVE_SECONDS,
@@ -585,15 +586,20 @@ class _Counted:
 
 class SessionThread:
     """An event loop on a thread of its own, for a process whose main thread does the work:
-    :meth:`call` runs a session's coroutine there and waits for it. A stop handed to
+    :meth:`call` runs a session's coroutine there and waits for it. The thread yields to the
+    training thread (:func:`~fedpart.common.limits.yield_to_training`). A stop handed to
     :attr:`stops` (SIGINT, SIGTERM: :func:`~fedpart.common.exit_codes.signals_to`) ends the wait
     under way or the next one: the coroutine is cancelled and the stop raised, once."""
 
     def __init__(self) -> None:
         self.stops = StopRequest()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="session", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="session", daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        yield_to_training()  # and so do gRPC's threads, which the channel starts from here
+        self._loop.run_forever()
 
     def call(self, coroutine: Awaitable[T]) -> T:
         return self.wait(self.submit(coroutine))

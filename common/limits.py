@@ -1,11 +1,19 @@
-"""Process limits: the open files a program that holds many connections raises, and the cores a
-client process may use for its torch threads.
+"""Process limits: the open files a program that holds many connections raises, the cores a
+client process may use for its torch threads, and how the threads beside training share them.
 
 The cores available to a process are the fewer of the CPUs it may be scheduled on (its affinity:
 ``taskset``, a cpuset) and its cgroup's CPU quota (cgroup v2 ``cpu.max``, cgroup v1
 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``: what ``docker run --cpus`` and a Kubernetes CPU limit
 set), the quota rounded up as the Go and Java runtimes do. Client processes that share a host
 share them: :func:`client_threads` gives each an even share, at least one thread.
+
+The threads beside training (a client's session, data link and gRPC threads; a server on a host
+where client processes train) :func:`yield_to_training`: they run under Linux's ``SCHED_BATCH``
+policy (sched(7)), so that one of them waking up waits for the scheduler's next tick instead of
+taking the core from a training thread at once. Their share of the CPU is unchanged. Each such
+wakeup would otherwise cost the training thread its place on the core and a refill of its caches:
+with 2 client processes on 2 cores, fedpart's training threads were taken off their core 68-72
+times per second of training against the compute floor's 17 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -88,6 +96,17 @@ def processes_per_host(option: int | None, environ: Mapping[str, str] = os.envir
     if count < 1:
         raise ValueError(f"{source} {value!r}: expected a whole number of client processes, at least 1")
     return count
+
+
+def yield_to_training() -> bool:
+    """Put the calling thread, and the threads it starts from now on (they inherit it), under
+    ``SCHED_BATCH``: its wakeups no longer preempt a running thread (see the module's docstring).
+    Returns False where the platform has no such policy or refuses it; nothing changes then."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or a sandbox that forbids it
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------- cgroups

@@ -6,8 +6,8 @@ Everything is checked first, in this process, before any process starts: the who
 needs on this machine), the devices of ``--devices``, and the run directory (an earlier run is
 refused unless ``--overwrite``). The launcher then makes throw-away credentials for the run
 (``fedpart certs`` into a private temporary directory, removed afterwards), so the local run uses
-TLS and per-process tokens like a deployed one. The server listens on a free port and announces it
-on its first output line; the launcher reads that line (bounded wait), starts the clients with an
+TLS and per-process tokens like a deployed one. The server (whose threads yield to the clients'
+training, ``--yield-to-training``) listens on a free port and announces it on its first output line; the launcher reads that line (bounded wait), starts the clients with an
 even share of the client ids and of the CPU cores, each on its device (their output goes to
 ``<out>/logs/client_K.log``), forwards the server's output, and stops every process it started by
 PID. On a terminal it shows the live progress display, rendered from the progress lines the server
@@ -182,7 +182,7 @@ class Launch:
             _cli("server", str(self.config_path), "--address", "127.0.0.1:0", "--data-port", "0",
                  "--out", str(self.out),
                  *[a for o in self.overrides for a in ("--set", o)], *(["--overwrite"] if self.overwrite else []),
-                 "--progress", "json" if self.display.live else "plain",
+                 "--progress", "json" if self.display.live else "plain", "--yield-to-training",
                  *(["--metrics-port", str(self.metrics_port)] if self.metrics_port is not None else []),
                  "--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),
                  "--credentials", str(secrets / "credentials.yaml")),

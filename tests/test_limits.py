@@ -1,6 +1,7 @@
 """The cores a client process may use (common/limits.py): CPU affinity, the cgroup v2 and v1 CPU
 quotas read from fake /proc and cgroup trees, the even share among the client processes of a host,
-and how ``fedpart client`` and ``fedpart run`` use it."""
+and how ``fedpart client`` and ``fedpart run`` use it; and the threads beside training, which yield
+to it (``SCHED_BATCH``) in client processes and in ``fedpart run``'s server."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import os
 import re
 import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import WAIT, child_env, fedpart_command
+from conftest import WAIT, child_env, fedpart_command, small_config, write_config
+from fedpart.client.data_link import DataLink
+from fedpart.client.session import SessionThread
 from fedpart.common.limits import (
     PROCESSES_PER_HOST_ENV,
     CpuBudget,
@@ -20,7 +25,12 @@ from fedpart.common.limits import (
     client_threads,
     cpu_budget,
     processes_per_host,
+    yield_to_training,
 )
+from fedpart.common.security import ClientSecurity
+
+linux_policies = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+GRPC_THREADS = {"event_engine", "grpc_global_tim", "lifeguard"}  # what gRPC's C core names its threads
 
 
 def fake_proc(tmp_path: Path, memberships: list[str], mounts: list[tuple[str, Path, str, str]]) -> Path:
@@ -176,3 +186,88 @@ def test_a_bad_processes_per_host_exits_2(tmp_path: Path) -> None:
     assert result.stderr.strip() == (f"fedpart client: error: {PROCESSES_PER_HOST_ENV} '0': expected a whole "
                                      "number of client processes, at least 1"), result.stderr
     assert re.search("torch thread", result.stdout) is None
+
+
+# ------------------------------------------------------------------- threads beside training
+
+
+@linux_policies
+def test_yield_to_training_moves_the_calling_thread_and_the_threads_it_starts() -> None:
+    before = os.sched_getscheduler(0)
+    seen: dict[str, object] = {}
+
+    def started() -> None:
+        seen["started"] = os.sched_getscheduler(0)
+
+    def beside() -> None:
+        seen["yielded"] = yield_to_training()
+        seen["beside"] = os.sched_getscheduler(0)
+        thread = threading.Thread(target=started)
+        thread.start()
+        thread.join()
+
+    thread = threading.Thread(target=beside)
+    thread.start()
+    thread.join()
+    assert seen == {"yielded": True, "beside": os.SCHED_BATCH, "started": os.SCHED_BATCH}
+    assert os.sched_getscheduler(0) == before  # the caller's policy only
+
+
+async def _policy() -> int:
+    return os.sched_getscheduler(0)
+
+
+@linux_policies
+def test_a_client_process_session_and_data_link_threads_yield_to_training() -> None:
+    session = SessionThread()
+    try:
+        assert session.call(_policy()) == os.SCHED_BATCH
+    finally:
+        session.close()
+    link = DataLink("127.0.0.1", int(_closed_address().rpartition(":")[2]), ClientSecurity(insecure=True))
+    try:
+        assert link._threads.submit(os.sched_getscheduler, 0).result(timeout=WAIT) == os.SCHED_BATCH
+    finally:
+        link.close()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for task in os.listdir(f"/proc/{pid}/task")
+            for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+
+
+def _policies(pid: int) -> dict[int, tuple[str, int]]:
+    """Each thread of ``pid``: its name and scheduling policy (threads that end meanwhile left out)."""
+    found = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found[int(task)] = (Path(f"/proc/{pid}/task/{task}/comm").read_text().strip(),
+                                os.sched_getscheduler(int(task)))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+@linux_policies
+def test_fedpart_run_trains_under_the_usual_policy_beside_threads_that_yield(tmp_path: Path, processes) -> None:
+    """In a real ``fedpart run``: every thread of the server (``--yield-to-training``) and the gRPC
+    threads of the client processes run ``SCHED_BATCH``; the clients' training (main) threads do not."""
+    config = write_config(tmp_path / "run.yaml", small_config(rounds=500, clients=2, processes=2))
+    run = processes.start(fedpart_command("run", str(config), "--out", str(tmp_path / "run")),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + WAIT
+    while not (metrics.exists() and '"round"' in metrics.read_text()):  # every process is up and joined
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended or stalled before round 1"
+        time.sleep(0.1)
+    children = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in _children(run.pid)}
+    (server,) = [pid for pid, argv in children.items() if b"server" in argv]
+    clients = [pid for pid, argv in children.items() if b"client" in argv]
+    assert len(clients) == 2
+    server_threads = _policies(server)
+    assert len(server_threads) > 3 and {policy for _, policy in server_threads.values()} == {os.SCHED_BATCH}, server_threads
+    for client in clients:
+        threads = _policies(client)
+        assert threads[client][1] == os.SCHED_OTHER, threads
+        grpc_threads = [policy for name, policy in threads.values() if name in GRPC_THREADS]
+        assert grpc_threads and set(grpc_threads) == {os.SCHED_BATCH}, threads
