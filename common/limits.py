@@ -12,8 +12,9 @@ where client processes train) :func:`yield_to_training`: they run under Linux's 
 policy (sched(7)), so that one of them waking up waits for the scheduler's next tick instead of
 taking the core from a training thread at once. Their share of the CPU is unchanged. Each such
 wakeup would otherwise cost the training thread its place on the core and a refill of its caches:
-with 2 client processes on 2 cores, fedpart's training threads were taken off their core 68-72
-times per second of training against the compute floor's 17 (docs/benchmarks.md).
+with 2 client processes on 2 cores, fedpart's training threads were taken off their core 67-72
+times per second of training, 45 once the threads beside them yield, against the compute floor's
+16-17 (``benchmarks/round_overhead.py``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
