@@ -7,8 +7,9 @@ needs on this machine), the devices of ``--devices``, and the run directory (an 
 refused unless ``--overwrite``). The launcher then makes throw-away credentials for the run
 (``fedpart certs`` into a private temporary directory, removed afterwards), so the local run uses
 TLS and per-process tokens like a deployed one. The server (whose threads yield to the clients'
-training, ``--yield-to-training``) listens on a free port and announces it on its first output line; the launcher reads that line (bounded wait), starts the clients with an
-even share of the client ids and of the CPU cores, each on its device (their output goes to
+training, ``--yield-to-training``) listens on a free port and announces it on its first output
+line; the launcher reads that line (bounded wait), starts the clients with an even share of the
+client ids and of the CPU cores, each on its device (their output goes to
 ``<out>/logs/client_K.log``), forwards the server's output, and stops every process it started by
 PID. On a terminal it shows the live progress display, rendered from the progress lines the server
 prints with ``--progress json``; elsewhere it forwards plain lines only. A failed client process

@@ -265,7 +265,8 @@ def test_fedpart_run_trains_under_the_usual_policy_beside_threads_that_yield(tmp
     clients = [pid for pid, argv in children.items() if b"client" in argv]
     assert len(clients) == 2
     server_threads = _policies(server)
-    assert len(server_threads) > 3 and {policy for _, policy in server_threads.values()} == {os.SCHED_BATCH}, server_threads
+    assert len(server_threads) > 3, server_threads
+    assert {policy for _, policy in server_threads.values()} == {os.SCHED_BATCH}, server_threads
     for client in clients:
         threads = _policies(client)
         assert threads[client][1] == os.SCHED_OTHER, threads
