@@ -33,6 +33,7 @@ import grpc
 
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from fedpart.common.sealed import SealedSocket
+from fedpart.common.wire import empty_bytes
 
 MAGIC = b"FPD1"
 GET_TASK = 1
@@ -65,18 +66,17 @@ def largest_message(result_chunk_bytes: int) -> int:
     return max(GRPC_MAX_MESSAGE, result_chunk_bytes + (64 << 10))
 
 
-def read_exactly(sock: Connection, count: int) -> bytearray:
-    """``count`` bytes from ``sock`` (blocking, within its timeout); :class:`LinkBroken` if the
-    connection ends first."""
-    buffer = bytearray(count)
-    view = memoryview(buffer)
+def read_exactly(sock: Connection, count: int) -> memoryview:
+    """``count`` bytes from ``sock`` (blocking, within its timeout), read into a buffer that is
+    not zeroed first; :class:`LinkBroken` if the connection ends first."""
+    view = empty_bytes(count)
     filled = 0
     while filled < count:
         got = sock.recv_into(view[filled:])
         if not got:
             raise LinkBroken(f"the connection ended after {filled} of {count} bytes")
         filled += got
-    return buffer
+    return view
 
 
 def read_length(sock: Connection, largest: int) -> int:

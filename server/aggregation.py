@@ -64,6 +64,19 @@ def _two_sum_fold(value: np.ndarray, total: np.ndarray, error: np.ndarray, sourc
         total[index] = new
 
 
+def _two_sum_first(value: np.ndarray, total: np.ndarray, error: np.ndarray, source: np.ndarray,
+                   weight: float) -> None:
+    """:func:`_two_sum_fold` into a sum that holds nothing yet: the same operations with 0.0 for
+    the value and the error term, so the same bits, without zeroing the sum first or reading it
+    (``value`` is not read)."""
+    for index in range(source.shape[0]):
+        term = np.float64(source[index]) * weight
+        new = 0.0 + term
+        back = new - 0.0
+        error[index] = 0.0 + ((0.0 - (new - back)) + (term - back))
+        total[index] = new
+
+
 _FOLD_SIGNATURES = ["void(float64[::1], float64[::1], float64[::1], float32[::1], float64)",
                     "void(float64[::1], float64[::1], float64[::1], float64[::1], float64)"]
 _FOLD_OPTIONS = {"nogil": True, "error_model": "numpy", "boundscheck": False}
@@ -82,22 +95,32 @@ def _torch_two_sum_fold(value: np.ndarray, total: np.ndarray, error: np.ndarray,
     torch.from_numpy(error).add_((old - (new - back)) + (term - back))
 
 
-def _compile_fold() -> Callable[..., None]:
-    """:func:`_two_sum_fold` compiled by Numba (the ``server`` extra) for float32 and float64
-    sources: one pass instead of torch's nine. Compiled code is cached beside this file, or in the
-    user's cache directory; where neither can be written it is compiled in each process (about
-    0.5 s). Without Numba, :func:`_torch_two_sum_fold` gives the same bits, slower."""
+def _torch_two_sum_first(value: np.ndarray, total: np.ndarray, error: np.ndarray, source: np.ndarray,
+                         weight: float) -> None:
+    """:func:`_two_sum_first` by way of :func:`_torch_two_sum_fold` from a zeroed value and error."""
+    value.fill(0.0)
+    error.fill(0.0)
+    _torch_two_sum_fold(value, total, error, source, weight)
+
+
+def _compile(kernel: Callable[..., None], fallback: Callable[..., None]) -> Callable[..., None]:
+    """``kernel`` (:func:`_two_sum_fold` or :func:`_two_sum_first`) compiled by Numba (the
+    ``server`` extra) for float32 and float64 sources: one pass instead of torch's nine. Compiled
+    code is cached beside this file, or in the user's cache directory; where neither can be
+    written it is compiled in each process (about 0.5 s). Without Numba, ``fallback`` gives the
+    same bits, slower."""
     try:
         import numba
     except ImportError:
-        return _torch_two_sum_fold
+        return fallback
     try:
-        return numba.njit(_FOLD_SIGNATURES, cache=True, **_FOLD_OPTIONS)(_two_sum_fold)
+        return numba.njit(_FOLD_SIGNATURES, cache=True, **_FOLD_OPTIONS)(kernel)
     except RuntimeError:  # Numba found no writable cache directory
-        return numba.njit(_FOLD_SIGNATURES, **_FOLD_OPTIONS)(_two_sum_fold)
+        return numba.njit(_FOLD_SIGNATURES, **_FOLD_OPTIONS)(kernel)
 
 
-_fold_elements = _compile_fold()
+_fold_elements = _compile(_two_sum_fold, _torch_two_sum_fold)
+_first_fold_elements = _compile(_two_sum_first, _torch_two_sum_first)
 
 FOLD_BLOCK_ELEMENTS = 131_072
 """Elements per block of a running sum: the unit that one thread folds under a block's lock, so
@@ -117,24 +140,31 @@ def fold_source(tensor: torch.Tensor) -> np.ndarray:
 
 class _Block:
     """One block of a running sum: the current value is ``values[current]``; a fold writes the new
-    value into the other row (no copy back). Folds of a block run one at a time under ``lock``."""
+    value into the other row (no copy back). Folds of a block run one at a time under ``lock``.
+    The rows are not zeroed: until the first fold the block holds nothing (``empty``), and the
+    first fold writes them whole (:func:`_two_sum_first`)."""
 
     def __init__(self, values: tuple[torch.Tensor, torch.Tensor], error: torch.Tensor) -> None:
         self.lock = threading.Lock()
         self.values = values
         self.error = error
         self.current = 0
+        self.empty = True
         self._arrays = (values[0].numpy(), values[1].numpy(), error.numpy())
 
     def fold(self, source: np.ndarray, weight: float) -> None:
         """Add ``weight * source`` (see :func:`_two_sum_fold`); the caller holds the lock."""
         first, second, error = self._arrays
         value, total = (first, second) if self.current == 0 else (second, first)
-        _fold_elements(value, total, error, source, weight)
+        (_first_fold_elements if self.empty else _fold_elements)(value, total, error, source, weight)
+        self.empty = False
         self.current = 1 - self.current
 
     def result(self, out: torch.Tensor) -> None:
-        torch.add(self.values[self.current], self.error, out=out)
+        if self.empty:
+            out.zero_()
+        else:
+            torch.add(self.values[self.current], self.error, out=out)
 
 
 def _fold(parts: list[tuple[_Block, np.ndarray]], weight: float) -> None:
@@ -174,7 +204,7 @@ class CompensatedSum:
         self.shape = torch.Size(shape)
         self.block_elements = block_elements
         count = self.shape.numel()
-        rows = torch.zeros((3, count), dtype=torch.float64)
+        rows = torch.empty((3, count), dtype=torch.float64)  # each block's first fold writes its part
         self._blocks = [_Block((first, second), error) for first, second, error
                         in zip(*(row.split(block_elements) for row in rows))]
 

@@ -261,7 +261,7 @@ class DataPort:
         magic, method, deadline_ms, token_length = CALL_HEAD.unpack(first + read_exactly(sock, CALL_HEAD.size - 1))
         if magic != MAGIC or method not in METHODS or token_length > MAX_TOKEN_BYTES:
             raise LinkBroken("not a data link call")
-        token = read_exactly(sock, token_length).decode(errors="replace")
+        token = bytes(read_exactly(sock, token_length)).decode(errors="replace")
         context = LinkContext(self._loop, token, common_name, deadline_ms)
         sock.settimeout(PROGRESS_SECONDS)
         if method == GET_TASK:

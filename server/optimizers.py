@@ -57,7 +57,9 @@ def apply_deltas(global_state: Mapping[str, torch.Tensor], directions: Mapping[s
     updated = {}
     for name, direction in directions.items():
         old = global_state[name]
-        updated[name] = (old.to(torch.float64) + scale * direction).to(old.dtype)
+        new = old.to(torch.float64, copy=True)  # added to in place: one float64 temporary, not three
+        new.add_(direction if scale == 1.0 else scale * direction)
+        updated[name] = new.to(old.dtype)
     return updated
 
 

@@ -123,7 +123,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
     float64 sum. Only a non-finite sum, which finite elements may also reach by overflowing, is
     checked again: for 32-bit and narrower floats by a float64 sum, which cannot overflow and so is
     non-finite exactly when an element is, and for float64 element by element."""
-    if bool(torch.sum(tensor).isfinite()):
+    if math.isfinite(torch.sum(tensor).item()):
         return True
     if tensor.dtype == torch.float64:
         return bool(torch.isfinite(tensor).all())

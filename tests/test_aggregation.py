@@ -533,12 +533,34 @@ def test_the_torch_fold_gives_the_compiled_folds_bits():
         assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
 
 
+def test_a_first_fold_gives_the_bits_of_a_fold_into_zeros():
+    generator = np.random.default_rng(9)
+    for dtype in (np.float32, np.float64):
+        source = (generator.standard_normal(70_000) * 1e-2).astype(dtype)
+        source[:4] = [-0.0, 0.0, np.nan, -np.inf]            # signed zeros come out as a fold from +0.0 makes them
+        zeroed = []
+        for fold in (aggregation._fold_elements, aggregation._torch_two_sum_fold):
+            total, error = np.empty(70_000), np.zeros(70_000)
+            fold(np.zeros(70_000), total, error, source, 600.0)
+            zeroed.append((total, error))
+        for first in (aggregation._first_fold_elements, aggregation._torch_two_sum_first):
+            total, error = np.full(70_000, 7.0), np.full(70_000, 3.0)  # whatever the rows held before
+            first(np.full(70_000, 5.0), total, error, source, 600.0)
+            for expected_total, expected_error in zeroed:
+                assert total.tobytes() == expected_total.tobytes() and error.tobytes() == expected_error.tobytes()
+
+
+def test_a_sum_that_nothing_was_folded_into_is_zero():
+    assert torch.equal(CompensatedSum((5,), block_elements=2).result(), torch.zeros(5, dtype=torch.float64))
+
+
 WITHOUT_NUMBA = """
 import sys
 sys.modules["numba"] = None  # as on a machine without the server extra: import numba raises ImportError
 import torch
 from fedpart.server import aggregation
 assert aggregation._fold_elements is aggregation._torch_two_sum_fold
+assert aggregation._first_fold_elements is aggregation._torch_two_sum_first
 mean = aggregation.WeightedMean(32_000)
 generator = torch.Generator().manual_seed(9)
 for weight in (3, 600, 17):
