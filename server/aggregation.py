@@ -107,8 +107,8 @@ def _compile(kernel: Callable[..., None], fallback: Callable[..., None]) -> Call
     """``kernel`` (:func:`_two_sum_fold` or :func:`_two_sum_first`) compiled by Numba (the
     ``server`` extra) for float32 and float64 sources: one pass instead of torch's nine. Compiled
     code is cached beside this file, or in the user's cache directory; where neither can be
-    written it is compiled in each process (about 0.5 s). Without Numba, ``fallback`` gives the
-    same bits, slower."""
+    written each kernel is compiled in each process (about 0.5 s). Without Numba, ``fallback``
+    gives the same bits, slower."""
     try:
         import numba
     except ImportError:

@@ -57,7 +57,7 @@ def apply_deltas(global_state: Mapping[str, torch.Tensor], directions: Mapping[s
     updated = {}
     for name, direction in directions.items():
         old = global_state[name]
-        new = old.to(torch.float64, copy=True)  # added to in place: one float64 temporary, not three
+        new = old.to(torch.float64, copy=True)  # added to in place (a scale of 1.0 is not multiplied)
         new.add_(direction if scale == 1.0 else scale * direction)
         updated[name] = new.to(old.dtype)
     return updated
