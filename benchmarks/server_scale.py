@@ -31,11 +31,8 @@ Columns:
   measurements; *round/floor* is the mean round time over it. For reference, a plain float32
   ``add_`` of the same tensors (the bare summation) is printed beside it.
 
-``--data-port`` starts the server with a data port, as ``fedpart run`` does, so that the virtual
-processes move tasks and results over its connections (:mod:`fedpart.server.data_port`) instead
-of gRPC: the server's CPU per result on the path ``fedpart run``'s clients take. The rows
-run without credentials, so neither path is encrypted here (``transport_cost.py`` measures what TLS
-and the sealing add). It cannot be combined with the relay, which carries gRPC only.
+The rows run without credentials, so nothing is encrypted here (``transport_cost.py`` measures
+what TLS adds).
 
 ``--set KEY=VALUE`` changes a key of the server's config (e.g. ``server.receive_window=65536``),
 for measuring a setting against the default in two invocations. Linux only (``/proc``). Every
@@ -337,7 +334,7 @@ def run_row(row: Row, args: argparse.Namespace, work: Path, model_bytes: int) ->
     generator_samplers: list[ProcSampler] = []
     try:
         server = subprocess.Popen([sys.executable, "-m", "fedpart", "server", str(config_path),
-                                   "--address", "127.0.0.1:0", *(["--data-port", "0"] if args.data_port else []),
+                                   "--address", "127.0.0.1:0",
                                    "--out", str(out)],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         started.append(server)
@@ -643,8 +640,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--evaluation-cuts", type=int, default=0,
                         help="connections the relay resets at seeded random bytes of the final evaluation's traffic")
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of the bytes the cuts fall on")
-    parser.add_argument("--data-port", action="store_true",
-                        help="tasks and results over the server's data port, as with fedpart run (default: gRPC)")
     return parser
 
 
@@ -656,9 +651,6 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     if args.cuts < 0 or args.evaluation_cuts < 0:
         parser.error("--cuts and --evaluation-cuts must be >= 0")
     args.relay = args.relay or args.cuts > 0 or args.evaluation_cuts > 0
-    if args.relay and args.data_port:
-        parser.error("--data-port cannot be combined with the relay (--relay, --cuts, --evaluation-cuts): "
-                     "the relay carries gRPC only")
     return args
 
 
@@ -694,8 +686,6 @@ def main(argv: list[str] | None = None) -> int:
         results.append((result, floors[count]))
         print(format_details(result, floors[count]), flush=True)
     settings = "".join(f", {override}" for override in args.set)
-    if args.data_port:
-        settings += ", tasks and results on the data port"
     if args.relay:
         settings += (f", through the fault relay: {args.cuts} cuts in the rounds, {args.evaluation_cuts} in the "
                      f"final evaluation (seed {args.fault_seed})")

@@ -6,12 +6,12 @@ Workload: ``--senders`` processes (default 2, as round_overhead's 2 client proce
 second (default 1.72: round_overhead's 10 results a round of about 2.9 s from 2 processes) to one
 receiver process on 127.0.0.1 (the unix transport: a Unix-domain socket), over TLS but for tcp and
 unix, with client certificates made by :func:`fedpart.deploy.certs.write_run_credentials`. No
-fedpart code runs on either side of the connection but the sealing of the sealed transport: this
-is what the transport itself costs, the bound under fedpart's own transfers.
+fedpart code runs on either side of the connection: this is what the transport itself costs, the
+bound under fedpart's own transfers.
 
 Transports:
 
-- **grpc-aio** (what fedpart uses without its data port): a client-streaming call of ``grpc.aio``
+- **grpc-aio** (what fedpart uses): a client-streaming call of ``grpc.aio``
   on both sides, the result in messages of ``server.result_chunk_bytes`` (1 MiB), each made as
   ``bytes`` from the sender's buffer (gRPC Python sends ``bytes``), the server's HTTP/2 receive
   window of a 10-client run (:func:`fedpart.server.transfers.receive_window`); the receiver counts
@@ -26,10 +26,6 @@ Transports:
   record of at most 16 KiB with two ``recv`` calls and writes each with one ``send``, where the
   sender here encrypts a whole upload into memory and hands it to one ``sendall``, and the
   receiver reads up to 256 KiB a call and decrypts them from memory.
-- **sealed** (what fedpart's data port uses, :mod:`fedpart.common.sealed`): the ssl-blocking
-  receiver and sender over connections that agree keys inside their TLS handshake, shut TLS down
-  and carry AES-256-GCM frames of up to a 1 MiB message and its fields, each read with a few
-  large ``recv_into`` calls and opened by one call.
 - **tcp**: the ssl-blocking receiver and sender over the same TCP connections with no TLS: what
   moving the bytes costs without encryption.
 - **unix**: the same over a Unix-domain stream socket, the kind of connection the compute floor
@@ -64,11 +60,10 @@ from pathlib import Path
 from typing import IO
 
 BENCHMARKS = Path(__file__).resolve().parent
-TRANSPORTS = ("grpc-aio", "ssl-asyncio", "ssl-blocking", "ssl-bio", "sealed", "tcp", "unix")
+TRANSPORTS = ("grpc-aio", "ssl-asyncio", "ssl-blocking", "ssl-bio", "tcp", "unix")
 # the transports whose sender is the blocking one (and, but for ssl-asyncio, the receiver too), by
 # the layer their bytes go through
-LAYERS = {"ssl-asyncio": "tls", "ssl-blocking": "tls", "ssl-bio": "tls-in-memory", "sealed": "tls-sealed",
-          "tcp": "plain", "unix": "plain"}
+LAYERS = {"ssl-asyncio": "tls", "ssl-blocking": "tls", "ssl-bio": "tls-in-memory", "tcp": "plain", "unix": "plain"}
 BIO_READ_BYTES = 256 << 10  # ssl-bio: the most one socket read takes
 CNN2_RESULT_BYTES = 582_026 * 4
 METHOD = "/transport_cost.Receiver/Upload"
@@ -205,10 +200,6 @@ def _secured(connection: socket.socket, layer: str, context: ssl.SSLContext, ser
         return _MemoryTls(connection, context, server_side=server_side, server_hostname=hostname)
     if layer == "tls":
         return context.wrap_socket(connection, server_side=server_side, server_hostname=hostname)
-    if layer == "tls-sealed":
-        from fedpart.common.sealed import seal
-
-        return seal(context.wrap_socket(connection, server_side=server_side, server_hostname=hostname), server_side)
     return connection
 
 

@@ -12,11 +12,6 @@ bytes (each client its own device) for comparison::
 
     python benchmarks/wire_bytes.py --algorithms fedavg,fedbabu --rounds 3
 
-With ``--data-port`` the server has a data port too (``fedpart server --data-port``), which the
-clients reach through a counting relay of its own: the wire bytes are both relays' together, and
-the data port's framing (a 5-byte frame or a 4-byte length per message, a call's head) replaces
-gRPC's.
-
 The relay counts everything the processes send after they connect, the last polls and the
 leave calls after the server wrote ``summary.json`` included; the ledger counts every message up
 to its summary. So the ratio is an upper bound of the framing overhead, by a few hundred bytes.
@@ -47,7 +42,6 @@ from fedpart.deploy.relay import RelayThread
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "fedpart"]
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
-_DATA_PORT = re.compile(r"data port \(tasks and results, \w+\) on (\S+):(\d+)")
 DIRECTIONS = ("down", "up")
 
 
@@ -61,11 +55,10 @@ class Measurement:
     physical: dict[str, int]
     logical: dict[str, int]
     connections: int
-    data_port: bool = False
 
     @property
     def transport(self) -> str:
-        return f"{'TLS' if self.tls else 'plaintext'}{' + data port' if self.data_port else ''}"
+        return "TLS" if self.tls else "plaintext"
 
     def ratio(self, direction: str) -> float:
         """Wire bytes per ledger physical byte."""
@@ -115,18 +108,15 @@ class _OutputReader:
         return "".join(self.lines)
 
 
-def measure(config: dict[str, Any], work: Path, tls: bool = True, timeout: float = 1200.0,
-            data_port: bool = False) -> Measurement:
-    """Run ``config`` (its ``clients`` and ``processes``) with the clients behind a counting relay
-    (and, with ``data_port``, the server's data port behind a second one)."""
+def measure(config: dict[str, Any], work: Path, tls: bool = True, timeout: float = 1200.0) -> Measurement:
+    """Run ``config`` (its ``clients`` and ``processes``) with the clients behind a counting relay."""
     work.mkdir(parents=True, exist_ok=True)
     config_path = work / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     clients, processes = config["clients"], config["processes"]
     out = work / "run"
     secrets = work / "secrets"
-    server_args = ["server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out),
-                   *(["--data-port", "0"] if data_port else [])]
+    server_args = ["server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out)]
     if tls:
         write_run_credentials(secrets, ["127.0.0.1"], clients=clients, processes=processes)
         server_args += ["--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),
@@ -141,15 +131,10 @@ def measure(config: dict[str, Any], work: Path, tls: bool = True, timeout: float
         address = server_output.wait_for(_LISTENING, timeout)
         relays.append(RelayThread((address.group(1), int(address.group(2)))))
         host, port = relays[-1].start()
-        data_options: list[str] = []
-        if data_port:
-            data_address = server_output.wait_for(_DATA_PORT, timeout)
-            relays.append(RelayThread((data_address.group(1), int(data_address.group(2)))))
-            data_options = ["--data-address", "{}:{}".format(*relays[-1].start())]
         client_outputs = []
         for index, ids in enumerate(split_clients(clients, processes)):
             client_args = ["client", "--server", f"{host}:{port}", "--clients", ids, "--threads", "1",
-                           "--state-dir", str(out / "state" / f"process_{index}"), *data_options]
+                           "--state-dir", str(out / "state" / f"process_{index}")]
             if tls:
                 client_args += ["--ca", str(secrets / "ca.pem"), "--token-file", str(secrets / f"process_{index}.token")]
             client = subprocess.Popen(CLI + client_args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -174,7 +159,7 @@ def measure(config: dict[str, Any], work: Path, tls: bool = True, timeout: float
     summary = read_summary(out / "summary.json")
     return Measurement(config["algorithm"]["name"], tls, {d: sum(getattr(c, d) for c in counts) for d in DIRECTIONS},
                        {d: summary.bytes[d] for d in DIRECTIONS},
-                       {d: summary.bytes["logical"][d] for d in DIRECTIONS}, sum(c.relayed for c in counts), data_port)
+                       {d: summary.bytes["logical"][d] for d in DIRECTIONS}, sum(c.relayed for c in counts))
 
 
 def format_table(measurements: list[Measurement]) -> str:
@@ -196,16 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--plaintext", action="store_true", help="no TLS (HTTP/2 framing alone)")
-    parser.add_argument("--data-port", action="store_true",
-                        help="tasks and results by the server's data port (through a counting relay of its own)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds each wait may take")
     args = parser.parse_args(argv)
     measurements = []
     with tempfile.TemporaryDirectory(prefix="fedpart-wire-") as work:
         for algorithm in args.algorithms.split(","):
             config = quickstart_config(algorithm, args.rounds, args.clients, args.processes)
-            measurements.append(measure(config, Path(work) / algorithm, tls=not args.plaintext, timeout=args.timeout,
-                                        data_port=args.data_port))
+            measurements.append(measure(config, Path(work) / algorithm, tls=not args.plaintext, timeout=args.timeout))
             print(f"{algorithm}: {measurements[-1].connections} connections relayed", flush=True)
     print(f"quickstart (digits, mlp), {args.clients} clients in {args.processes} processes, {args.rounds} rounds, "
           "final evaluation included")

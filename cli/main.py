@@ -75,8 +75,7 @@ def _server(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     try:
         return serve(config, args.address, out, security, resume=bool(args.resume), overwrite=args.overwrite,
-                     progress=args.progress, health_port=args.health_port, metrics_port=args.metrics_port,
-                     data_port=args.data_port)
+                     progress=args.progress, health_port=args.health_port, metrics_port=args.metrics_port)
     except AddressInUse as error:
         return _fail(args, error)
 
@@ -129,7 +128,7 @@ def _client(args: argparse.Namespace) -> int:
         process = ClientProcess(args.server, parse_id_ranges(args.clients), device=args.device,
                                 data_root=args.data_root, state_dir=args.state_dir, threads=threads,
                                 security=security, reconnect_timeout=args.reconnect_timeout,
-                                connect_timeout=args.connect_timeout, data_address=args.data_address)
+                                connect_timeout=args.connect_timeout)
         process.log(f"{threads} torch thread{'s' if threads > 1 else ''} ({why})")
         return process.run()
     except ConfigError as error:  # the run's config does not fit this machine (its data)
@@ -189,14 +188,6 @@ def _health(args: argparse.Namespace) -> int:
         return ExitCode.ERROR if unknown else ExitCode.UNREACHABLE
     print(status, flush=True)
     return ExitCode.COMPLETED if status == "SERVING" else ExitCode.ERROR
-
-
-def data_address(text: str) -> str:
-    """``off`` or HOST:PORT."""
-    host, _, port = text.rpartition(":")
-    if text != "off" and not (host and port.isdigit() and 0 < int(port) <= 65535):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither off nor HOST:PORT")
-    return text
 
 
 def port_number(text: str) -> int:
@@ -354,10 +345,6 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--metrics-port", type=port_number, metavar="PORT",
                         help="serve Prometheus metrics (plain HTTP, /metrics) on this port of the --address host "
                              "(needs: pip install 'fedpart[metrics]'; default: off)")
-    server.add_argument("--data-port", type=port_number, metavar="PORT",
-                        help="also move tasks and results over TLS connections of their own on this port of the "
-                             "--address host (0: any free port; about a third of gRPC's CPU per byte); clients "
-                             "that reach it use it, others keep to gRPC (default: off; fedpart run: on)")
     server.add_argument("--yield-to-training", action="store_true",
                         help="client processes train on this host too: the server's threads wait for the "
                              "scheduler's next tick instead of taking a core from training when they wake up "
@@ -389,10 +376,6 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--reconnect-timeout", type=float, metavar="SECONDS",
                         help="how long to keep trying to reach a server that went away, e.g. while it is "
                              "resumed (default 300)")
-    client.add_argument("--data-address", type=data_address, metavar="HOST:PORT",
-                        help="where to reach the server's data port (its --data-port) when not at the --server "
-                             "host and the port the server advertises, e.g. through a relay or NAT; off: tasks "
-                             "and results by gRPC only")
     client.set_defaults(handler=_client)
 
     run = commands.add_parser("run", help="run server and client processes on this machine")

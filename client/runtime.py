@@ -92,9 +92,8 @@ class ClientProcess:
     def __init__(self, server: str, client_ids: list[int], device: str = "cpu", data_root: str | None = None,
                  state_dir: str | Path = "fedpart-state", threads: int | None = None,
                  security: ClientSecurity | None = None, reconnect_timeout: float | None = None,
-                 connect_timeout: float | None = None, data_address: str | None = None) -> None:
+                 connect_timeout: float | None = None) -> None:
         self.server = server
-        self.data_address = data_address
         self.security = security or ClientSecurity(insecure=True)
         self.reconnect_timeout = RECONNECT_SECONDS if reconnect_timeout is None else reconnect_timeout
         self.connect_timeout = CONNECT_SECONDS if connect_timeout is None else connect_timeout
@@ -170,8 +169,7 @@ class ClientProcess:
         self._loop = SessionThread()
         self.session = Session(self.server, self.security, self._join_request, _ClientEvents(self),
                                self.connect_timeout, self.reconnect_timeout,
-                               diagnose=partial(permanent_problem, self.server, self.security),
-                               data_address=self.data_address)
+                               diagnose=partial(permanent_problem, self.server, self.security))
         try:
             with signals_to(self._loop.stops.stop), self.display:  # a stop is taken at a wait or a training step
                 self._call(self.session.__aenter__())

@@ -17,11 +17,6 @@ Delivery is at least once (docs/architecture.md, Faults; :mod:`fedpart.server.ta
 - while the server cannot be reached the calls are tried again with capped exponential backoff,
   for ``connect_timeout`` before the first join and ``reconnect_timeout`` once the server was seen.
 
-Tasks and results go by the server's data port when the join reply names one
-(:mod:`fedpart.client.data_link`: the same messages over a TLS socket of their own, for a third of
-gRPC's CPU per byte), else by gRPC; a data port that cannot be reached leaves everything to gRPC
-until the next join.
-
 A dead connection (a vanished peer, a NAT that dropped its mapping, a black-holed route) is found
 by keepalive pings within :data:`~fedpart.common.protocol.KEEPALIVE_SECONDS` +
 :data:`~fedpart.common.protocol.KEEPALIVE_TIMEOUT_SECONDS`, and the call on it fails and is tried
@@ -49,7 +44,6 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from fedpart.client.data_link import DataLink, LinkUnreachable
 from fedpart.common.exit_codes import ExitCode, StopRequest
 from fedpart.common.limits import yield_to_training
 from fedpart.common.plans import ResultInfo, SecAggAnswer, TaskInfo, TaskKind
@@ -217,8 +211,7 @@ class Session:
                  events: SessionEvents | None = None, connect_timeout: float = CONNECT_SECONDS,
                  reconnect_timeout: float = RECONNECT_SECONDS,
                  channel_options: list[tuple[str, object]] | None = None,
-                 diagnose: Callable[[grpc.RpcError], str | None] | None = None,
-                 data_address: str | None = None) -> None:
+                 diagnose: Callable[[grpc.RpcError], str | None] | None = None) -> None:
         self.server = server
         self.security = security
         self.events = events or SessionEvents()
@@ -237,8 +230,6 @@ class Session:
         self._rejoining = asyncio.Lock()  # one join again at a time
         self._heartbeats: asyncio.Task | None = None
         self._channel: grpc.aio.Channel | None = None
-        self._data_address = data_address  # "off", HOST:PORT, or None: the port the server advertises
-        self._link: DataLink | None = None  # tasks and results go by the data port while set
 
     async def __aenter__(self) -> Session:
         self._channel = self.security.aio_channel(self.server, self._channel_options)
@@ -260,8 +251,6 @@ class Session:
         if self._heartbeats is not None:
             self._heartbeats.cancel()
             await asyncio.gather(self._heartbeats, return_exceptions=True)
-        if self._link is not None:
-            self._link.close()
         await self._channel.close()
 
     # ------------------------------------------------------------------ join and leave
@@ -297,7 +286,6 @@ class Session:
                                 f"next attempt in {delay:.1f} s")
                 await asyncio.sleep(delay)
         self.session, self.run_id = reply.session, reply.run_id
-        self._open_link(reply)
         self.events.joined(again=False)
         return reply
 
@@ -330,28 +318,9 @@ class Session:
             raise SessionError(f"the server at {self.server} now runs another run ({reply.run_id}, this process "
                                f"served {self.run_id}); stopping")
         self.session = reply.session
-        self._open_link(reply)
         self._held.clear()  # tasks of the old session were closed with it
         self.events.joined(again=True)
         self.events.log(f"joined run {reply.run_id} again (the server had dropped this process or was restarted)")
-
-    def _open_link(self, reply: pb.JoinReply) -> None:
-        """Use the data port the server advertises (or ``data_address``), unless it is off."""
-        if self._link is not None:
-            self._link.close()
-            self._link = None
-        if self._data_address == "off" or (not reply.data_port and not self._data_address):
-            return
-        host, _, port = (self._data_address or f"{self.server.rpartition(':')[0]}:{reply.data_port}").rpartition(":")
-        self._link = DataLink(host, int(port), self.security)
-        self.events.log(f"tasks and results go by the data port at {self._link.address}")
-
-    def _link_lost(self, error: LinkUnreachable) -> None:
-        """The data port cannot be reached: gRPC carries everything until the next join."""
-        if self._link is not None:
-            self.events.log(f"{error}; tasks and results go by gRPC")
-            self._link.close()
-            self._link = None
 
     def _refused_join(self, error: grpc.RpcError) -> SessionError:
         """The error that ends a process whose join was refused: a refused credential is a
@@ -420,15 +389,10 @@ class Session:
                     ) -> ReceivedTask | None:
         """One long poll, read to its end; None for IDLE. Versions of the received tensors are
         held from then on."""
-        if self._link is not None:
-            try:
-                return await self._read_task(self._link.get_task(request, timeout=self.call_timeout), reader)
-            except LinkUnreachable as error:
-                self._link_lost(error)
         return await self._read_task(self._get_task(request, timeout=self.call_timeout), reader)
 
     async def _read_task(self, call, reader: Callable[[pb.TaskHeader], TaskReader]) -> ReceivedTask | None:
-        """The task stream of ``call`` (gRPC's, or the data port's in its shape), read to its end."""
+        """The task stream of ``call``, read to its end."""
         header: pb.TaskHeader | None = None
         tensors: TaskReader | None = None
         received = 0
@@ -512,12 +476,7 @@ class Session:
             self._held.discard(info.task_id)
 
     async def _send_result(self, counted: _Counted) -> pb.SubmitReply:
-        """One attempt at sending a result, by the data port if there is one."""
-        if self._link is not None:
-            try:
-                return await self._link.submit_result(counted, timeout=self.call_timeout)
-            except LinkUnreachable as error:
-                self._link_lost(error)  # before a byte of the result was taken from ``counted``
+        """One attempt at sending a result."""
         return await self._submit_result(iter(counted), timeout=self.call_timeout)
 
     # ------------------------------------------------------------------ reaching the server

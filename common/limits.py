@@ -7,7 +7,7 @@ The cores available to a process are the fewer of the CPUs it may be scheduled o
 set), the quota rounded up as the Go and Java runtimes do. Client processes that share a host
 share them: :func:`client_threads` gives each an even share, at least one thread.
 
-The threads beside training (a client's session, data link and gRPC threads; a server on a host
+The threads beside training (a client's session and gRPC threads; a server on a host
 where client processes train) :func:`yield_to_training`: they run under Linux's ``SCHED_BATCH``
 policy (sched(7)), so that one of them waking up waits for the scheduler's next tick instead of
 taking the core from a training thread at once. Their share of the CPU is unchanged. Each such

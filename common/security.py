@@ -13,8 +13,6 @@ import hashlib
 import ipaddress
 import os
 import re
-import ssl
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,18 +151,6 @@ class ServerSecurity:
                                            root_certificates=self.client_ca,
                                            require_client_auth=self.client_ca is not None)
 
-    def ssl_context(self) -> ssl.SSLContext | None:
-        """The same TLS for a socket of the server's own (the data port); None in plaintext."""
-        if not self.tls:
-            return None
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        _load_chain(context, self.certificate, self.private_key)
-        if self.client_ca is not None:
-            context.load_verify_locations(cadata=self.client_ca.decode())
-            context.verify_mode = ssl.CERT_REQUIRED
-        return context
-
 
 @dataclass
 class ClientSecurity:
@@ -236,17 +222,6 @@ class ClientSecurity:
             return grpc.aio.insecure_channel(target, options=options)
         return grpc.aio.secure_channel(target, credentials, options=options)
 
-    def ssl_context(self) -> ssl.SSLContext | None:
-        """The same TLS for a socket of the client's own (the data port); None in plaintext. The
-        name checked is :attr:`server_name`, else the host dialled (pass it as ``server_hostname``)."""
-        if self.insecure:
-            return None
-        context = ssl.create_default_context(cadata=self.ca.decode() if self.ca is not None else None)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        if self.certificate is not None:
-            _load_chain(context, self.certificate, self.private_key)
-        return context
-
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         """The metadata every call on an :meth:`aio_channel` carries: the token, as the bearer
         credential that gRPC's token call credentials send (none in plaintext). As metadata it
@@ -255,15 +230,3 @@ class ClientSecurity:
         if self.insecure or not self.token:
             return ()
         return (("authorization", f"Bearer {self.token}"),)
-
-
-def _load_chain(context: ssl.SSLContext, certificate: bytes, private_key: bytes) -> None:
-    """Load a PEM certificate chain and key held in memory: Python's ``ssl`` reads them only from
-    files, so they pass through a directory only this user can read, removed at once."""
-    with tempfile.TemporaryDirectory(prefix="fedpart-tls-") as directory:
-        cert_path, key_path = Path(directory, "cert.pem"), Path(directory, "key.pem")
-        for path, content in ((cert_path, certificate), (key_path, private_key)):
-            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(descriptor, "wb") as file:
-                file.write(content)
-        context.load_cert_chain(cert_path, key_path)

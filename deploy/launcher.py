@@ -180,7 +180,7 @@ class Launch:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         secrets = self.secrets
         server = subprocess.Popen(
-            _cli("server", str(self.config_path), "--address", "127.0.0.1:0", "--data-port", "0",
+            _cli("server", str(self.config_path), "--address", "127.0.0.1:0",
                  "--out", str(self.out),
                  *[a for o in self.overrides for a in ("--set", o)], *(["--overwrite"] if self.overwrite else []),
                  "--progress", "json" if self.display.live else "plain", "--yield-to-training",

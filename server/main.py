@@ -38,7 +38,6 @@ from fedpart.common.client_ids import format_id_ranges
 from fedpart.common.security import Principal, SecurityError, ServerSecurity
 from fedpart.server.auth import CallGuard, Principals, TokenGate
 from fedpart.server.coordinator import Coordinator
-from fedpart.server.data_port import DataPort
 from fedpart.server.global_eval import GlobalEvaluator
 from fedpart.server.health import RunHealth
 from fedpart.server.metrics import MetricsServer, RunCollector, check_metrics_available
@@ -62,8 +61,6 @@ SHUTDOWN_GRACE_SECONDS = 10.0
 MAX_CALLS_PER_CLIENT = 3
 # gRPC's own hard limit on calls waiting to be taken by the server (grpc.server.max_pending_requests_hard_limit)
 GRPC_PENDING_CALLS_HARD_LIMIT = 3000
-# Data port connections a client may have open (a poll and an upload), for the cap on connections
-DATA_CONNECTIONS_PER_CLIENT = 2
 # Calls the plaintext health port takes at once (a check answers at once; more are refused)
 PROBE_CALLS = 16
 
@@ -81,7 +78,7 @@ class GrpcServer:
     """
 
     def __init__(self, coordinator: Coordinator, address: str, security: ServerSecurity,
-                 health_port: int | None = None, data_port: int | None = None) -> None:
+                 health_port: int | None = None) -> None:
         server_config = coordinator.config.server
         workers = server_config.fold_workers
         self._fold_pool = (futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fold")
@@ -93,10 +90,7 @@ class GrpcServer:
         self.health = RunHealth()
         self._probes: grpc.aio.Server | None = None  # the plaintext health port, if any
         self.health_address: str | None = None
-        self._data: DataPort | None = None  # the data port, if any
-        self.data_address: str | None = None
-        start = self._start(coordinator, address, security, upload_slots, server_config.download_slots, health_port,
-                            data_port)
+        start = self._start(coordinator, address, security, upload_slots, server_config.download_slots, health_port)
         try:
             self._server, self.address = asyncio.run_coroutine_threadsafe(start, self._loop).result()
         except BaseException:
@@ -104,8 +98,7 @@ class GrpcServer:
             raise
 
     async def _start(self, coordinator: Coordinator, address: str, security: ServerSecurity,
-                     upload_slots: int, download_slots: int, health_port: int | None,
-                     data_port: int | None) -> tuple[grpc.aio.Server, str]:
+                     upload_slots: int, download_slots: int, health_port: int | None) -> tuple[grpc.aio.Server, str]:
         principals = Principals(security.principals) if security.principals is not None else None
         mutual_tls = security.client_ca is not None
         most_calls = MAX_CALLS_PER_CLIENT * coordinator.config.clients + 64
@@ -145,15 +138,6 @@ class GrpcServer:
             self._probes.add_generic_rpc_handlers((self.health.handler(),))
             self.health_address = f"{host}:{_add_port(self._probes, f'{host}:{health_port}', ServerSecurity())}"
             await self._probes.start()
-        if data_port is not None:
-            try:
-                self._data = DataPort(service, asyncio.get_running_loop(), security, host, data_port,
-                                      max_connections=DATA_CONNECTIONS_PER_CLIENT * coordinator.config.clients + 16,
-                                      result_chunk_bytes=coordinator.config.server.result_chunk_bytes)
-            except OSError as error:
-                raise AddressInUse(f"cannot listen on {host}:{data_port}: {error.strerror or error}") from error
-            service.data_port = self._data.port
-            self.data_address = f"{host}:{self._data.port}"
         await server.start()
         await self.health.run_serving(True)
         return server, f"{host}:{bound}"
@@ -171,8 +155,6 @@ class GrpcServer:
 
     async def _stop(self, grace: float | None) -> None:
         await self.health.stopping()
-        if self._data is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._data.stop, grace)
         servers = [self._server, *([self._probes] if self._probes is not None else [])]
         await asyncio.gather(*(server.stop(grace) for server in servers))
 
@@ -208,12 +190,11 @@ def receive_window_options(window_bytes: int) -> list[tuple[str, int]]:
 
 
 def start_grpc(coordinator: Coordinator, address: str, security: ServerSecurity | None = None,
-               health_port: int | None = None, data_port: int | None = None) -> GrpcServer:
+               health_port: int | None = None) -> GrpcServer:
     """Start the gRPC server; its ``address`` is where it listens (port 0 = a free port). With
     ``health_port`` it also answers health checks in plaintext on that port of the same host
-    (``health_address``); with ``data_port`` (0: a free one) it moves tasks and results on that
-    port of the same host too (``data_address``, :mod:`fedpart.server.data_port`)."""
-    return GrpcServer(coordinator, address, security or ServerSecurity(), health_port, data_port)
+    (``health_address``)."""
+    return GrpcServer(coordinator, address, security or ServerSecurity(), health_port)
 
 
 def check_address(address: str) -> None:
@@ -274,16 +255,15 @@ def _group_by_names(named: dict[int, list[str]]) -> list[tuple[list[int], list[s
 
 def serve(config: RunConfig, address: str, out_dir: str | Path, security: ServerSecurity | None = None,
           resume: bool = False, overwrite: bool = False, progress: str = "auto",
-          health_port: int | None = None, metrics_port: int | None = None, data_port: int | None = None) -> int:
+          health_port: int | None = None, metrics_port: int | None = None) -> int:
     """Run a whole federated experiment as the coordinator; returns the exit code
     (:class:`~fedpart.common.exit_codes.ExitCode`). With ``resume``, continue the run in
     ``out_dir`` after its last completed round; with ``overwrite``, replace the run in
     ``out_dir`` once the server listens. ``progress``: ``auto`` (a live view on a terminal, plain
     lines otherwise), ``plain`` or ``json`` (progress lines for ``fedpart run``). ``health_port``:
     also answer health checks in plaintext there (:mod:`fedpart.server.health`);
-    ``metrics_port``: serve Prometheus metrics there (:mod:`fedpart.server.metrics`);
-    ``data_port``: move tasks and results there too (:mod:`fedpart.server.data_port`; 0: a free
-    port); all on the host of ``address``. Called in the main thread, SIGINT and SIGTERM end the
+    ``metrics_port``: serve Prometheus metrics there (:mod:`fedpart.server.metrics`); both on
+    the host of ``address``. Called in the main thread, SIGINT and SIGTERM end the
     run at the round loop's next wait (:func:`~fedpart.common.exit_codes.signals_to`)."""
     security = security or ServerSecurity()
     started = time.monotonic()
@@ -305,7 +285,7 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
         coordinator.restore(saved)
     raise_open_file_limit()
     host = address.rpartition(":")[0]
-    for listening in (address, *(f"{host}:{port}" for port in (health_port, metrics_port, data_port) if port)):
+    for listening in (address, *(f"{host}:{port}" for port in (health_port, metrics_port) if port)):
         check_address(listening)
     records: list[dict] = []  # the round records (metrics.jsonl), read by the metrics endpoint
     with ExitStack() as stack:
@@ -313,7 +293,7 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
         if metrics_port is not None:
             metrics = _start_metrics(host, metrics_port, RunCollector(coordinator, records))
             stack.callback(metrics.stop)
-        server = start_grpc(coordinator, address, security, health_port, data_port)
+        server = start_grpc(coordinator, address, security, health_port)
         stack.callback(server.stop, 2.0)
         if saved is None:
             run_dir = RunDirectory(out_dir, config.checkpoint, overwrite=overwrite)
@@ -332,8 +312,6 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
         display.print(stamp(f"fedpart server listening on {server.address} (run {coordinator.run_id}, "
                             f"out {run_dir.path})"))
         display.log(f"{'warning: ' if not security.tls else ''}transport: {security.describe()}")
-        if server.data_address is not None:
-            display.log(f"data port (tasks and results, {'TLS' if security.tls else 'plaintext'}) on {server.data_address}")
         if server.health_address is not None:
             display.log(f"health checks (grpc.health.v1 Check, plaintext) on {server.health_address}")
         if metrics_port is not None:

@@ -118,7 +118,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # the message size a training task names to a process connected alone (logical bytes)
         self.logical_result_chunk_bytes = result_chunk_bytes(server.result_chunk_bytes, server.waiting_upload_bytes, 1)
         self._logical_tasks: dict[int, set[int]] = {}  # by round: tasks whose logical bytes are counted
-        self.data_port = 0  # advertised to joining processes once the data port listens (0: none)
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         async with self.guard.admit(context, UNARY_CALL_SECONDS) as principal:
@@ -127,7 +126,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except Rejected as error:
                 await context.abort(error.code, str(error))
             reply = pb.JoinReply(session=session, run_config_json=self.coordinator.config.to_json(),
-                                 run_id=self.coordinator.run_id, data_port=self.data_port)
+                                 run_id=self.coordinator.run_id)
             self._count_process_call(request, reply)
             return reply
 

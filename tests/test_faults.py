@@ -19,8 +19,6 @@ import pytest
 import yaml
 
 from conftest import REPO, WAIT, LineReader, read_metrics, read_summary, write_config
-from fedpart.client.session import POLL_SECONDS
-from fedpart.common.data_link import PROGRESS_SECONDS
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.common.client_ids import split_clients
@@ -50,12 +48,10 @@ def _quickstart(tmp_path: Path) -> Path:
 
 
 def _run(processes, tmp_path: Path, name: str, plan: FaultPlan | None = None,
-         kill_during_upload: int | None = None, path: str = "grpc") -> Outcome:
+         kill_during_upload: int | None = None) -> Outcome:
     """The quickstart with TLS and per-process tokens; with ``plan`` the clients connect through
     a relay; with ``kill_during_upload`` the first client process is SIGKILLed once it trained
-    its first client in that round (its upload is under way), and started again. With ``path``
-    ``data-port`` the server has a data port, tasks and results go by it, and the relay (if any)
-    is on it instead of on gRPC."""
+    its first client in that round (its upload is under way), and started again."""
     config = _quickstart(tmp_path)
     secrets = tmp_path / f"{name}-secrets"
     write_run_credentials(secrets, ["127.0.0.1"], clients=10, processes=2)
@@ -64,28 +60,21 @@ def _run(processes, tmp_path: Path, name: str, plan: FaultPlan | None = None,
     server = processes.start(CLI + [
         "server", str(config), "--address", "127.0.0.1:0", "--out", str(out),
         "--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),
-        "--credentials", str(secrets / "credentials.yaml"),
-        *(["--data-port", "0"] if path == "data-port" else [])], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        "--credentials", str(secrets / "credentials.yaml")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)
     reader = LineReader(server)
     address = reader.wait_for(r"listening on (\S+):(\d+)", timeout=WAIT)
     target = f"{address.group(1)}:{address.group(2)}"
-    data_options = []
-    if path == "data-port":
-        address = reader.wait_for(r"data port \(tasks and results, TLS\) on (\S+):(\d+)", timeout=WAIT)
     relay = RelayThread((address.group(1), int(address.group(2))), plan) if plan is not None else None
     if relay is not None:
         host, port = relay.start()
-        if path == "data-port":
-            data_options = ["--data-address", f"{host}:{port}"]
-        else:
-            target = f"{host}:{port}"
+        target = f"{host}:{port}"
 
     def client(index: int, ids: str) -> subprocess.Popen:
         return processes.start(CLI + [
             "client", "--server", target, "--clients", ids, "--ca", str(secrets / "ca.pem"),
             "--token-file", str(secrets / f"process_{index}.token"), "--threads", "1",
-            "--state-dir", str(out / "state" / f"process_{index}"), *data_options],
+            "--state-dir", str(out / "state" / f"process_{index}")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     try:
@@ -109,8 +98,6 @@ def _run(processes, tmp_path: Path, name: str, plan: FaultPlan | None = None,
         counts = relay.counts() if relay is not None else None
         if relay is not None:
             relay.stop()
-    if path == "data-port":
-        assert all("tasks and results go by the data port" in log for log in logs), logs
     return Outcome(out, seconds, counts, logs)
 
 
@@ -145,18 +132,11 @@ def clean(tmp_path_factory):
         made.stop_all()
 
 
-# Each fault on gRPC's connections, and on the data port's (common/data_link.py; control by gRPC),
-# always against the clean run by gRPC alone: the path does not change the result either.
-PATHS = ["grpc", "data-port"]
-
-
-@pytest.mark.parametrize("path", PATHS)
-def test_connections_reset_mid_stream_cost_time_not_a_result(processes, tmp_path, clean, path) -> None:
+def test_connections_reset_mid_stream_cost_time_not_a_result(processes, tmp_path, clean) -> None:
     """Seen before at-least-once delivery: 9 connections cut in 5 s, 7 results dropped as bad
     input, rounds of 8-9 of 10 clients, then no progress for minutes. Here 9 connections are
     reset after 0.3-3 MB each, and the run ends as the clean one did."""
-    faulted = _run(processes, tmp_path, "resets", FaultPlan(reset_bytes=(300_000, 3_000_000), cuts=9, seed=1),
-                   path=path)
+    faulted = _run(processes, tmp_path, "resets", FaultPlan(reset_bytes=(300_000, 3_000_000), cuts=9, seed=1))
     assert faulted.counts.resets == 9, faulted.counts
     _assert_same_result(faulted, clean)
     retried = sum(r["delivery"]["streams_cut"] + r["delivery"]["tasks_sent_again"] for r in read_metrics(faulted.out))
@@ -164,25 +144,20 @@ def test_connections_reset_mid_stream_cost_time_not_a_result(processes, tmp_path
     assert faulted.seconds <= clean.seconds + RESET_BOUND_SECONDS, (faulted.seconds, clean.seconds)
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_a_black_holed_connection_is_found_by_keepalive(processes, tmp_path, clean, path) -> None:
+def test_a_black_holed_connection_is_found_by_keepalive(processes, tmp_path, clean) -> None:
     """A connection that goes silent without a reset (a NAT or a route that drops it): the
-    keepalive pings find it within 10 + 20 s, the calls on it are made again on a new connection.
-    On the data port the wait for a call's next bytes finds it: PROGRESS_SECONDS, after a long
-    poll's own wait when the call was one."""
-    faulted = _run(processes, tmp_path, "black-hole", FaultPlan(blackhole_bytes=400_000, cuts=1, seed=2), path=path)
+    keepalive pings find it within 10 + 20 s, the calls on it are made again on a new connection."""
+    faulted = _run(processes, tmp_path, "black-hole", FaultPlan(blackhole_bytes=400_000, cuts=1, seed=2))
     assert faulted.counts.black_holes == 1, faulted.counts
     _assert_same_result(faulted, clean)
-    bound = BLACK_HOLE_BOUND_SECONDS if path == "grpc" else POLL_SECONDS + PROGRESS_SECONDS + 60.0
-    assert faulted.seconds <= clean.seconds + bound, (faulted.seconds, clean.seconds)
+    assert faulted.seconds <= clean.seconds + BLACK_HOLE_BOUND_SECONDS, (faulted.seconds, clean.seconds)
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_a_client_process_killed_during_an_upload_and_restarted(processes, tmp_path, clean, path) -> None:
+def test_a_client_process_killed_during_an_upload_and_restarted(processes, tmp_path, clean) -> None:
     """SIGKILL while the process's result is on the wire (the relay delays every chunk, so an
     upload takes a while); the restarted process is given the task its predecessor held, trains
     it again from the same start, and the run ends as the clean one did."""
-    faulted = _run(processes, tmp_path, "killed", FaultPlan(delay_ms=100), kill_during_upload=3, path=path)
+    faulted = _run(processes, tmp_path, "killed", FaultPlan(delay_ms=100), kill_during_upload=3)
     assert re.search(r"round 3: trained", faulted.client_logs[0])
     _assert_same_result(faulted, clean)
     assert sum(r["delivery"]["tasks_sent_again"] for r in read_metrics(faulted.out)) >= 1

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from conftest import WAIT, child_env, fedpart_command, small_config, write_config
-from fedpart.client.data_link import DataLink
 from fedpart.client.session import SessionThread
 from fedpart.common.limits import (
     PROCESSES_PER_HOST_ENV,
@@ -27,7 +26,6 @@ from fedpart.common.limits import (
     processes_per_host,
     yield_to_training,
 )
-from fedpart.common.security import ClientSecurity
 
 linux_policies = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
 GRPC_THREADS = {"event_engine", "grpc_global_tim", "lifeguard"}  # what gRPC's C core names its threads
@@ -218,17 +216,12 @@ async def _policy() -> int:
 
 
 @linux_policies
-def test_a_client_process_session_and_data_link_threads_yield_to_training() -> None:
+def test_a_client_process_session_thread_yields_to_training() -> None:
     session = SessionThread()
     try:
         assert session.call(_policy()) == os.SCHED_BATCH
     finally:
         session.close()
-    link = DataLink("127.0.0.1", int(_closed_address().rpartition(":")[2]), ClientSecurity(insecure=True))
-    try:
-        assert link._threads.submit(os.sched_getscheduler, 0).result(timeout=WAIT) == os.SCHED_BATCH
-    finally:
-        link.close()
 
 
 def _children(pid: int) -> list[int]:

@@ -41,7 +41,7 @@ def secrets(tmp_path_factory) -> Path:
 class SecureHarness:
     """An in-process coordinator behind TLS and credentials; rounds run on a thread."""
 
-    def __init__(self, secrets: Path, mutual: bool = False, data_port: int | None = None, **overrides) -> None:
+    def __init__(self, secrets: Path, mutual: bool = False, **overrides) -> None:
         overrides.setdefault("server", {"round_timeout": 30, "heartbeat_timeout": 30})
         self.config = config_from_dict(small_config(clients=4, rounds=1, **overrides))
         self.logs: list[str] = []
@@ -51,7 +51,7 @@ class SecureHarness:
                                   private_key=(secrets / "server.key").read_bytes(),
                                   client_ca=(secrets / "ca.pem").read_bytes() if mutual else None,
                                   principals=load_credentials(secrets / "credentials.yaml"))
-        self.server = start_grpc(self.coordinator, "127.0.0.1:0", security, data_port=data_port)
+        self.server = start_grpc(self.coordinator, "127.0.0.1:0", security)
         self.address = self.server.address
         self.secrets = secrets
         self.channels: list[grpc.Channel] = []

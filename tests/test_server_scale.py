@@ -122,21 +122,3 @@ def test_rounds_complete_with_more_client_processes_than_the_old_thread_limit(pr
     assert all(client["train_samples"] is not None for client in summary["per_client"])
     assert "went silent" not in log
 
-
-def test_the_load_generator_moves_tasks_and_results_over_the_data_port_when_asked(tmp_path: Path) -> None:
-    """``server_scale.py --data-port``: the server listens on a data port as under ``fedpart run``
-    (and advertises it in its join replies, which sessions follow: test_end_to_end.py), and the
-    rounds and the final evaluation complete; with the relay the option is refused."""
-    server_scale = load_script(REPO / "benchmarks" / "server_scale.py")
-    parser = server_scale.build_parser()
-    with pytest.raises(SystemExit):
-        server_scale.parse_args(parser, ["--data-port", "--cuts", "2"])  # the relay carries gRPC only
-    args = server_scale.parse_args(parser, ["--rows", "40x8", "--rounds", "2", "--fraction", "0.5", "--model", "mlp",
-                                            "--generators", "1", "--timeout", "120", "--data-port"])
-    model_bytes = sum(t.numel() * t.element_size() for t in server_scale.result_tensors("mlp").values())
-    result = server_scale.run_row(args.rows[0], args, tmp_path, model_bytes)
-
-    assert result.problems == [], result.problems
-    assert result.results_per_round == result.sampled_per_round == [20, 20]
-    assert result.evaluated == 40 and result.load["failures"] == []
-    assert "data port (tasks and results, plaintext) on 127.0.0.1:" in (tmp_path / "server.log").read_text()

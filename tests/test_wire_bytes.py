@@ -15,14 +15,12 @@ from conftest import REPO, load_script
 RATIO_BOUND = 1.25
 
 
-@pytest.mark.parametrize("data_port", [False, True], ids=["grpc", "data-port"])
-def test_the_relay_counts_at_least_the_ledger_and_a_bounded_overhead(tmp_path, data_port) -> None:
-    """By gRPC alone, and with tasks and results by the data port (both relays counted)."""
+def test_the_relay_counts_at_least_the_ledger_and_a_bounded_overhead(tmp_path) -> None:
     wire_bytes = load_script(REPO / "benchmarks" / "wire_bytes.py")
     config = wire_bytes.quickstart_config("fedavg", rounds=1, clients=5, processes=2)
     config["evaluate"]["finetune_epochs"] = [1]
-    measured = wire_bytes.measure(config, tmp_path / "fedavg", tls=True, timeout=300.0, data_port=data_port)
-    assert measured.connections >= (4 if data_port else 2)
+    measured = wire_bytes.measure(config, tmp_path / "fedavg", tls=True, timeout=300.0)
+    assert measured.connections >= 2
     for direction in ("down", "up"):
         assert measured.physical[direction] > 100_000, "the run moved the model both ways"
         assert measured.physical[direction] <= measured.wire[direction] <= RATIO_BOUND * measured.physical[direction]
