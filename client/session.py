@@ -48,8 +48,10 @@ from fedpart.common.exit_codes import ExitCode, StopRequest
 from fedpart.common.limits import yield_to_training
 from fedpart.common.plans import ResultInfo, SecAggAnswer, TaskInfo, TaskKind
 from fedpart.common.protocol import (
+    JOIN_REFUSED_CODES,
     KEEPALIVE_SECONDS,
     KEEPALIVE_TIMEOUT_SECONDS,
+    NOT_YET_KEY,
     RETRY_LATER_CODES,
     UNKNOWN_SESSION,
     method_path,
@@ -272,8 +274,8 @@ class Session:
             except grpc.aio.AioRpcError as error:
                 self.events.call_failed("Join", error)
                 if error.code() not in RETRY_LATER_CODES:
-                    raise self._refused_join(error) from error
-                if self._diagnose is not None and why(error) not in diagnosed:
+                    raise self._refused(error) from error
+                if self._diagnose is not None and why(error) not in diagnosed and not _server_said_not_yet(error):
                     diagnosed.add(why(error))
                     problem = await asyncio.get_running_loop().run_in_executor(None, self._diagnose, error)
                     if problem:
@@ -312,7 +314,7 @@ class Session:
             if error.code() in RETRY_LATER_CODES:
                 await self._back_off(error)
                 return
-            raise self._refused_join(error) from error
+            raise self._refused(error) from error
         self._server_back()
         if reply.run_id != self.run_id:
             raise SessionError(f"the server at {self.server} now runs another run ({reply.run_id}, this process "
@@ -322,13 +324,16 @@ class Session:
         self.events.joined(again=True)
         self.events.log(f"joined run {reply.run_id} again (the server had dropped this process or was restarted)")
 
-    def _refused_join(self, error: grpc.RpcError) -> SessionError:
-        """The error that ends a process whose join was refused: a refused credential is a
-        :class:`ConnectionRefused` that says what to give instead."""
+    def _refused(self, error: grpc.RpcError) -> SessionError:
+        """The error that ends a process whose join (or, once its credential was revoked, whose
+        call) was refused: one the operator must mend (a refused credential, client ids that are not
+        the run's or the credential's, a credential another live process holds) is a
+        :class:`ConnectionRefused` that says what to change."""
         said = f"join refused ({error.code().name}): {error.details()}"
-        if error.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        if error.code() not in JOIN_REFUSED_CODES:
             return SessionError(said)
-        return ConnectionRefused((self._diagnose(error) if self._diagnose is not None else None) or said)
+        diagnosed = self._diagnose(error) if self._diagnose is not None else None
+        return ConnectionRefused(diagnosed or said)
 
     async def leave(self, reason: str) -> None:
         """Tell the server why this process stops (best effort: the server may be gone)."""
@@ -371,6 +376,8 @@ class Session:
                     await self._back_off(error)
                 elif error.code() == UNKNOWN_SESSION:
                     await self._rejoin(session)
+                elif error.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise self._refused(error) from error  # the credential was revoked meanwhile
                 else:
                     raise SessionError(f"server refused the task request ({error.code().name}): "
                                        f"{error.details()}") from error
@@ -499,6 +506,12 @@ class Session:
         if self._outage is not None:
             self.events.log(f"the server answers again after {self._outage.attempts} attempts")
             self._outage = None
+
+
+def _server_said_not_yet(error: grpc.aio.AioRpcError) -> bool:
+    """Whether the server itself answered the join UNAVAILABLE (another process still holds the
+    credential): then the connection works and needs no diagnosis."""
+    return any(key == NOT_YET_KEY for key, _ in error.trailing_metadata() or ())
 
 
 def _task(header: pb.TaskHeader) -> TaskInfo:

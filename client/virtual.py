@@ -282,13 +282,12 @@ class VirtualProcess:
         self.index = index
         self.client_ids = client_ids
         self.name = f"{socket.gethostname()}:{os.getpid()}/virtual-{index}"
-        self.instance = f"virtual:{self.name}:{client_ids[0]}-{client_ids[-1]}"
         self.session = Session(host.server, security, self._join_request, Counting(host.stats),
                                reconnect_timeout=host.reconnect_timeout, channel_options=CHANNEL_OPTIONS)
         self.payloads: Payloads  # the run's, from the join reply
 
     def _join_request(self) -> pb.JoinRequest:
-        return pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name=self.name, instance=self.instance,
+        return pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name=self.name,
                               clients=[pb.HostedClient(id=c) for c in self.client_ids])
 
     async def run(self) -> None:
@@ -405,8 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _security(args: argparse.Namespace, slices: list[list[int]]) -> list[ClientSecurity]:
     if args.token_dir is not None and args.token_file:
         raise SecurityError("--token-file and --token-dir exclude each other")
-    base = ClientSecurity.from_options(args.server, args.ca, args.server_name, args.token_file, None, None,
-                                       args.insecure)
+    base = ClientSecurity.from_options(args.ca, args.server_name, args.token_file, None, None,
+                                       args.insecure, credential_required=args.token_dir is None)
     if args.token_dir is None:
         return [base] * len(slices)
     if base.insecure:

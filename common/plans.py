@@ -162,7 +162,6 @@ class JoinInfo:
     process_name: str
     clients: tuple[HostedClient, ...]
     state_run_id: str = ""                # the run the reported personal parts belong to
-    instance: str = ""                    # stable identity across restarts (open servers)
 
     @property
     def client_ids(self) -> list[int]:

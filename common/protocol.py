@@ -12,8 +12,13 @@ A client acts on the code of a refused call, never on its message:
 - :data:`RESULT_REJECTED` (INVALID_ARGUMENT): a result stream that matched an open task broke a
   rule (``server/validation.py``) or could not be folded; the task is dropped, the round goes on.
   A result stream that ended before its last byte is answered UNAVAILABLE: it is sent again.
-- anything else (FAILED_PRECONDITION: e.g. a late result, clients hosted twice, the run is over;
-  PERMISSION_DENIED: clients the credential does not name) ends the call with its message.
+- a refused join ends the process with exit code 2 (``fedpart client``) when the operator must
+  change something: INVALID_ARGUMENT (client ids outside the run, or not those of the credential),
+  PERMISSION_DENIED (clients the credential does not name), ALREADY_EXISTS (another live process
+  holds the credential or the client ids: one live process per credential); a join answered
+  UNAVAILABLE (the holder is silent but not yet gone) is tried again like an unreachable server.
+- anything else (FAILED_PRECONDITION: e.g. a late result, the run is over) ends the call with its
+  message.
 
 The server raises :class:`Rejected` and its subclasses; each carries the code it is sent with.
 """
@@ -66,6 +71,33 @@ class Denied(Rejected):
     """A call whose credential does not cover what it asks for."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class BadJoin(Rejected):
+    """A join the server can never take as it is (its client ids, its protocol version)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Held(Rejected):
+    """A join for a credential (or client ids) that a live process holds."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class NotYet(Rejected):
+    """A join the server may take later: the process holding the credential is silent, not yet gone."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+# The trailing metadata key of a join answered UNAVAILABLE by the server itself (:class:`NotYet`):
+# the server is there, so there is nothing to diagnose about the connection.
+NOT_YET_KEY = "fedpart-not-yet"
+
+# Join refusals that trying again cannot mend: the process exits with exit code 2.
+JOIN_REFUSED_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS,
+                      grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 
 
 class UnknownSession(Rejected):

@@ -141,4 +141,4 @@ def result_info(header: pb.ResultHeader) -> ResultInfo:
 def join_info(request: pb.JoinRequest) -> JoinInfo:
     return JoinInfo(protocol=request.protocol, process_name=request.process_name,
                     clients=tuple(HostedClient(c.id, frozenset(c.personal_parts)) for c in request.clients),
-                    state_run_id=request.state_run_id, instance=request.instance)
+                    state_run_id=request.state_run_id)

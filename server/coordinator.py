@@ -95,6 +95,8 @@ class Coordinator:
         self.evaluation = FinalEvaluation(config, self.registry, self.board, self._cond, log, self._evaluation_task)
         self._failures: list[str] = []
         self._train_samples: dict[int, int] = {}  # last training sample count each client reported
+        # how the run is served, for the run state: transport, credentials_sha256, the resume command
+        self.security: dict[str, str] = {}
         self.round_plan(1, 0)  # a schedule that does not fit the model fails now, not in round 1
 
     # ------------------------------------------------------------------ service-side calls
@@ -116,11 +118,11 @@ class Coordinator:
         privacy = self.aggregation.privacy
         return privacy.stop_note() if privacy is not None else None
 
-    def join(self, request: JoinInfo, principal: Principal | None = None) -> str:
+    def join(self, request: JoinInfo, principal: Principal | None = None, peer: str = "") -> str:
         """Register a client process with the registry (see :meth:`ProcessRegistry.join`) and
         note which personal parts its clients still hold; returns its session."""
         with self._cond:
-            process = self.registry.join(request, principal)
+            process = self.registry.join(request, principal, peer)
             for hosted in request.clients:
                 # what the server recorded, less what the process no longer holds (a lost state dir):
                 # a part trained only in a round the server lost is initialised again
@@ -128,6 +130,16 @@ class Coordinator:
                 self._personal[hosted.id] = self._personal.get(hosted.id, set()) & held
             self.evaluation.rehosted(process.clients)
         return process.session
+
+    def credentials_changed(self, removed: list[Principal], added: list[Principal], fingerprint: str) -> None:
+        """The server took a changed credentials file: the processes of the ``removed``
+        credentials are dropped, and the run state records the new file's ``fingerprint``."""
+        with self._cond:
+            self.security["credentials_sha256"] = fingerprint
+        self.log(f"warning: the credentials file changed: {len(removed)} credential(s) revoked "
+                 f"({', '.join(p.name for p in removed) or 'none'}), {len(added)} added "
+                 f"({', '.join(p.name for p in added) or 'none'})")
+        self.registry.revoke(set(removed))
 
     def task_tensors(self, task: Task, held: Mapping[str, int]) -> tuple[list[TensorSpec], list[torch.Tensor]]:
         """Global tensors a task carries: shared ones newer than what the process holds, plus
@@ -466,6 +478,7 @@ class Coordinator:
             failures = self._failures + self.registry.left
             global_state = dict(self.global_state)
             versions = dict(self.versions)
+            security = dict(self.security)
         return RunState(
             run_id=self.run_id, round=round_number, global_state=global_state, versions=versions,
             next_task_id=next_task_id, personal=personal,
@@ -473,7 +486,7 @@ class Coordinator:
             failures=failures,
             bytes_by_client={c: self.ledger.by_part(client=c) for c in [PROCESS, *range(self.config.clients)]},
             seconds=seconds, config=self.config.to_dict(),
-            server_optimizer=self.aggregation.optimizer_state(),
+            server_optimizer=self.aggregation.optimizer_state(), security=security,
         )
 
     def restore(self, state: RunState) -> None:

@@ -12,6 +12,10 @@ as long as the caller likes) and ``List`` answer UNIMPLEMENTED. With mutual TLS 
 still needs a client certificate, and Kubernetes' own gRPC probes speak plaintext: for them the
 server can also serve ``Check``, and nothing else, on a plaintext port of its own
 (``fedpart server --health-port``).
+
+Health checks have a budget of their own, :data:`HEALTH_CALLS` checks at once (a check answers at
+once, so only a flood reaches it): they do not count against the server's cap on Coordinator
+calls, so a server whose call cap is full still answers its liveness probe.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ CHECK_METHOD = f"/{HEALTH_SERVICE}/Check"
 RUN_SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+HEALTH_CALLS = 64
 
 
 class RunHealth:
@@ -34,11 +39,23 @@ class RunHealth:
 
     def __init__(self) -> None:
         self._servicer = health.aio.HealthServicer()  # the server itself ("") starts SERVING
+        self._checks = 0  # checks being answered (on the server's event loop)
+
+    async def _check(self, request: health_pb2.HealthCheckRequest,
+                     context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+        if self._checks >= HEALTH_CALLS:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{HEALTH_CALLS} health checks at once, "
+                                                                    "the most this server answers")
+        self._checks += 1
+        try:
+            return await self._servicer.Check(request, context)
+        finally:
+            self._checks -= 1
 
     def handler(self) -> grpc.GenericRpcHandler:
         """``Check`` of ``grpc.health.v1.Health``, for a server's generic handlers."""
         check = grpc.unary_unary_rpc_method_handler(
-            self._servicer.Check, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            self._check, request_deserializer=health_pb2.HealthCheckRequest.FromString,
             response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
         return grpc.method_handlers_generic_handler(HEALTH_SERVICE, {"Check": check})
 

@@ -13,6 +13,7 @@ extra: ``pip install 'fedpart[metrics]'``), imported only when the port is asked
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -88,6 +89,22 @@ class RunCollector:
         registry = coordinator.registry
         yield GaugeMetricFamily("fedpart_connected_processes", "Client processes connected and alive",
                                 value=registry.live_processes)
+        admission = registry.admission
+        refused = CounterMetricFamily("fedpart_refused", "Joins and calls the server refused, by reason (each "
+                                      "logged with the peer's address)", labels=["reason"])
+        for reason, count in sorted(admission.refused.items()):
+            refused.add_metric([reason], count)
+        yield refused
+        yield CounterMetricFamily("fedpart_takeovers", "Joins that took over the session of a process that was "
+                                  "gone", value=admission.takeovers)
+        yield CounterMetricFamily("fedpart_admission_alerts", "Alert lines: one credential or peer refused or "
+                                  "taking over again and again", value=admission.alerts)
+        board = coordinator.board
+        since = board.waiting_since
+        yield GaugeMetricFamily("fedpart_waiting_clients", "Clients the current round (or step) still waits for",
+                                value=len(board.waiting_for()) if since is not None else 0)
+        yield GaugeMetricFamily("fedpart_waiting_seconds", "How long the current round (or step) has waited for "
+                                "its clients", value=time.monotonic() - since if since is not None else 0.0)
         yield GaugeMetricFamily("fedpart_ready_clients", "Clients hosted by a live process that loaded its data",
                                 value=registry.ready_clients)
 

@@ -2,11 +2,23 @@
 whether they are still there.
 
 A process *joins* with the client ids it hosts and gets a session; every later call names that
-session and is honoured only with the credential that opened it. With credentials a process may
-host only the ids its credential names, and a join replaces a live session only when that session
-joined with the same credential (the process restarted: a *take-over*); on an open server the
-join's ``instance`` string decides. A process is *ready* once it loaded its data and asked for
-work; the number of ready clients is a running count.
+session and is honoured only with the credential that opened it. With credentials a process hosts
+exactly the ids its credential names. One live process per credential (on an open server: per
+client id): a join for a credential that another process holds is
+
+- refused (:class:`~fedpart.common.protocol.Held`, the client exits with code 2) while the holder
+  is connected: a long poll of it waits, as one always does while a process works;
+- taken (a *take-over*: the holder is gone, its tasks move to the new process) once the holder's
+  connection closed with its poll cancelled and nothing was heard from it since (a process
+  killed and started again), or once it was silent for ``server.heartbeat_timeout`` and reaped;
+- told to try again (:class:`~fedpart.common.protocol.NotYet`) in between: the holder is silent
+  but not gone yet (it may be loading its data, or stopped).
+
+So the same command started twice, or a stolen token presented beside the live process, is refused
+with the holder's address, and never takes sessions over in a loop. Every refusal and take-over is
+logged at warning with the peer's address, counted, and alerted on when it repeats
+(:class:`~fedpart.server.admission.AdmissionLog`). A process is *ready* once it loaded its data and
+asked for work; the number of ready clients is a running count.
 
 Liveness: a process is alive while a long poll of it waits, and for ``server.heartbeat_timeout``
 after it was last heard from (a heartbeat, a poll). A silent process is *reaped*: looked for when
@@ -30,11 +42,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from fedpart.common.client_ids import format_id_ranges
 from fedpart.common.config import RunConfig
 from fedpart.common.plans import JoinInfo, RunOutcome
-from fedpart.common.protocol import PROTOCOL_VERSION, Denied, Rejected
-from fedpart.common.client_ids import format_id_ranges
+from fedpart.common.protocol import PROTOCOL_VERSION, BadJoin, Denied, Held, NotYet, Rejected
 from fedpart.common.security import Principal
+from fedpart.server.admission import BAD_JOIN, HELD, REVOKED, STILL_HELD, AdmissionLog
 from fedpart.server.validation import printable
 
 # Silent processes are looked for at most this often (a scan over the live processes); also the
@@ -50,12 +63,21 @@ class ProcessState:
     name: str
     clients: list[int]
     last_seen: float
-    instance: str = ""
+    peer: str = ""                      # the address its join came from
     principal: Principal | None = None  # the credential it joined with (None: open server)
+    joined: float = 0.0
     alive: bool = True
     ready: bool = False     # has loaded its data and asked for work
     polling: bool = False   # a long poll of it is waiting: it is alive however long that takes
+    disconnected: bool = False  # its poll was cancelled (its connection closed) and nothing came since
     released: bool = False  # has been told the run is over
+
+    @property
+    def holds(self) -> str:
+        """What it holds, for log lines: its credential, or on an open server its client ids."""
+        if self.principal is not None:
+            return f"credential {self.principal.name!r}"
+        return f"client ids {format_id_ranges(self.clients)}"
 
 
 class ProcessEvents(Protocol):
@@ -74,12 +96,13 @@ class ProcessRegistry:
         self.heartbeat_timeout = config.server.heartbeat_timeout
         self.join_timeout = config.server.join_timeout
         self.log = log
+        self.admission = AdmissionLog(log)
         self.events: ProcessEvents | None = None  # the task board, once it exists
         self.done = False                         # the run is over: no joins, polls answer DONE
         self.outcome = RunOutcome.COMPLETED       # how it ended, told with DONE
         self._cond = cond
         self._processes: dict[str, ProcessState] = {}
-        self._by_instance: dict[str, str] = {}  # instance string -> latest session (open servers)
+        self._by_credential: dict[str, str] = {}  # credential name -> session of its latest process
         self._host: dict[int, str] = {}          # client id -> session of the process hosting it
         self._ready_clients = 0                  # clients hosted by a live process that asked for work
         self._last_reap = 0.0
@@ -88,44 +111,85 @@ class ProcessRegistry:
 
     # ------------------------------------------------------------------ calls of a process
 
-    def join(self, request: JoinInfo, principal: Principal | None = None) -> ProcessState:
-        """Register a client process and the clients it hosts; raises :class:`Rejected` (or
-        :class:`Denied`) and changes nothing when the join breaks a rule."""
+    def join(self, request: JoinInfo, principal: Principal | None = None, peer: str = "") -> ProcessState:
+        """Register a client process and the clients it hosts; raises :class:`Rejected` (or one of
+        its kinds: :class:`BadJoin`, :class:`Denied`, :class:`Held`, :class:`NotYet`) and changes
+        nothing when the join breaks a rule. Every refusal is logged with ``peer``."""
+        name = printable(request.process_name)
+        subject = f"credential {principal.name!r}" if principal is not None else peer or name
+        try:
+            process = self._join(request, principal, peer, name)
+        except Rejected as error:
+            kind = HELD if isinstance(error, Held) else STILL_HELD if isinstance(error, NotYet) else BAD_JOIN
+            self.admission.refusal(kind, subject, peer, f"the join of {name}: {error}")
+            raise
+        self.log(f"joined: {name} hosts clients {format_id_ranges(process.clients)}"
+                 + (f" ({peer})" if peer else ""))
+        return process
+
+    def _join(self, request: JoinInfo, principal: Principal | None, peer: str, name: str) -> ProcessState:
         if request.protocol != PROTOCOL_VERSION:
-            raise Rejected(f"protocol version {request.protocol} is not supported (server speaks {PROTOCOL_VERSION})")
+            raise BadJoin(f"protocol version {request.protocol} is not supported (server speaks {PROTOCOL_VERSION}): "
+                          "run the same fedpart version on the server and the clients")
         ids = request.client_ids
         if not ids:
-            raise Rejected("a client process must host at least one client")
+            raise BadJoin("a client process must host at least one client")
         if len(set(ids)) != len(ids):
-            raise Rejected(f"duplicate client ids in one process: {ids}")
+            raise BadJoin(f"duplicate client ids in one process: {ids}")
         bad = [i for i in ids if i >= self.clients]
         if bad:
-            raise Rejected(f"client ids {bad} out of range: the run has clients 0..{self.clients - 1}")
-        if principal is not None and not set(ids) <= principal.clients:
-            raise Denied(f"credential {principal.name!r} may not host clients "
-                         f"{format_id_ranges(set(ids) - principal.clients)}")
-        name = printable(request.process_name)
+            raise BadJoin(f"client ids {format_id_ranges(bad)} are not in the run: it has clients 0-{self.clients - 1}")
+        if principal is not None:
+            if not set(ids) <= principal.clients:
+                raise Denied(f"credential {principal.name!r} may not host clients "
+                             f"{format_id_ranges(set(ids) - principal.clients)}; it names "
+                             f"{format_id_ranges(principal.clients)}")
+            unhosted = principal.clients - set(ids)
+            if unhosted:
+                raise BadJoin(f"credential {principal.name!r} names clients {format_id_ranges(principal.clients)}; "
+                              f"this process hosts {format_id_ranges(ids)}, so clients {format_id_ranges(unhosted)} "
+                              f"would be hosted by no process (one process per credential): give --clients "
+                              f"{format_id_ranges(principal.clients)}")
         with self._cond:
             if self.done:
                 raise Rejected("the run is over")
-            hosts = {self._processes[self._host[i]] for i in ids if i in self._host}
-            for host in hosts:
-                self._reap_if_silent(host, time.monotonic())
-            replaced = self._restarted(request, principal, hosts)
-            taken = [i for i in ids if i in self._host and self._processes[self._host[i]].alive
-                     and self._processes[self._host[i]] not in replaced]
-            if taken:
-                raise Rejected(f"clients {taken} are already hosted by another live process")
-            process = ProcessState(uuid.uuid4().hex, name, ids, time.monotonic(), request.instance, principal)
-            for old in replaced:
+            now = time.monotonic()
+            holders = {self._processes[self._host[i]] for i in ids if i in self._host}
+            if principal is not None and principal.name in self._by_credential:
+                holders.add(self._processes[self._by_credential[principal.name]])
+            for holder in holders:
+                self._reap_if_silent(holder, now)
+            holders = sorted((p for p in holders if p.alive), key=lambda p: p.joined)
+            for holder in holders:
+                self._check_gone(holder, principal, now)
+            process = ProcessState(uuid.uuid4().hex, name, ids, now, peer, principal, joined=now)
+            for old in holders:
                 self._take_over(old, process)
             self._processes[process.session] = process
-            if request.instance and principal is None:
-                self._by_instance[request.instance] = process.session
+            if principal is not None:
+                self._by_credential[principal.name] = process.session
             for client in ids:
                 self._host[client] = process.session
-        self.log(f"joined: {name} hosts clients {format_id_ranges(ids)}")
         return process
+
+    def _check_gone(self, holder: ProcessState, principal: Principal | None, now: float) -> None:
+        """Raise unless ``holder``, a live process holding what a join asks for, may be taken over:
+        :class:`Held` while it is connected, :class:`NotYet` while it is silent but not gone."""
+        if principal is not None and holder.principal != principal:
+            raise Held(f"{holder.holds} hosts some of these clients")
+        if holder.disconnected:
+            return
+        what = f"{holder.holds} {'is' if holder.principal is not None else 'are'}"
+        heard = now - holder.last_seen
+        if holder.polling:
+            raise Held(f"{what} held by a live process, {holder.name} at {holder.peer or 'an unknown address'} "
+                       f"(joined {now - holder.joined:.0f} s ago, connected now): one live process per "
+                       f"{'credential' if holder.principal is not None else 'client id'}; stop that process first "
+                       f"(a command started twice?), or if it is not yours, revoke the credential")
+        free_in = self.heartbeat_timeout - heard
+        raise NotYet(f"{what} held by {holder.name} at {holder.peer or 'an unknown address'}, silent for "
+                     f"{heard:.0f} s; it is freed once silent for server.heartbeat_timeout "
+                     f"({self.heartbeat_timeout:.0f} s), in {max(free_in, 0.0):.0f} s")
 
     def leave(self, session: str, reason: str, principal: Principal | None = None) -> None:
         """A process that cannot go on: its clients become unavailable and the reason is kept."""
@@ -138,6 +202,20 @@ class ProcessRegistry:
             self._gone(process)
         self.log(f"error: client process {process.name} left: {reason}")
 
+    def revoke(self, revoked: set[Principal]) -> list[ProcessState]:
+        """Drop the live processes that joined with a ``revoked`` credential (their clients become
+        unavailable, their tasks close); returns them."""
+        with self._cond:
+            dropped = [p for p in self._processes.values() if p.alive and p.principal in revoked]
+            for process in dropped:
+                self._gone(process)
+        for process in dropped:
+            self.admission.refusal(REVOKED, f"credential {process.principal.name!r}", process.peer,
+                                   f"{process.name}: its credential {process.principal.name!r} was revoked; clients "
+                                   f"{format_id_ranges(process.clients)} are unavailable until a credential names "
+                                   "them again")
+        return dropped
+
     def heartbeat(self, session: str, principal: Principal | None = None) -> bool:
         """A sign of life; False for a session the caller does not hold."""
         with self._cond:
@@ -145,11 +223,13 @@ class ProcessRegistry:
             if process is None:
                 return False
             process.last_seen = time.monotonic()
+            process.disconnected = False
             return True
 
     def polled(self, process: ProcessState) -> None:
         """A poll of ``process`` arrived: it is alive, and ready for work (holds the lock)."""
         process.last_seen = time.monotonic()
+        process.disconnected = False
         if not process.ready:
             process.ready = True
             self._ready_clients += len(process.clients)
@@ -157,12 +237,15 @@ class ProcessRegistry:
                 self._cond.notify_all()
 
     @staticmethod
-    def waiting(process: ProcessState, waiting: bool) -> None:
-        """A long poll of ``process`` starts or stops waiting; its end is a sign of life (holds
-        the lock)."""
+    def waiting(process: ProcessState, waiting: bool, cancelled: bool = False) -> None:
+        """A long poll of ``process`` starts or stops waiting; its end is a sign of life, unless it
+        was ``cancelled``: its connection closed (the process died, or its link broke and it will
+        poll again), and a join with its credential may take over until it calls again (holds the
+        lock)."""
         process.polling = waiting
         if not waiting:
             process.last_seen = time.monotonic()
+            process.disconnected = cancelled
 
     # ------------------------------------------------------------------ lookups (hold the lock)
 
@@ -265,24 +348,14 @@ class ProcessRegistry:
 
     # ------------------------------------------------------------------ helpers (hold the lock)
 
-    def _restarted(self, request: JoinInfo, principal: Principal | None,
-                   hosts: set[ProcessState]) -> list[ProcessState]:
-        """The live processes a join replaces (a restart): with credentials, those of the same
-        credential hosting some of the requested ids; on an open server, the live process of the
-        same ``instance`` string."""
-        if principal is not None:
-            return [p for p in hosts if p.alive and p.principal == principal]
-        if not request.instance:
-            return []
-        previous = self._processes.get(self._by_instance.get(request.instance, ""))
-        return [previous] if previous is not None and previous.alive and previous.principal is None else []
-
     def _take_over(self, old: ProcessState, new: ProcessState) -> None:
-        """A restarted process replaces its predecessor (the board moves its queued tasks)."""
+        """A process replaces its predecessor, which is gone (the board moves its queued tasks)."""
         if self.events is not None:
             self.events.process_restarted(old, new)
         self._gone(old)
-        self.log(f"process {old.name} was restarted as {new.name}")
+        subject = f"credential {old.principal.name!r}" if old.principal is not None else new.peer or new.name
+        self.admission.takeover(subject, new.peer, f"{new.name} took over {old.holds} from {old.name} at "
+                                                   f"{old.peer or 'an unknown address'}, whose connection had closed")
 
     def _gone(self, process: ProcessState) -> None:
         """A process is no longer there: its clients become unavailable, its tasks close."""

@@ -5,7 +5,9 @@ Layout in the run directory: ``server_state/round_NNNN.safetensors`` holds the g
 FedHA's head dictionary and the server optimizer's state (``fedpart.server.optimizers``: FedAvgM's
 momentum, FedAdam's moments, FedDyn's ``h``); ``server_state/state.json`` names that file and
 holds the rest (run id, last completed round, tensor versions, task-id counter, failures, which
-clients hold which personal parts, byte totals per client, the config the run started with). The tensors are
+clients hold which personal parts, byte totals per client, the config the run started with, and
+how the server was served: its transport, the fingerprint of its credentials file and the exact
+command that resumes it, :func:`check_resume_security`). The tensors are
 written first and ``state.json`` is replaced atomically after them, so the state on disk is
 always that of one whole round. Never pickle.
 
@@ -61,6 +63,7 @@ class RunState:
     server_optimizer: dict[str, torch.Tensor] = field(default_factory=dict)  # its named state tensors
     finished: bool = False                      # the final evaluation and summary are written
     operational_changes: list[str] = field(default_factory=list)  # "key: old -> new" a resume changed
+    security: dict[str, Any] = field(default_factory=dict)  # transport, credentials_sha256, command
 
 
 def _state_dir(run_dir: str | Path) -> Path:
@@ -96,6 +99,7 @@ def write_run_state(run_dir: str | Path, state: RunState) -> None:
         "bytes_by_client": {str(c): by_part for c, by_part in state.bytes_by_client.items()},
         "seconds": state.seconds,
         "config": state.config,
+        "security": state.security,
     })
     for old in directory.glob("round_*.safetensors"):
         if old.name != tensor_file:
@@ -159,7 +163,33 @@ def read_run_state(run_dir: str | Path, config: dict[str, Any]) -> RunState:
         config=content["config"],
         operational_changes=[f"{key}: {_value(content['config'], key)} -> {_value(config, key)}" for key in changed],
         server_optimizer={k[len(_OPTIMIZER):]: v for k, v in tensors.items() if k.startswith(_OPTIMIZER)},
+        security=content.get("security", {}),
     )
+
+
+# Transports from weakest to strongest: a run resumes with the transport it had or a stronger one.
+TRANSPORTS = ("plaintext", "TLS", "mutual TLS")
+
+
+def check_resume_security(saved: dict[str, Any], transport: str, credentials_sha256: str,
+                          new_credentials: bool) -> None:
+    """Raise :class:`ResumeError` unless a resumed server keeps the security its run had
+    (``saved``, from the run state): the same transport or a stronger one, and the same
+    credentials file (its SHA-256) unless ``new_credentials`` (the operator replaced it on
+    purpose). The error gives the exact command that resumes the run as it was served."""
+    if not saved:
+        return  # a run state from before fedpart recorded it
+    command = saved.get("command", "")
+    again = f"; resume it as it was served: {command}" if command else ""
+    was = saved.get("transport", "plaintext")
+    if TRANSPORTS.index(transport) < TRANSPORTS.index(was):
+        raise ResumeError(f"the run was served with {was}, this server would serve it with {transport} (a resume "
+                          f"never weakens a run's transport){again}")
+    if saved.get("credentials_sha256") and credentials_sha256 != saved["credentials_sha256"] and not new_credentials:
+        given = "no credentials file" if not credentials_sha256 else f"a credentials file with SHA-256 {credentials_sha256[:16]}"
+        raise ResumeError(f"the run admitted the client processes of a credentials file with SHA-256 "
+                          f"{saved['credentials_sha256'][:16]}, this server was given {given}{again} (or add "
+                          "--new-credentials to resume with a replaced credentials file on purpose)")
 
 
 def is_operational(key: str) -> bool:

@@ -37,7 +37,7 @@ import grpc
 
 from fedpart.common.codecs import build_codec
 from fedpart.common.plans import TaskKind
-from fedpart.common.protocol import RESULT_REJECTED, SERVICE_NAME, InvalidResult, Rejected
+from fedpart.common.protocol import NOT_YET_KEY, RESULT_REJECTED, SERVICE_NAME, InvalidResult, NotYet, Rejected
 from fedpart.common.serde import join_info, result_info, task_header
 from fedpart.common.split_model import tensor_part
 from fedpart.common.wire import IncompleteMessage, ReceivedChunk, TensorAssembler, WireError, read_chunk
@@ -122,8 +122,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         async with self.guard.admit(context, UNARY_CALL_SECONDS) as principal:
             try:
-                session = self.coordinator.join(join_info(request), principal)
+                session = self.coordinator.join(join_info(request), principal, context.peer())
             except Rejected as error:
+                if isinstance(error, NotYet):
+                    context.set_trailing_metadata(((NOT_YET_KEY, "1"),))
                 await context.abort(error.code, str(error))
             reply = pb.JoinReply(session=session, run_config_json=self.coordinator.config.to_json(),
                                  run_id=self.coordinator.run_id)
@@ -191,6 +193,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, min(request.wait_seconds, MAX_POLL_SECONDS))
         waiter = LoopWaiter(loop)
+        cancelled = False
         try:
             while True:
                 waiter.event.clear()
@@ -202,8 +205,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     await asyncio.wait_for(waiter.event.wait(), remaining)
                 except asyncio.TimeoutError:
                     pass
+        except asyncio.CancelledError:
+            cancelled = True  # the caller's connection closed, or it cancelled the poll
+            raise
         finally:
-            self.board.end_poll(request.session, waiter)
+            self.board.end_poll(request.session, waiter, cancelled)
 
     def _task_chunks(self, task: Task, request: pb.TaskRequest) -> Iterator[pb.TaskChunk | bytes]:
         """The header alone, then the shared, serialized chunks of the tensors the process lacks."""

@@ -32,11 +32,16 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fedpart.common.client_ids import format_id_ranges
 from fedpart.common.plans import ResultInfo, TaskInfo, TaskKind
 from fedpart.common.protocol import Rejected, UnknownSession
 from fedpart.common.security import Principal
 from fedpart.server.registry import REAP_INTERVAL_SECONDS, ProcessRegistry, ProcessState
 from fedpart.server.validation import printable
+
+# While a round (or a step of one) waits for clients, the server says every this often which
+# clients it waits for and where they are.
+STRAGGLER_REPORT_SECONDS = 30.0
 
 
 @dataclass(eq=False)
@@ -107,6 +112,7 @@ class TaskBoard:
         self._delivery: dict[int, DeliveryCounts] = {}  # by round
         self._answered_now = 0          # awaited tasks answered since await_tasks began
         self._wake_on_answer = False    # await_tasks counts answers (a target or a derived deadline)
+        self.waiting_since: float | None = None  # when the current await_tasks began (monotonic), if one waits
         registry.events = self
 
     # ------------------------------------------------------------------ long polls
@@ -152,13 +158,13 @@ class TaskBoard:
             self.registry.waiting(process, True)
             return None
 
-    def end_poll(self, session: str, waiter: Waiter) -> None:
-        """A long poll is over (answered, expired or cancelled)."""
+    def end_poll(self, session: str, waiter: Waiter, cancelled: bool = False) -> None:
+        """A long poll is over: answered, expired, or ``cancelled`` (its connection closed)."""
         with self._cond:
             mailbox = self._mailboxes.get(session)
             if mailbox is not None and mailbox.waiter is waiter:
                 mailbox.waiter = None
-                self.registry.waiting(mailbox.process, False)
+                self.registry.waiting(mailbox.process, False, cancelled)
 
     def wake_all(self) -> None:
         """Wake every waiting poll (the run is over: they answer DONE)."""
@@ -201,10 +207,12 @@ class TaskBoard:
         open. Returns their ids."""
         started = time.monotonic()
         deadline = started + timeout
+        report = started + STRAGGLER_REPORT_SECONDS
         half = math.ceil(len(task_ids) / 2)
         with self._cond:
             self._answered_now = 0
             self._wake_on_answer = enough is not None or deadline_factor > 0
+            self.waiting_since = started
             try:
                 while True:
                     self.registry.reap_silent()
@@ -214,10 +222,35 @@ class TaskBoard:
                         half = 0  # the deadline is set once
                     if not self._awaited or now >= deadline or (enough is not None and self._answered_now >= enough):
                         break
-                    self._cond.wait(min(deadline - now, REAP_INTERVAL_SECONDS))
+                    if now >= report:
+                        self._report_stragglers(task_ids, now - started, deadline - now)
+                        report = now + STRAGGLER_REPORT_SECONDS
+                    self._cond.wait(min(deadline - now, report - now, REAP_INTERVAL_SECONDS))
             finally:
                 self._wake_on_answer = False
+                self.waiting_since = None
             return self.close(task_ids)
+
+    def waiting_for(self) -> list[int]:
+        """The clients whose awaited tasks are still open (the stragglers of the current wait)."""
+        with self._cond:
+            return sorted({self._open[t].client_id for t in self._awaited if t in self._open})
+
+    def _report_stragglers(self, task_ids: set[int], waited: float, left: float) -> None:
+        """Say which clients the wait is for, on which processes, and how long it may still take
+        (holds the lock)."""
+        open_tasks = sorted((self._open[t] for t in self._awaited if t in self._open), key=lambda t: t.client_id)
+        if not open_tasks:
+            return
+        by_process: dict[str, list[int]] = {}
+        for task in open_tasks:
+            process = self.registry.process(task.session)
+            where = f"{process.name} at {process.peer or 'an unknown address'}" if process is not None else "no process"
+            by_process.setdefault(where, []).append(task.client_id)
+        hosts = "; ".join(f"{format_id_ranges(ids)} on {where}" for where, ids in by_process.items())
+        self.log(f"warning: round {open_tasks[0].round} has waited {waited:.0f} s for {len(open_tasks)} of "
+                 f"{len(task_ids)} clients: {hosts}; it closes in at most {left:.0f} s (server.round_timeout; "
+                 "remedies: sampling.over_selection, server.round_deadline_factor, docs/operating-a-run.md)")
 
     def close(self, task_ids: set[int]) -> set[int]:
         """Close those of ``task_ids`` still queued or outstanding (a late result is refused);

@@ -10,6 +10,7 @@ import queue
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -41,11 +42,15 @@ class EventWaiter:
         self.event.set()
 
 
-def poll_task(coordinator: Any, session: str, held: tuple[int, ...] = (), wait: float = 60.0) -> Any:
+def poll_task(coordinator: Any, session: str, held: tuple[int, ...] = (), wait: float = 60.0,
+              crash: bool = False) -> Any:
     """Poll an in-process coordinator's task board as process ``session`` (holding the tasks
-    ``held``) until a task comes; None once ``wait`` seconds passed without one."""
+    ``held``) until a task comes; None once ``wait`` seconds passed without one. With ``crash`` a
+    poll that found nothing ends as the poll of a process that died does: its connection closed
+    (a join with its credential may then take over)."""
     waiter = EventWaiter()
     deadline = time.monotonic() + wait
+    cancelled = False
     try:
         while True:
             waiter.event.clear()
@@ -53,9 +58,10 @@ def poll_task(coordinator: Any, session: str, held: tuple[int, ...] = (), wait: 
             if task is not None:
                 return task
             if not waiter.event.wait(max(0.0, deadline - time.monotonic())):
+                cancelled = crash
                 return None
     finally:
-        coordinator.board.end_poll(session, waiter)
+        coordinator.board.end_poll(session, waiter, cancelled)
 
 
 def load_script(path: Path) -> ModuleType:
@@ -90,6 +96,12 @@ def small_config(**overrides: Any) -> dict[str, Any]:
 def write_config(path: Path, config: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+# The client processes of each test worker share cores only among themselves (common/limits.py,
+# HostShare): how many other tests run at once does not change what a test's processes choose.
+os.environ.setdefault("FEDPART_HOST_SHARE_DIR", os.path.join(
+    tempfile.gettempdir(), f"fedpart-test-cores-{os.getuid()}-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"))
 
 
 def child_env() -> dict[str, str]:
@@ -186,7 +198,7 @@ class LineReader:
 
 def start_server(processes: Processes, config_path: Path, out: Path) -> tuple[subprocess.Popen, LineReader, str]:
     """``fedpart server`` on a free port; returns the process, its output reader and its address."""
-    server = processes.start(fedpart_command("server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out)),
+    server = processes.start(fedpart_command("server", "--insecure", str(config_path), "--address", "127.0.0.1:0", "--out", str(out)),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     reader = LineReader(server)
     address = reader.wait_for(r"listening on (\S+:\d+)", timeout=WAIT).group(1)

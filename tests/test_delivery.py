@@ -35,13 +35,13 @@ def _coordinator(**server) -> Coordinator:
     return Coordinator(config_from_dict(config), log=lambda message: None)
 
 
-def _join(coordinator: Coordinator, instance: str = "same") -> str:
-    return coordinator.join(JoinInfo(protocol=PROTOCOL_VERSION, process_name="p", instance=instance,
-                                     clients=(HostedClient(0),)))
+def _join(coordinator: Coordinator) -> str:
+    return coordinator.join(JoinInfo(protocol=PROTOCOL_VERSION, process_name="p", clients=(HostedClient(0),)))
 
 
-def _poll(coordinator: Coordinator, session: str, held: tuple[int, ...] = (), wait: float = BOUND) -> Task | None:
-    return poll_task(coordinator, session, held, wait)
+def _poll(coordinator: Coordinator, session: str, held: tuple[int, ...] = (), wait: float = BOUND,
+          crash: bool = False) -> Task | None:
+    return poll_task(coordinator, session, held, wait, crash)
 
 
 def _round_in_background(coordinator: Coordinator) -> tuple[threading.Thread, list[dict]]:
@@ -91,13 +91,14 @@ def test_a_task_sent_delivery_attempts_times_is_dropped_and_the_round_goes_on(on
 
 
 def test_a_training_task_held_by_a_process_that_restarts_goes_to_its_restart(one_torch_thread) -> None:
-    """A process killed in the middle of a round is replaced by its restart (the same instance):
-    the restart is offered the very task, trains it again, and the round folds the client with no
-    failure recorded."""
+    """A process killed in the middle of a round (its poll ends with its connection) is replaced
+    by its restart: the restart is offered the very task, trains it again, and the round folds the
+    client with no failure recorded."""
     coordinator = _coordinator()
     first = _join(coordinator)
     worker, records = _round_in_background(coordinator)
     taken = _poll(coordinator, first)
+    assert _poll(coordinator, first, held=(taken.task_id,), wait=0.1, crash=True) is None
     second = _join(coordinator)
     task = _poll(coordinator, second)
     assert task is taken and task.session == second
@@ -243,7 +244,7 @@ def test_a_client_that_never_completes_a_result_cannot_make_the_server_read_fore
 
 def _processes(coordinator: Coordinator, clients: int) -> dict[int, str]:
     """One process per client: client id -> session."""
-    return {c: coordinator.join(JoinInfo(protocol=PROTOCOL_VERSION, process_name=f"p{c}", instance=f"i{c}",
+    return {c: coordinator.join(JoinInfo(protocol=PROTOCOL_VERSION, process_name=f"p{c}",
                                          clients=(HostedClient(c),))) for c in range(clients)}
 
 

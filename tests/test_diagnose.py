@@ -341,7 +341,7 @@ def test_refused_credentials_come_from_the_status_code(secrets: Path) -> None:
     try:
         def join(client: ClientSecurity, clients: list[int]) -> grpc.RpcError:
             channel = client.channel(server.address, options=[])
-            request = pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name="test", instance="test",
+            request = pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name="test",
                                      clients=[pb.HostedClient(id=c) for c in clients])
             with pytest.raises(grpc.RpcError) as refused:
                 pb_grpc.CoordinatorStub(channel).Join(request, timeout=CALL_SECONDS)
@@ -358,7 +358,7 @@ def test_refused_credentials_come_from_the_status_code(secrets: Path) -> None:
         assert others.code() == grpc.StatusCode.PERMISSION_DENIED
         assert _diagnose(server.address, _client(secrets), others) == (
             f"the server at {server.address} refused this process (credential 'process_0' may not host clients "
-            "2-3): check --clients against the client ids its credentials file gives this process's credential")
+            "2-3; it names 0-1): check --clients against the client ids its credentials file gives this process's credential")
     finally:
         coordinator.finish()
         server.stop(grace=None)

@@ -50,7 +50,7 @@ def _start_clients(processes: Processes, address: str, root: Path, *extra: str) 
     for index, ids in enumerate(CLIENT_IDS):
         with (root / f"client_{index}.log").open("w") as log:
             clients.append(processes.start(
-                fedpart_command("client", "--server", address, "--clients", ids, "--threads", "1",
+                fedpart_command("client", "--insecure", "--server", address, "--clients", ids, "--threads", "1",
                                 "--state-dir", str(root / f"state_{index}"), *extra),
                 stdout=log, stderr=subprocess.STDOUT))
     return clients
@@ -82,7 +82,7 @@ def _wait_for_file(path: Path, timeout: float) -> None:
 
 
 def _resume(processes: Processes, out: Path, address: str, *extra: str) -> subprocess.Popen:
-    return processes.start(fedpart_command("server", "--resume", str(out), "--address", address, *extra),
+    return processes.start(fedpart_command("server", "--resume", str(out), "--address", address, "--insecure", *extra),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -136,7 +136,7 @@ def test_a_killed_server_resumes_the_same_run_with_identical_results(tmp_path: P
     assert summary["failures"] == []
     assert [c["initial"] for c in summary["per_client"]] == [c["initial"] for c in expected["per_client"]]
 
-    finished = subprocess.run(fedpart_command("server", "--resume", str(baseline)), capture_output=True, text=True,
+    finished = subprocess.run(fedpart_command("server", "--resume", str(baseline), "--insecure"), capture_output=True, text=True,
                               timeout=WAIT)
     assert finished.returncode == 2 and "already finished" in finished.stderr, finished.stderr
 
@@ -154,7 +154,7 @@ def test_resume_refuses_what_it_cannot_continue_and_changes_nothing(tmp_path: Pa
         ([str(config_only), "--out", str(tmp_path / "elsewhere")], "names another directory"),
     ]
     for args, message in cases:
-        assert cli_main(["server", "--resume", *args]) == 2
+        assert cli_main(["server", "--insecure", "--resume", *args]) == 2
         assert message in capsys.readouterr().err, args
     assert sorted(p.name for p in config_only.iterdir()) == ["config.yaml"]
 
@@ -236,7 +236,7 @@ def test_clients_reconnect_for_their_timeout_and_only_to_the_same_run(tmp_path: 
     for ids, timeout, log_path in zip(CLIENT_IDS, ("120", "3"), logs):
         with log_path.open("w") as log:
             clients.append(processes.start(
-                fedpart_command("client", "--server", address, "--clients", ids, "--threads", "1",
+                fedpart_command("client", "--insecure", "--server", address, "--clients", ids, "--threads", "1",
                                 "--state-dir", str(tmp_path / f"state_{ids}"), "--reconnect-timeout", timeout),
                 stdout=log, stderr=subprocess.STDOUT))
     reader.wait_for(r"round\s+1/3", timeout=WAIT)
@@ -246,7 +246,7 @@ def test_clients_reconnect_for_their_timeout_and_only_to_the_same_run(tmp_path: 
     text = logs[1].read_text()
     assert "trying to reconnect for up to 3 s" in text and "attempt 2 in 1.0 s" in text, text
     assert "unreachable for 3 s (--reconnect-timeout)" in text, text
-    processes.start(fedpart_command("server", str(config_path), "--address", address, "--out", str(tmp_path / "second")),
+    processes.start(fedpart_command("server", "--insecure", str(config_path), "--address", address, "--out", str(tmp_path / "second")),
                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # a new run on the same address
     assert clients[0].wait(timeout=WAIT) == 1
     text = logs[0].read_text()
@@ -272,7 +272,7 @@ def test_a_process_lost_during_the_final_evaluation_is_asked_again(tmp_path: Pat
     clients[1].wait(timeout=WAIT)
     with (root / "client_1.log").open("a") as log:
         restarted = processes.start(
-            fedpart_command("client", "--server", address, "--clients", CLIENT_IDS[1], "--threads", "1",
+            fedpart_command("client", "--insecure", "--server", address, "--clients", CLIENT_IDS[1], "--threads", "1",
                             "--state-dir", str(root / "state_1")),
             stdout=log, stderr=subprocess.STDOUT)
     output = reader.rest(timeout=WAIT)
@@ -293,14 +293,13 @@ def _next_task(coordinator: Coordinator, session: str, timeout: float) -> Task:
 
 def test_an_evaluation_taken_by_a_process_that_restarts_is_asked_again(one_torch_thread) -> None:
     """The take-over path, in process: a process takes its evaluation and is replaced by its
-    restart (same instance) before answering; the restart is offered the same task again and no
-    failure is recorded."""
+    restart (its poll ended with its connection) before answering; the restart is offered the same
+    task again and no failure is recorded."""
     coordinator = Coordinator(config_from_dict(small_config(clients=1, server={"heartbeat_timeout": 30})),
                               log=lambda message: None)
 
     def join() -> str:
-        return coordinator.join(JoinInfo(protocol=PROTOCOL_VERSION, process_name="p", instance="same",
-                                         clients=(HostedClient(0),)))
+        return coordinator.join(JoinInfo(protocol=PROTOCOL_VERSION, process_name="p", clients=(HostedClient(0),)))
 
     first = join()
     evaluations: list[dict] = []
@@ -308,6 +307,7 @@ def test_an_evaluation_taken_by_a_process_that_restarts_is_asked_again(one_torch
     worker.start()
     taken = _next_task(coordinator, first, 60)
     assert taken.kind == TaskKind.EVALUATE
+    assert poll_task(coordinator, first, held=(taken.task_id,), wait=0.1, crash=True) is None
     second = join()
     task = _next_task(coordinator, second, 60)
     assert task.kind == TaskKind.EVALUATE and task.task_id == taken.task_id

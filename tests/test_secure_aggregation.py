@@ -48,7 +48,7 @@ class SimulatedClient:
         self.update = update
         self.samples = samples
         self.session = coordinator.join(JoinInfo(protocol=PROTOCOL_VERSION, process_name=f"p{client}",
-                                                 instance=f"i{client}", clients=(HostedClient(client),)))
+                                                 clients=(HostedClient(client),)))
         self.party: ClientParty | None = None
         self.quantized: np.ndarray | None = None
 
@@ -298,7 +298,7 @@ def test_a_client_process_killed_after_masking_does_not_stop_the_round(tmp_path,
                           server={"round_timeout": 600, "join_timeout": WAIT, "heartbeat_timeout": 4})
     out = tmp_path / "run"
     server, reader, address = start_server(processes, write_config(tmp_path / "run.yaml", config), out)
-    honest = processes.start(fedpart_command("client", "--server", address, "--clients", "0-3", "--threads", "1",
+    honest = processes.start(fedpart_command("client", "--insecure", "--server", address, "--clients", "0-3", "--threads", "1",
                                              "--state-dir", str(tmp_path / "state")),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     killed = processes.start([sys.executable, "-c", KILLED_AFTER_MASKING, address, "4", str(tmp_path / "killed")],

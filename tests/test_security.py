@@ -99,8 +99,8 @@ def secure(secrets):
         harness.close()
 
 
-def _join(stub: pb_grpc.CoordinatorStub, clients: list[int], instance: str = "", name: str = "test") -> pb.JoinReply:
-    return stub.Join(pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name=name, instance=instance,
+def _join(stub: pb_grpc.CoordinatorStub, clients: list[int], name: str = "test") -> pb.JoinReply:
+    return stub.Join(pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name=name,
                                     clients=[pb.HostedClient(id=c) for c in clients]), timeout=BOUND)
 
 
@@ -155,7 +155,7 @@ def test_the_asyncio_channel_carries_the_token_per_call_without_a_thread_per_cal
     token = (harness.secrets / "process_0.token").read_text().strip()
     security = ClientSecurity(ca=(harness.secrets / "ca.pem").read_bytes(), token=token)
     assert ClientSecurity(insecure=True, token=token).call_metadata() == ()
-    request = pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name="aio", clients=[pb.HostedClient(id=0)])
+    request = pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name="aio", clients=[pb.HostedClient(id=0), pb.HostedClient(id=1)])
 
     async def calls() -> tuple[pb.JoinReply, grpc.StatusCode, int]:
         async with security.aio_channel(harness.address, options=[]) as channel:
@@ -187,16 +187,43 @@ def test_a_credential_hosts_only_its_own_clients(secure) -> None:
     assert reply.run_id == harness.coordinator.run_id
 
 
-def test_take_over_needs_the_same_credential_not_the_instance_string(secure) -> None:
+def _waiting_poll(harness: SecureHarness, stub: pb_grpc.CoordinatorStub, session: str):
+    """A long poll of ``session`` that waits on the server (returned as its call, to cancel)."""
+    call = stub.GetTask(pb.TaskRequest(session=session, wait_seconds=50), timeout=BOUND)
+    deadline = time.monotonic() + BOUND
+    while not harness.coordinator.registry.process(session).polling:
+        assert time.monotonic() < deadline, "the poll never arrived"
+        time.sleep(0.02)
+    return call
+
+
+def test_one_live_process_per_credential(secure) -> None:
+    """Another credential never takes a process's clients; the same credential is refused while
+    its process is connected (ALREADY_EXISTS, naming it), told to wait while it is silent but not
+    gone (UNAVAILABLE), and takes over once the process's connection closed."""
     harness = secure()
-    owner = _join(harness.stub(0), [0, 1], instance="host:/state:0,1")
-    # the other process's credential with the owner's instance string does not take over
-    assert _code(lambda: _join(harness.stub(1), [0, 1], instance="host:/state:0,1")) == grpc.StatusCode.PERMISSION_DENIED
-    # a restart with the same credential does
-    restarted = _join(harness.stub(0), [0, 1], instance="anything")
-    assert restarted.session != owner.session
+    owner_stub = harness.stub(0)
+    owner = _join(owner_stub, [0, 1], name="owner")
+    assert _code(lambda: _join(harness.stub(1), [0, 1])) == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError) as silent:
+        _join(harness.stub(0), [0, 1], name="second")
+    assert silent.value.code() == grpc.StatusCode.UNAVAILABLE and "silent for" in silent.value.details()
+    poll = _waiting_poll(harness, owner_stub, owner.session)
+    with pytest.raises(grpc.RpcError) as held:
+        _join(harness.stub(0), [0, 1], name="second")
+    assert held.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "credential 'process_0' is held by a live process, owner at ipv4:127.0.0.1:" in held.value.details()
+    poll.cancel()  # the owner's connection closes, as when its process dies
+    deadline = time.monotonic() + BOUND
+    while not harness.coordinator.registry.process(owner.session).disconnected:
+        assert time.monotonic() < deadline, "the server never saw the poll end"
+        time.sleep(0.02)
+    restarted = _join(harness.stub(0), [0, 1], name="restarted")
     live = [p for p in harness.coordinator.registry._processes.values() if p.alive]
     assert [p.session for p in live] == [restarted.session]
+    lines = "\n".join(harness.logs)
+    assert "warning: refused the join of second: credential 'process_0' is held by a live process" in lines
+    assert "restarted took over credential 'process_0' from owner" in lines and "(from ipv4:127.0.0.1:" in lines
 
 
 def test_a_stolen_session_is_useless_without_its_credential(secure) -> None:
@@ -303,13 +330,14 @@ def harness_plain(secrets):
     server.stop(grace=None)
 
 
-def test_server_refuses_plaintext_off_loopback(tmp_path) -> None:
+def test_server_refuses_plaintext_without_insecure_on_loopback_too(tmp_path) -> None:
     config = write_config(tmp_path / "c.yaml", small_config())
-    refused = subprocess.run(fedpart_command("server", str(config), "--address", "0.0.0.0:0", "--out",
-                                             str(tmp_path / "run")), capture_output=True, text=True, timeout=BOUND)
-    assert refused.returncode == 2
-    assert "not a loopback address" in refused.stderr and "--insecure" in refused.stderr
-    assert not (tmp_path / "run").exists()
+    for address in ("0.0.0.0:0", "127.0.0.1:0"):
+        refused = subprocess.run(fedpart_command("server", str(config), "--address", address, "--out",
+                                                 str(tmp_path / "run")), capture_output=True, text=True, timeout=BOUND)
+        assert refused.returncode == 2
+        assert "--insecure for plaintext without client authentication" in refused.stderr, refused.stderr
+        assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="tokens never travel in clear"):
         ServerSecurity.from_files("127.0.0.1:0", None, None, None, str(tmp_path / "credentials.yaml"), False)
 

@@ -58,9 +58,9 @@ def test_result_headers_survive_the_wire() -> None:
 
 
 def test_a_join_request_becomes_its_hosted_clients() -> None:
-    request = pb.JoinRequest(protocol=1, process_name="host:1", state_run_id="r", instance="i",
+    request = pb.JoinRequest(protocol=1, process_name="host:1", state_run_id="r",
                              clients=[pb.HostedClient(id=3, personal_parts=["head"]), pb.HostedClient(id=4)])
     info = join_info(request)
     assert info.client_ids == [3, 4]
     assert info.clients == (HostedClient(3, frozenset({"head"})), HostedClient(4))
-    assert (info.protocol, info.process_name, info.state_run_id, info.instance) == (1, "host:1", "r", "i")
+    assert (info.protocol, info.process_name, info.state_run_id) == (1, "host:1", "r")

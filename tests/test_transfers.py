@@ -105,9 +105,8 @@ class CountingWaiter:
         self.wakes += 1
 
 
-def _join(coordinator: Coordinator, clients: list[int], instance: str) -> str:
-    request = JoinInfo(protocol=PROTOCOL_VERSION, process_name=instance, instance=instance,
-                       clients=tuple(HostedClient(c) for c in clients))
+def _join(coordinator: Coordinator, clients: list[int], name: str) -> str:
+    request = JoinInfo(protocol=PROTOCOL_VERSION, process_name=name, clients=tuple(HostedClient(c) for c in clients))
     return coordinator.join(request)
 
 
