@@ -333,7 +333,7 @@ def run_row(row: Row, args: argparse.Namespace, work: Path, model_bytes: int) ->
     relay_lines = relay_sampler = None
     generator_samplers: list[ProcSampler] = []
     try:
-        server = subprocess.Popen([sys.executable, "-m", "fedpart", "server", str(config_path),
+        server = subprocess.Popen([sys.executable, "-m", "fedpart", "server", "--insecure", str(config_path),
                                    "--address", "127.0.0.1:0",
                                    "--out", str(out)],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

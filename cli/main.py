@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 import time
+from functools import partial
 from importlib import resources
 from importlib.metadata import version
 from pathlib import Path
@@ -55,9 +57,13 @@ def _server(args: argparse.Namespace) -> int:
     if args.yield_to_training:
         yield_to_training()  # before any thread starts (torch's import starts one): they all inherit it
     from fedpart.common.config import ConfigError, load_config
-    from fedpart.common.experiment import check_experiment
     from fedpart.common.security import ServerSecurity
+    from fedpart.common.addresses import AddressInUse, check_address, check_listen_address
 
+    # what needs no torch first, so that a mistake is said within a second
+    check_listen_address(args.address, "--address")
+    security = ServerSecurity.from_files(args.address, args.tls_cert, args.tls_key, args.client_ca,
+                                         args.credentials, args.insecure)
     if args.resume:
         config, out = resume_config(args), args.resume
     elif args.config is None:
@@ -65,19 +71,51 @@ def _server(args: argparse.Namespace) -> int:
     else:
         config = load_config(resolve_config_path(args.config), args.set)
         out = args.out or default_out_dir(config.name)
+    if args.threads < 1:
+        raise ConfigError(f"--threads {args.threads}: expected at least 1")
+    host = args.address.rpartition(":")[0]
+    try:
+        for address in (args.address, *(f"{host}:{port}" for port in (args.health_port, args.metrics_port) if port)):
+            check_address(address)
+    except AddressInUse as error:
+        return _fail(args, error)
+    from fedpart.common.experiment import check_experiment
+
     check_experiment(config, server_data=True)
-    security = ServerSecurity.from_files(args.address, args.tls_cert, args.tls_key, args.client_ca,
-                                         args.credentials, args.insecure)
     import torch
 
-    from fedpart.server.main import AddressInUse, serve
+    from fedpart.server.main import serve
 
     torch.set_num_threads(args.threads)
     try:
         return serve(config, args.address, out, security, resume=bool(args.resume), overwrite=args.overwrite,
-                     progress=args.progress, health_port=args.health_port, metrics_port=args.metrics_port)
+                     progress=args.progress, health_port=args.health_port, metrics_port=args.metrics_port,
+                     resume_command=(lambda _: args.resume_command) if args.resume_command
+                     else partial(server_resume_command, args, out),
+                     new_credentials=args.new_credentials)
     except AddressInUse as error:
         return _fail(args, error)
+
+
+def server_resume_command(args: argparse.Namespace, out: str, address: str) -> str:
+    """The exact command that continues this server's run: the ``address`` it listens on, its
+    transport, credentials and ports, file paths made absolute (printed when the server stops
+    early, kept in its run state)."""
+    words = ["fedpart", "server", "--resume", str(Path(out).resolve()), "--address", address]
+    for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--client-ca", args.client_ca),
+                        ("--credentials", args.credentials)):
+        if value:
+            words += [flag, str(Path(value).resolve())]
+    if args.insecure:
+        words.append("--insecure")
+    for flag, port in (("--health-port", args.health_port), ("--metrics-port", args.metrics_port)):
+        if port is not None:
+            words += [flag, str(port)]
+    if args.threads != 1:
+        words += ["--threads", str(args.threads)]
+    if args.yield_to_training:
+        words.append("--yield-to-training")
+    return shlex.join(words)
 
 
 def _fail(args: argparse.Namespace, error: BaseException, code: int = 2) -> int:
@@ -109,26 +147,44 @@ def resume_config(args: argparse.Namespace) -> RunConfig:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from fedpart.common.config import ConfigError
     from fedpart.common.client_ids import parse_id_ranges
+    from fedpart.common.config import ConfigError
+    from fedpart.common.limits import HostShare, cpu_budget
     from fedpart.common.security import ClientSecurity
+    from fedpart.common.addresses import check_dial_address
 
+    # every option checked before anything connects
+    check_dial_address(args.server, "--server")
+    client_ids = parse_id_ranges(args.clients)
     if args.data_root is not None and not Path(args.data_root).is_dir():
         raise ConfigError(f"--data-root {args.data_root}: no such directory")
     for option in ("connect_timeout", "reconnect_timeout"):
         if getattr(args, option) is not None and getattr(args, option) <= 0:
             raise ConfigError(f"--{option.replace('_', '-')} must be a positive number of seconds")
-    security = ClientSecurity.from_options(args.server, args.ca, args.server_name, args.token_file,
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads {args.threads}: expected at least 1")
+    security = ClientSecurity.from_options(args.ca, args.server_name, args.token_file,
                                            args.cert, args.key, args.insecure)
-    threads, why = _client_threads(args)
+    from fedpart.client.placement import resolve_device
+
+    device = str(resolve_device(args.device))
+    host_share = None
+    if args.threads is not None:
+        threads, why = args.threads, "--threads"
+    else:
+        budget = cpu_budget()
+        host_share = HostShare(budget)
+        threads, sharing = host_share.threads()
+        why = (f"{budget.describe()} / {sharing} client process{'es' if sharing > 1 else ''} on this host; "
+               "it follows as processes start or stop beside it")
     from fedpart.client.runtime import ClientProcess
     from fedpart.client.session import SessionError
 
     try:
-        process = ClientProcess(args.server, parse_id_ranges(args.clients), device=args.device,
-                                data_root=args.data_root, state_dir=args.state_dir, threads=threads,
-                                security=security, reconnect_timeout=args.reconnect_timeout,
-                                connect_timeout=args.connect_timeout)
+        process = ClientProcess(args.server, client_ids, device=device, data_root=args.data_root,
+                                state_dir=args.state_dir, threads=threads, security=security,
+                                reconnect_timeout=args.reconnect_timeout, connect_timeout=args.connect_timeout,
+                                host_share=host_share)
         process.log(f"{threads} torch thread{'s' if threads > 1 else ''} ({why})")
         return process.run()
     except ConfigError as error:  # the run's config does not fit this machine (its data)
@@ -137,31 +193,24 @@ def _client(args: argparse.Namespace) -> int:
         return _fail(args, error, error.code)
     except (OSError, ValueError, ImportError, TypeError) as error:
         return _fail(args, error, 1)
-
-
-def _client_threads(args: argparse.Namespace) -> tuple[int, str]:
-    """The client's torch threads and why: ``--threads``, or an even share of the cores available
-    to this process among the client processes on this host (``--processes-per-host``, else
-    ``FEDPART_PROCESSES_PER_HOST``)."""
-    from fedpart.common.limits import client_threads, cpu_budget, processes_per_host
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads {args.threads}: expected at least 1")
-        return args.threads, "--threads"
-    budget, sharing = cpu_budget(), processes_per_host(args.processes_per_host)
-    plural = "es" if sharing > 1 else ""
-    return client_threads(sharing, budget), f"{budget.describe()} / {sharing} client process{plural} on this host"
+    finally:
+        if host_share is not None:
+            host_share.close()
 
 
 def _run(args: argparse.Namespace) -> int:
     from fedpart.common.config import load_config
     from fedpart.deploy.launcher import run_local
 
-    path = resolve_config_path(args.config)
-    config = load_config(path, args.set)
-    return run_local(path, args.set, config, args.out or default_out_dir(config.name), args.overwrite, args.devices,
-                     args.metrics_port)
+    if args.resume:
+        config = resume_config(args)
+        path, out = Path(args.resume) / "config.yaml", args.resume
+    else:
+        path = resolve_config_path(args.config)
+        config = load_config(path, args.set)
+        out = args.out or default_out_dir(config.name)
+    return run_local(path, args.set, config, out, args.overwrite, args.devices, args.metrics_port,
+                     resume=bool(args.resume))
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -172,8 +221,8 @@ def _health(args: argparse.Namespace) -> int:
 
     if args.timeout <= 0:
         raise ValueError("--timeout must be a positive number of seconds")
-    security = ClientSecurity.from_options(args.server, args.ca, args.server_name, args.token_file,
-                                           args.cert, args.key, args.insecure)
+    security = ClientSecurity.from_options(args.ca, args.server_name, args.token_file,
+                                           args.cert, args.key, args.insecure, credential_required=False)
     import grpc
 
     from fedpart.server.health import check_health
@@ -331,10 +380,19 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--client-ca", help="mutual TLS: client certificates must chain to this CA (PEM)")
     server.add_argument("--credentials", help="YAML naming the client processes admitted and their client ids")
     server.add_argument("--insecure", action="store_true",
-                        help="plaintext without client authentication (needed off loopback without TLS)")
+                        help="plaintext without client authentication: any process that reaches the port can "
+                             "join (needed for a server without TLS, on loopback too)")
     server.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the stopped run in RUN_DIR after its last completed round (same run id, "
-                             "config from RUN_DIR/config.yaml); its clients reconnect by themselves")
+                             "config from RUN_DIR/config.yaml), with the same --address, TLS files and "
+                             "--credentials it was served with (a stopped server prints the exact command). "
+                             "Client processes left running rejoin by themselves if the server is back within "
+                             "their --reconnect-timeout (default 300 s); restart those that exited (after that "
+                             "time, or after Ctrl-C) with their own commands")
+    server.add_argument("--new-credentials", action="store_true",
+                        help="with --resume: take a credentials file other than the one the run was served with "
+                             "(replaced on purpose; otherwise refused)")
+    server.add_argument("--resume-command", help=argparse.SUPPRESS)  # fedpart run: the command its hints print
     server.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
                         help="auto: a live display on a terminal, plain lines otherwise; plain; json: progress as "
                              "machine-readable lines (what fedpart run reads)")
@@ -352,24 +410,24 @@ def build_parser() -> argparse.ArgumentParser:
     server.set_defaults(handler=_server)
 
     client = commands.add_parser("client", help="run a client process hosting one or more clients")
-    client.add_argument("--server", required=True, help="coordinator HOST:PORT")
+    client.add_argument("--server", required=True, help="the server's HOST:PORT (the port of its --address)")
     client.add_argument("--clients", required=True, help="client ids, e.g. 0-9 or 3,5,7")
     client.add_argument("--device", default="cpu",
                         help="cpu, cuda:N, or auto: the first visible GPU, else the CPU (default cpu)")
     client.add_argument("--data-root", help="local data root (default: the config's data.root)")
     client.add_argument("--state-dir", default="fedpart-state", help="where personal parts and models stay")
     client.add_argument("--threads", type=int,
-                        help="torch threads (default: the cores available to this process, its CPU affinity or "
-                             "cgroup CPU quota, whichever is fewer, divided by --processes-per-host)")
-    client.add_argument("--processes-per-host", type=int, metavar="N",
-                        help="client processes sharing this host's cores, for the default --threads (default: "
-                             "$FEDPART_PROCESSES_PER_HOST, else 1; fedpart run passes it)")
+                        help="torch threads (default: an even share of the cores available to this process, its "
+                             "CPU affinity or cgroup CPU quota, whichever is fewer, among the client processes "
+                             "running on this host, which find each other by themselves; looked at again "
+                             "before each task)")
     client.add_argument("--ca", help="CA certificate that signed the server's (PEM; default: system roots)")
     client.add_argument("--server-name", help="name to expect in the server certificate (default: the host)")
     client.add_argument("--token-file", help="file holding this process's token (or set FEDPART_TOKEN)")
     client.add_argument("--cert", help="client certificate for mutual TLS (PEM)")
     client.add_argument("--key", help="client private key for mutual TLS (PEM)")
-    client.add_argument("--insecure", action="store_true", help="plaintext, no TLS (the server must allow it)")
+    client.add_argument("--insecure", action="store_true",
+                        help="plaintext, no TLS and no credential (for a server started with --insecure)")
     client.add_argument("--connect-timeout", type=float, metavar="SECONDS",
                         help="how long to keep trying to reach the server at the start, with a log line per "
                              "attempt, before exiting with code 4 (default 120)")
@@ -391,6 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "client processes on the CPU)")
     run.add_argument("--metrics-port", type=port_number, metavar="PORT",
                      help="the server's Prometheus metrics on 127.0.0.1:PORT/metrics (as fedpart server; default: off)")
+    run.add_argument("--resume", metavar="RUN_DIR",
+                     help="continue the stopped run in RUN_DIR (a fedpart run stopped by Ctrl-C, or whose "
+                          "processes died) after its last completed round: its server resumed, its client "
+                          "processes started again on their state in RUN_DIR/state")
     run.set_defaults(handler=_run)
 
     health = commands.add_parser("health", help="ask a server whether it is serving (gRPC health check); "
@@ -405,8 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--cert", help="client certificate, where the server requires mutual TLS (PEM)")
     health.add_argument("--key", help="client private key (PEM)")
     health.add_argument("--insecure", action="store_true",
-                        help="plaintext off loopback (a --health-port); on loopback plaintext is the default "
-                             "without --ca")
+                        help="plaintext: a --health-port, or a server started with --insecure")
     health.set_defaults(handler=_health)
 
     certs = commands.add_parser("certs", help="make a CA, server certificate, client certificates and tokens")

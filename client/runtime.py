@@ -51,6 +51,7 @@ from fedpart.common.console import ClientActivity, Display, render_client
 from fedpart.common.data.augment import build_augment
 from fedpart.common.exit_codes import ExitCode, Stopped, signals_to
 from fedpart.common.experiment import LocalData, build_run_model, check_experiment, dataset_dims, run_algorithm
+from fedpart.common.limits import HostShare
 from fedpart.common.losses import build_loss
 from fedpart.common.models.zoo import unit_forward_flops
 from fedpart.common.plans import RunOutcome, SecAggStage, TaskInfo, TaskKind
@@ -92,7 +93,9 @@ class ClientProcess:
     def __init__(self, server: str, client_ids: list[int], device: str = "cpu", data_root: str | None = None,
                  state_dir: str | Path = "fedpart-state", threads: int | None = None,
                  security: ClientSecurity | None = None, reconnect_timeout: float | None = None,
-                 connect_timeout: float | None = None) -> None:
+                 connect_timeout: float | None = None, host_share: HostShare | None = None) -> None:
+        """``threads``: torch threads to train with (None: torch's default); with ``host_share``
+        they follow this process's share of the host's cores, looked at again before each task."""
         self.server = server
         self.security = security or ClientSecurity(insecure=True)
         self.reconnect_timeout = RECONNECT_SECONDS if reconnect_timeout is None else reconnect_timeout
@@ -107,8 +110,10 @@ class ClientProcess:
         self.transfers = Transfers(self.device)
         self.data_root = data_root
         self.state_dir = Path(state_dir)
+        self.threads = threads
         if threads:
             torch.set_num_threads(threads)
+        self.host_share = host_share
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.cache: dict[str, torch.Tensor] = {}  # global tensors, on the device
         self.activity = ClientActivity()
@@ -123,9 +128,8 @@ class ClientProcess:
         earlier = ClientStore(self.state_dir, previous) if previous else None
         hosted = [pb.HostedClient(id=c, personal_parts=earlier.personal_parts(c) if earlier else [])
                   for c in self.client_ids]
-        instance = f"{socket.gethostname()}:{self.state_dir.resolve()}:{','.join(map(str, self.client_ids))}"
         return pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name=self.name, clients=hosted,
-                              state_run_id=previous, instance=instance)
+                              state_run_id=previous)
 
     # ------------------------------------------------------------------ setup
 
@@ -224,6 +228,7 @@ class ClientProcess:
                     return ExitCode.COMPLETED
                 self.log(f"task {info.task_id}: {info.kind.name.lower()} client {info.client_id} round {info.round} "
                          f"({len(task.header.tensors)} tensors received)")
+                self._share_cores()
                 self._absorb(task)
                 upcoming = self._loop.submit(self.session.next_task(self._reader))
                 answer = self._execute(info)
@@ -233,6 +238,18 @@ class ClientProcess:
         finally:
             for future in (upcoming, *sending):
                 future.cancel()
+
+    def _share_cores(self) -> None:
+        """Take this process's share of the host's cores, which changes when client processes
+        start or stop beside it (:class:`~fedpart.common.limits.HostShare`)."""
+        if self.host_share is None:
+            return
+        threads, sharing = self.host_share.threads()
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            self.log(f"now {threads} torch thread{'s' if threads > 1 else ''}: {sharing} client "
+                     f"process{'es' if sharing > 1 else ''} share this host's {self.host_share.budget.cores} cores")
+            self.threads = threads
 
     def _settle(self, sending: deque[Future[Sent]], at_most: int) -> None:
         """Wait until at most ``at_most`` results are still on their way; an upload that failed

@@ -472,11 +472,14 @@ def _build(cls: type, raw: Any, prefix: str):
 
 
 def _validate(config: RunConfig, server_parts: bool = True) -> None:
-    from fedpart.common.data.augment import AUGMENTATIONS
-    from fedpart.common.data.datasets import DATASET_NAMES, check_dataset_options
-    from fedpart.common.data.partition import check_partition_options
-    from fedpart.common.objectives import check_objective
+    """Every check of a run config: first those of its values alone, which need no torch (so
+    that a mistake there is said within a second), then those of the components it names."""
+    _check_values(config)
+    _check_components(config, server_parts)
 
+
+def _check_values(config: RunConfig) -> None:
+    """The checks of values and their combinations (no component is imported)."""
     checks = [
         (config.rounds >= 1, "rounds must be at least 1"),
         (config.clients >= 1, "clients must be at least 1"),
@@ -485,7 +488,6 @@ def _validate(config: RunConfig, server_parts: bool = True) -> None:
         (config.train.batch_size >= 1, "train.batch_size must be >= 1"),
         (config.train.lr >= 0, "train.lr must be >= 0"),
         (config.train.weighting in ("samples", "uniform"), "train.weighting must be 'samples' or 'uniform'"),
-        (config.train.augment in AUGMENTATIONS, f"train.augment must be one of {', '.join(AUGMENTATIONS)}"),
         (config.train.amp in AMP_MODES, f"train.amp must be one of {', '.join(AMP_MODES)}, got {config.train.amp!r}"),
         (config.train.augment == "none" or config.data.input_shape is None
          or len(config.data.input_shape) == 3,
@@ -542,6 +544,20 @@ def _validate(config: RunConfig, server_parts: bool = True) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _check_privacy_values(config)
+    _check_secure_aggregation_values(config)
+
+
+def _check_components(config: RunConfig, server_parts: bool) -> None:
+    """The checks of the components a config names (datasets, partitions, algorithms, codecs,
+    server parts) and of what each privacy mechanism refuses."""
+    from fedpart.common.data.augment import AUGMENTATIONS
+    from fedpart.common.data.datasets import DATASET_NAMES, check_dataset_options
+    from fedpart.common.data.partition import check_partition_options
+    from fedpart.common.objectives import check_objective
+
+    if config.train.augment not in AUGMENTATIONS:
+        raise ConfigError(f"train.augment must be one of {', '.join(AUGMENTATIONS)}")
     if ":" not in config.data.dataset and config.data.dataset not in DATASET_NAMES:
         raise ConfigError(f"data.dataset {config.data.dataset!r} is not one of {', '.join(DATASET_NAMES)} "
                           "nor a 'package.module:function' path")
@@ -565,14 +581,29 @@ def _validate(config: RunConfig, server_parts: bool = True) -> None:
     _check_codec(config.compression.down, "compression.down")
     if server_parts:
         _check_server_optimizer(config)
-    _check_privacy(config, server_parts)
-    _check_dp_sgd(config)
-    _check_secure_aggregation(config, server_parts)
+    if config.privacy.dp.enabled:
+        for message in dp_refusals(config, server_parts):
+            raise ConfigError(f"privacy.dp: {message}")
+    if config.privacy.dp_sgd.enabled:
+        for message in dp_sgd_refusals(config):
+            raise ConfigError(f"privacy.dp_sgd: {message}")
+    if config.privacy.secure_aggregation:
+        for message in secure_aggregation_refusals(config, server_parts):
+            raise ConfigError(f"privacy.secure_aggregation: {message}")
 
 
-def _check_privacy(config: RunConfig, server_parts: bool = True) -> None:
-    """Validate ``privacy.dp`` and refuse what cannot be private as configured: each refusal says
-    why and what to set instead (docs/privacy.md). Raises ConfigError naming the keys."""
+def _check_privacy_values(config: RunConfig) -> None:
+    """The values of ``privacy.dp`` and ``privacy.dp_sgd``; and neither half-on: a value set while
+    its ``enabled`` is false would run without the privacy it describes, saying nothing (the
+    user believes the run private). Raises ConfigError naming the key."""
+    for section, name in ((config.privacy.dp, "privacy.dp"), (config.privacy.dp_sgd, "privacy.dp_sgd")):
+        if not section.enabled:
+            defaults = type(section)()
+            changed = [f.name for f in dataclasses.fields(section)
+                       if f.name != "enabled" and getattr(section, f.name) != getattr(defaults, f.name)]
+            if changed:
+                raise ConfigError(f"{name}.{changed[0]} is set but {name}.enabled is false, so the run would have "
+                                  f"no such privacy: set {name}.enabled: true, or remove {name}.{changed[0]}")
     dp = config.privacy.dp
     checks = [
         (math.isfinite(dp.clip_norm) and dp.clip_norm > 0, "privacy.dp.clip_norm must be a finite number > 0"),
@@ -592,15 +623,6 @@ def _check_privacy(config: RunConfig, server_parts: bool = True) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    if not dp.enabled:
-        return
-    for message in dp_refusals(config, server_parts):
-        raise ConfigError(f"privacy.dp: {message}")
-
-
-def _check_dp_sgd(config: RunConfig) -> None:
-    """Validate ``privacy.dp_sgd`` and, where it is on, refuse what per-example clipping cannot
-    serve (docs/privacy.md). Raises ConfigError naming the keys."""
     dp_sgd = config.privacy.dp_sgd
     checks = [
         (math.isfinite(dp_sgd.noise_multiplier) and dp_sgd.noise_multiplier >= 0,
@@ -612,9 +634,6 @@ def _check_dp_sgd(config: RunConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    if dp_sgd.enabled:
-        for message in dp_sgd_refusals(config):
-            raise ConfigError(f"privacy.dp_sgd: {message}")
 
 
 DP_SGD_BATCH_TERMS = {"feddecorr": "its penalty couples the examples of a batch, so no example has a gradient of its own",
@@ -717,9 +736,9 @@ def dp_refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
     return refusals
 
 
-def _check_secure_aggregation(config: RunConfig, server_parts: bool = True) -> None:
-    """Validate the ``privacy.secure_aggregation*`` keys and, where it is on, refuse what a sum
-    of masked updates cannot serve (docs/privacy.md). Raises ConfigError naming the keys."""
+def _check_secure_aggregation_values(config: RunConfig) -> None:
+    """Validate the values of the ``privacy.secure_aggregation*`` keys. Raises ConfigError naming
+    the key."""
     privacy = config.privacy
     checks = [
         (math.isfinite(privacy.secure_aggregation_bound) and privacy.secure_aggregation_bound > 0,
@@ -732,9 +751,6 @@ def _check_secure_aggregation(config: RunConfig, server_parts: bool = True) -> N
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    if privacy.secure_aggregation:
-        for message in secure_aggregation_refusals(config, server_parts):
-            raise ConfigError(f"privacy.secure_aggregation: {message}")
 
 
 def secure_aggregation_refusals(config: RunConfig, server_parts: bool = True) -> list[str]:

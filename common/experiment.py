@@ -14,6 +14,10 @@ from fedpart.common.importing import import_callable
 from fedpart.common.models.zoo import build_model
 from fedpart.common.split_model import HEAD, SplitModel
 
+# The page that says where each dataset's files go and how to fetch them.
+DATA_PAGE = "docs/data.md"
+
+
 def dataset_dims(config: RunConfig) -> tuple[tuple[int, ...], int]:
     """Input shape and number of classes (0 = regression) of the configured dataset."""
     data = config.data
@@ -106,14 +110,15 @@ def check_experiment(config: RunConfig, clients_data: LocalData | None = None, s
     if clients_data is not None:
         missing = _missing_files(data.dataset, clients_data.root, ("train", "test"))
         if missing:
-            raise ConfigError(f"{clients_data.option}: {missing} ({clients_data.option} = {clients_data.root!r})")
+            raise ConfigError(f"{clients_data.option}: {missing} ({clients_data.option} = {clients_data.root!r}); "
+                              f"{DATA_PAGE} says where the files go and how to fetch them")
     if server_data and config.evaluate.global_test and has_global_model(algorithm):
         missing = _missing_files(data.dataset, data.root, ("test",))
         if missing:
             raise ConfigError(f"evaluate.global_test: the server tests the global model on the test split of "
                               f"{data.dataset}, which it reads from data.root ({data.root!r}): {missing}; set "
                               "evaluate.global_test: false for a server without the data "
-                              "(--set evaluate.global_test=false), or point data.root at it")
+                              f"(--set evaluate.global_test=false), or point data.root at it ({DATA_PAGE})")
 
 
 def _missing_files(dataset: str, root: str | None, splits: tuple[str, ...]) -> str | None:

@@ -5,7 +5,12 @@ The cores available to a process are the fewer of the CPUs it may be scheduled o
 ``taskset``, a cpuset) and its cgroup's CPU quota (cgroup v2 ``cpu.max``, cgroup v1
 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``: what ``docker run --cpus`` and a Kubernetes CPU limit
 set), the quota rounded up as the Go and Java runtimes do. Client processes that share a host
-share them: :func:`client_threads` gives each an even share, at least one thread.
+share them: :func:`client_threads` gives each an even share, at least one thread. They find each
+other without an operator's flag (:class:`HostShare`): each registers itself in a directory of
+this user's on the host and counts the live processes registered there whose CPUs overlap its
+own, before each task, so that a process started beside others and one whose neighbours stopped
+both take their share from their next task on. Two processes that each took every core would
+fight for them, torch's intra-op threads spinning against each other's: rounds many times slower.
 
 The threads beside training (a client's session and gRPC threads; a server on a host
 where client processes train) :func:`yield_to_training`: they run under Linux's ``SCHED_BATCH``
@@ -19,15 +24,16 @@ times per second of training, 45 once the threads beside them yield, against the
 
 from __future__ import annotations
 
+import fcntl
+import json
 import math
 import os
-from collections.abc import Mapping
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# A standalone `fedpart client` learns from it (or from --processes-per-host) how many client
-# processes share its host; `fedpart run` passes --processes-per-host itself.
-PROCESSES_PER_HOST_ENV = "FEDPART_PROCESSES_PER_HOST"
+# Where the client processes of a host register (HostShare); tests point it at a folder of their own.
+HOST_SHARE_ENV = "FEDPART_HOST_SHARE_DIR"
 
 
 def raise_open_file_limit() -> int:
@@ -82,21 +88,89 @@ def client_threads(processes_per_host: int, budget: CpuBudget | None = None) -> 
     return max(1, (budget or cpu_budget()).cores // processes_per_host)
 
 
-def processes_per_host(option: int | None, environ: Mapping[str, str] = os.environ) -> int:
-    """How many client processes share this host: ``option`` (``--processes-per-host``), else
-    :data:`PROCESSES_PER_HOST_ENV`, else 1. Raises ValueError for a value that is not a positive
-    whole number."""
-    if option is not None:
-        value, source = str(option), "--processes-per-host"
-    else:
-        value, source = environ.get(PROCESSES_PER_HOST_ENV, "1"), PROCESSES_PER_HOST_ENV
+class HostShare:
+    """This client process's registration among the client processes of its host, and the share
+    of the cores it takes from it (:func:`client_threads`).
+
+    Each process holds an exclusive ``flock`` on a file of its own in the registry directory
+    (``$FEDPART_HOST_SHARE_DIR``, else ``/dev/shm`` or the temporary directory, in a folder of this
+    user's, mode 0700) for as long as it lives; the kernel drops the lock when the process ends,
+    however it ends. :meth:`processes` counts the files whose lock is held and whose CPUs overlap
+    this process's (processes pinned to other cores, or in another container with its own
+    ``/dev/shm``, do not share them), and removes the files of processes that are gone. A file is
+    locked before it gets its name, so no process sees another's file unlocked while it lives.
+    """
+
+    def __init__(self, budget: CpuBudget | None = None, directory: Path | None = None) -> None:
+        self.budget = budget or cpu_budget()
+        self.directory = directory or host_share_directory()
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.cpus = _affinity()
+        held = tempfile.NamedTemporaryFile("w", dir=self.directory, prefix=".joining-", delete=False)
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        json.dump({"pid": os.getpid(), "cpus": sorted(self.cpus)}, held)
+        held.flush()
+        self.path = self.directory / f"{os.getpid()}-{os.path.basename(held.name)[len('.joining-'):]}.share"
+        os.replace(held.name, self.path)
+        self._file = held  # open, and so locked, for as long as this process registers
+
+    def processes(self) -> int:
+        """Live client processes on this host whose CPUs overlap this one's, this one included."""
+        count = 1
+        for path in self.directory.glob("*.share"):
+            if path == self.path:
+                continue
+            cpus = _live_share(path)
+            if cpus is not None and (not cpus or cpus & self.cpus):
+                count += 1
+        return count
+
+    def threads(self) -> tuple[int, int]:
+        """(torch threads for this process, client processes sharing the cores)."""
+        sharing = self.processes()
+        return client_threads(sharing, self.budget), sharing
+
+    def close(self) -> None:
+        """Leave the registry (the kernel would release the lock at exit anyway)."""
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        self._file.close()
+
+
+def host_share_directory() -> Path:
+    """The registry directory of this user's client processes on this host."""
+    override = os.environ.get(HOST_SHARE_ENV)
+    if override:
+        return Path(override)
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK | os.X_OK) else Path(tempfile.gettempdir())
+    return base / f"fedpart-cores-{os.getuid()}"
+
+
+def _affinity() -> set[int]:
     try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise ValueError(f"{source} {value!r}: expected a whole number of client processes, at least 1")
-    return count
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+def _live_share(path: Path) -> set[int] | None:
+    """The CPUs of the live process registered in ``path``; None (and the file removed) when its
+    process is gone, or the file went away meanwhile."""
+    try:
+        with path.open() as file:
+            try:
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    return set(json.load(file).get("cpus", []))
+                except ValueError:
+                    return set()
+            path.unlink(missing_ok=True)  # its process is gone: nobody holds the lock
+            return None
+    except FileNotFoundError:
+        return None
 
 
 def yield_to_training() -> bool:

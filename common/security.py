@@ -3,8 +3,9 @@
 A server runs with TLS (its certificate; optionally mutual TLS, where clients present
 certificates signed by a client CA) and a credentials file that authorizes each client process
 for a fixed set of client ids, by a bearer token (stored as its SHA-256 only) and/or by the
-common name of its client certificate. Plaintext is allowed on loopback addresses, and elsewhere
-only with an explicit ``--insecure``; tokens never travel without TLS.
+common name of its client certificate. Plaintext without credentials exists only behind an
+explicit ``--insecure``, on loopback as anywhere else (DESIGN.md section 8); tokens never travel
+without TLS.
 """
 
 from __future__ import annotations
@@ -107,12 +108,13 @@ class ServerSecurity:
     private_key: bytes | None = None
     client_ca: bytes | None = None          # mutual TLS: client certificates must chain to it
     principals: list[Principal] | None = None
+    credentials_file: Path | None = None    # where the principals come from (re-read while the server runs)
+    credentials_content: bytes = b""        # its bytes when it was read
 
     @classmethod
     def from_files(cls, address: str, tls_cert: str | None, tls_key: str | None, client_ca: str | None,
                    credentials: str | None, insecure: bool) -> ServerSecurity:
-        """Check the combination of command-line options against the listening address."""
-        host = address.rpartition(":")[0]
+        """Check the combination of command-line options."""
         if bool(tls_cert) != bool(tls_key):
             raise SecurityError("--tls-cert and --tls-key go together")
         if insecure and (tls_cert or client_ca or credentials):
@@ -121,17 +123,19 @@ class ServerSecurity:
             raise SecurityError("--client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if credentials and not tls_cert:
             raise SecurityError("--credentials needs TLS (--tls-cert, --tls-key): tokens never travel in clear")
-        if not tls_cert and not insecure and not is_loopback(host):
-            raise SecurityError(f"{address} is not a loopback address: give --tls-cert, --tls-key and "
-                                "--credentials (see `fedpart certs`), or --insecure for plaintext")
-        if tls_cert and not credentials and not is_loopback(host):
-            raise SecurityError(f"{address} is not a loopback address: give --credentials so that only "
-                                "authorized client processes can join")
+        if not tls_cert and not insecure:
+            raise SecurityError("give --tls-cert, --tls-key and --credentials (make them with `fedpart certs`), or "
+                                "--insecure for plaintext without client authentication (on loopback too: "
+                                "any local user could join)")
+        if tls_cert and not credentials:
+            raise SecurityError(f"give --credentials so that only authorized client processes can join {address}")
         return cls(
             certificate=_read(tls_cert, "TLS certificate") if tls_cert else None,
             private_key=_read(tls_key, "TLS private key") if tls_key else None,
             client_ca=_read(client_ca, "client CA certificate") if client_ca else None,
             principals=load_credentials(credentials) if credentials else None,
+            credentials_file=Path(credentials).resolve() if credentials else None,
+            credentials_content=_read(credentials, "credentials file") if credentials else b"",
         )
 
     @property
@@ -164,9 +168,12 @@ class ClientSecurity:
     insecure: bool = False
 
     @classmethod
-    def from_options(cls, server: str, ca: str | None, server_name: str | None, token_file: str | None,
-                     cert: str | None, key: str | None, insecure: bool) -> ClientSecurity:
-        """Command-line options (and ``FEDPART_TOKEN``) checked against the server address."""
+    def from_options(cls, ca: str | None, server_name: str | None, token_file: str | None,
+                     cert: str | None, key: str | None, insecure: bool,
+                     credential_required: bool = True) -> ClientSecurity:
+        """Command-line options (and ``FEDPART_TOKEN``) checked: plaintext only with ``insecure``;
+        otherwise TLS, with a token or a client certificate unless ``credential_required`` is False
+        (a health check needs none)."""
         if bool(cert) != bool(key):
             raise SecurityError("--cert and --key go together")
         token = None
@@ -178,9 +185,12 @@ class ClientSecurity:
             token = os.environ[TOKEN_ENV].strip()
         if insecure and (ca or cert or token):
             raise SecurityError("--insecure cannot be combined with --ca, --cert or a token")
-        host = server.rpartition(":")[0]
-        if insecure or (not ca and not cert and not token and is_loopback(host)):
+        if insecure:
             return cls(insecure=True)
+        if credential_required and not cert and not token:
+            raise SecurityError("give this process's credential: --token-file (or FEDPART_TOKEN) and --ca, or "
+                                "--cert and --key (see `fedpart certs`); or --insecure for a server that runs "
+                                "without authentication")
         return cls(ca=_read(ca, "CA certificate") if ca else None, server_name=server_name,
                    certificate=_read(cert, "client certificate") if cert else None,
                    private_key=_read(key, "client private key") if key else None, token=token)

@@ -3,8 +3,9 @@
 Writes a private CA, a server certificate for the names clients dial, and per client process a
 random bearer token and a client certificate (common name ``process_K``, for mutual TLS), plus
 the server's ``credentials.yaml`` that admits each process for its share of the client ids (the
-split ``fedpart run`` uses). Keys are ECDSA P-256; private keys and tokens are written mode 0600.
-Nothing is overwritten: a directory that already holds credentials is refused.
+split ``fedpart run`` uses). Keys are ECDSA P-256; private keys and tokens are written mode 0600, in
+a directory of mode 0700 with a ``.gitignore`` of its own that keeps all of it out of version
+control. Nothing is overwritten: a directory that already holds credentials is refused.
 """
 
 from __future__ import annotations
@@ -92,10 +93,14 @@ def write_run_credentials(out: Path, server_names: list[str], clients: int, proc
         raise ValueError("--server-names: give at least one host name or IP address")
     if clients < 1 or processes < 1:
         raise ValueError("--clients and --processes must be at least 1")
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
     existing = sorted(p.name for p in out.iterdir() if p.name in ("ca.pem", "credentials.yaml", "server.pem"))
     if existing:
         raise ValueError(f"{out} already holds credentials ({', '.join(existing)}); choose another directory")
+    out.chmod(0o700)  # only this user may list or enter it, whoever made it
+    ignore = out / ".gitignore"
+    if not ignore.exists():
+        ignore.write_text("# written by fedpart certs: keys and tokens never go into version control\n*\n")
     ca = _issue("fedpart run CA", None)
     server = _issue(names[0], ca, server_names=names)
     written = [_write(out / "ca.pem", ca.certificate_pem(), False), _write(out / "ca.key", ca.key_pem(), True),

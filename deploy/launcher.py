@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -127,38 +128,50 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
+def resume_command(out: Path) -> str:
+    """The command that continues the local run in ``out``."""
+    return shlex.join(["fedpart", "run", "--resume", str(out.resolve())])
+
+
 def _error(message: str) -> None:
     print(stamp(f"fedpart run: {message}"), file=sys.stderr, flush=True)
 
 
 def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_dir: str,
-              overwrite: bool = False, devices: str | None = None, metrics_port: int | None = None) -> int:
+              overwrite: bool = False, devices: str | None = None, metrics_port: int | None = None,
+              resume: bool = False) -> int:
     """Run the experiment locally, the client processes on ``devices`` (see
     :func:`client_processes`), the server's Prometheus metrics on ``127.0.0.1:metrics_port``
-    (None: off); returns the exit code (0 when the server and every client succeeded). Raises
-    ConfigError (or DeviceError, or ImportError without prometheus-client), before anything
-    starts, for a config, device, run directory or option that cannot be run."""
+    (None: off); returns the exit code (0 when the server and every client succeeded). With
+    ``resume``, continue the stopped run in ``out_dir`` (its server resumed, its client processes
+    started again on their state directories). Raises ConfigError (or DeviceError, or ImportError
+    without prometheus-client), before anything starts, for a config, device, run directory or
+    option that cannot be run."""
     from fedpart.common.experiment import LocalData, check_experiment
     from fedpart.server.metrics import check_metrics_available
     from fedpart.server.report import check_new_run_dir
+    from fedpart.server.run_state import read_run_state
 
     if metrics_port is not None:
         check_metrics_available()
     check_experiment(config, clients_data=LocalData(config.data.root), server_data=True)
     placed, notes = client_processes(config, devices)
-    check_new_run_dir(out_dir, overwrite)
+    if resume:
+        read_run_state(out_dir, config.to_dict())  # a run that cannot be resumed is said now
+    else:
+        check_new_run_dir(out_dir, overwrite)
     for note in notes:
         print(stamp(f"fedpart run: note: {note}"), flush=True)
     with tempfile.TemporaryDirectory(prefix="fedpart-credentials-") as secrets:
         return Launch(config_path, overrides, config, Path(out_dir), Path(secrets), overwrite, placed,
-                      metrics_port).run()
+                      metrics_port, resume).run()
 
 
 class Launch:
     """One local run: the server, its clients, and what the launcher prints."""
 
     def __init__(self, config_path: Path, overrides: list[str], config: RunConfig, out: Path, secrets: Path,
-                 overwrite: bool, placed: list[tuple[str, str]], metrics_port: int | None) -> None:
+                 overwrite: bool, placed: list[tuple[str, str]], metrics_port: int | None, resume: bool = False) -> None:
         self.config_path = config_path
         self.overrides = overrides
         self.config = config
@@ -167,6 +180,7 @@ class Launch:
         self.overwrite = overwrite
         self.placed = placed
         self.metrics_port = metrics_port
+        self.resume = resume
         self.progress: RunProgress | None = None
         self.display = Display(lambda: render_run(self.progress), logger="fedpart.launcher")
         self.lines: queue.Queue = queue.Queue()
@@ -179,10 +193,12 @@ class Launch:
         write_run_credentials(self.secrets, ["127.0.0.1", "localhost"], self.config.clients, len(self.placed))
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         secrets = self.secrets
+        # a fresh run, or the stopped one resumed with this launcher's fresh credentials
+        run = (["--resume", str(self.out), "--new-credentials"] if self.resume else
+               [str(self.config_path), "--out", str(self.out), *(["--overwrite"] if self.overwrite else [])])
         server = subprocess.Popen(
-            _cli("server", str(self.config_path), "--address", "127.0.0.1:0",
-                 "--out", str(self.out),
-                 *[a for o in self.overrides for a in ("--set", o)], *(["--overwrite"] if self.overwrite else []),
+            _cli("server", *run, "--address", "127.0.0.1:0", "--resume-command", resume_command(self.out),
+                 *[a for o in self.overrides for a in ("--set", o)],
                  "--progress", "json" if self.display.live else "plain", "--yield-to-training",
                  *(["--metrics-port", str(self.metrics_port)] if self.metrics_port is not None else []),
                  "--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),
@@ -199,24 +215,23 @@ class Launch:
                 self._start_clients(address, env)
                 return self._follow(server)
         except Stopped as stop:
-            _error(f"{stop.reason}, stopping the server and the clients")
+            _error(f"{stop.reason}, stopping the server and the clients; continue with: {resume_command(self.out)}")
             return stop.code
         finally:
             stop_processes(self.clients + [server])
 
     def _start_clients(self, address: str, env: dict[str, str]) -> None:
         """One client process per (id range, device), each writing into its log (the server has
-        written the run directory by now). Each takes an even share of the cores available for its
-        torch threads (``--processes-per-host``: ``fedpart.common.limits.client_threads``)."""
+        written the run directory by now; a resumed run's logs go on). The processes find each
+        other on this host and share its cores (``fedpart.common.limits.HostShare``)."""
         logs = self.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for index, (ids, device) in enumerate(self.placed):
             log_path = logs / f"client_{index}.log"
             self.client_logs.append(log_path)
-            with log_path.open("w") as log:
+            with log_path.open("a" if self.resume else "w") as log:
                 self.clients.append(subprocess.Popen(
                     _cli("client", "--server", address, "--clients", ids, "--device", device,
-                         "--processes-per-host", str(len(self.placed)),
                          "--state-dir", str(self.out / "state" / f"process_{index}"),
                          "--ca", str(self.secrets / "ca.pem"),
                          "--token-file", str(self.secrets / f"process_{index}.token")),

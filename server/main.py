@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
+import shlex
 import threading
 import time
 import traceback
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import grpc
 
+from fedpart.common.addresses import AddressInUse, check_address
 from fedpart.common.algorithms import has_global_model
 from fedpart.common.config import RunConfig
 from fedpart.common.console import Display, ProgressLines, render_run, stamp
@@ -36,7 +37,7 @@ from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from fedpart.common.records import RoundRecord, RunSummary
 from fedpart.common.client_ids import format_id_ranges
 from fedpart.common.security import Principal, SecurityError, ServerSecurity
-from fedpart.server.auth import CallGuard, Principals, TokenGate
+from fedpart.server.auth import CallGuard, Credentials, TokenGate, fingerprint
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.global_eval import GlobalEvaluator
 from fedpart.server.health import RunHealth
@@ -50,7 +51,7 @@ from fedpart.server.report import (
     format_round,
     format_table,
 )
-from fedpart.server.run_state import mark_finished, read_run_state, write_run_state
+from fedpart.server.run_state import check_resume_security, mark_finished, read_run_state, write_run_state
 from fedpart.server.sampling import round_target
 from fedpart.server.service import CoordinatorService, add_to_server
 from fedpart.server.transfers import receive_window
@@ -61,20 +62,19 @@ SHUTDOWN_GRACE_SECONDS = 10.0
 MAX_CALLS_PER_CLIENT = 3
 # gRPC's own hard limit on calls waiting to be taken by the server (grpc.server.max_pending_requests_hard_limit)
 GRPC_PENDING_CALLS_HARD_LIMIT = 3000
-# Calls the plaintext health port takes at once (a check answers at once; more are refused)
-PROBE_CALLS = 16
-
-
-class AddressInUse(OSError):
-    """The server cannot listen on the address it was given (in use, or not this machine's)."""
+# How often the server reads its credentials file again (a revoked credential is refused from then on)
+CREDENTIALS_RELOAD_SECONDS = 2.0
 
 
 class GrpcServer:
     """The gRPC (asyncio) server on an event loop of its own thread (and the fold threads, if any).
 
-    A waiting client costs a coroutine and a socket, not a thread. Calls beyond
-    ``maximum_concurrent_rpcs`` are refused at once (RESOURCE_EXHAUSTED) instead of queueing,
-    and with credentials each client process may hold only a few calls at a time.
+    A waiting client costs a coroutine and a socket, not a thread. Coordinator calls beyond the
+    server's cap (:data:`MAX_CALLS_PER_CLIENT` per client of the run, and 64) are refused at once
+    (RESOURCE_EXHAUSTED) instead of queueing, and with credentials each client process may hold
+    only a few calls at a time; health checks have a budget of their own. With a credentials file
+    the server reads it again every :data:`CREDENTIALS_RELOAD_SECONDS`: a revoked credential's
+    process is dropped and refused from its next call on.
     """
 
     def __init__(self, coordinator: Coordinator, address: str, security: ServerSecurity,
@@ -90,6 +90,9 @@ class GrpcServer:
         self.health = RunHealth()
         self._probes: grpc.aio.Server | None = None  # the plaintext health port, if any
         self.health_address: str | None = None
+        self.credentials: Credentials | None = None
+        self.guard: CallGuard | None = None  # admits the Coordinator calls (how many are open: guard.calls)
+        self._watcher: asyncio.Task | None = None
         start = self._start(coordinator, address, security, upload_slots, server_config.download_slots, health_port)
         try:
             self._server, self.address = asyncio.run_coroutine_threadsafe(start, self._loop).result()
@@ -99,13 +102,16 @@ class GrpcServer:
 
     async def _start(self, coordinator: Coordinator, address: str, security: ServerSecurity,
                      upload_slots: int, download_slots: int, health_port: int | None) -> tuple[grpc.aio.Server, str]:
-        principals = Principals(security.principals) if security.principals is not None else None
+        credentials = None
+        if security.principals is not None:
+            credentials = Credentials(security.principals, security.credentials_file, security.credentials_content)
+        self.credentials = credentials
         mutual_tls = security.client_ca is not None
+        admission = coordinator.registry.admission
         most_calls = MAX_CALLS_PER_CLIENT * coordinator.config.clients + 64
         backlog = max(most_calls, GRPC_PENDING_CALLS_HARD_LIMIT)
         server = grpc.aio.server(
-            interceptors=[TokenGate(principals, mutual_tls)] if principals else [],
-            maximum_concurrent_rpcs=most_calls,
+            interceptors=[TokenGate(credentials, mutual_tls, admission)] if credentials else [],
             options=[
                 ("grpc.so_reuseport", 0),
                 # calls that arrived and wait for the event loop to take them (one a turn): past
@@ -126,21 +132,41 @@ class GrpcServer:
                 *receive_window_options(receive_window(coordinator.config.server.receive_window,
                                                        coordinator.config.clients)),
             ])
-        service = CoordinatorService(coordinator, coordinator.ledger, CallGuard(principals, mutual_tls),
-                                     self._fold_pool, upload_slots, download_slots)
+        self.guard = CallGuard(credentials, mutual_tls, most_calls, admission)
+        service = CoordinatorService(coordinator, coordinator.ledger, self.guard, self._fold_pool, upload_slots,
+                                     download_slots)
         add_to_server(service, server)
         server.add_generic_rpc_handlers((self.health.handler(),))
         host, _, _ = address.rpartition(":")
         bound = _add_port(server, address, security)
         if health_port is not None:
             # health checks only, in plaintext: what Kubernetes' gRPC probes can reach
-            self._probes = grpc.aio.server(maximum_concurrent_rpcs=PROBE_CALLS, options=[("grpc.so_reuseport", 0)])
+            self._probes = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             self._probes.add_generic_rpc_handlers((self.health.handler(),))
             self.health_address = f"{host}:{_add_port(self._probes, f'{host}:{health_port}', ServerSecurity())}"
             await self._probes.start()
         await server.start()
         await self.health.run_serving(True)
+        if credentials is not None and credentials.path is not None:
+            self._watcher = asyncio.create_task(self._watch_credentials(coordinator, credentials))
         return server, f"{host}:{bound}"
+
+    async def _watch_credentials(self, coordinator: Coordinator, credentials: Credentials) -> None:
+        """Read the credentials file again every :data:`CREDENTIALS_RELOAD_SECONDS`; take a changed
+        one that can host the run's processes, drop the processes of the credentials it no longer
+        names, and keep the current credentials (saying why) when it cannot be used."""
+        loop = asyncio.get_running_loop()
+        clients = coordinator.config.clients
+        while True:
+            await asyncio.sleep(CREDENTIALS_RELOAD_SECONDS)
+            try:
+                changed = await loop.run_in_executor(
+                    None, credentials.reload, lambda principals: check_reloaded_credentials(principals, clients))
+            except SecurityError as error:
+                coordinator.log(f"error: {error}; the server keeps the credentials it had")
+                continue
+            if changed is not None:
+                coordinator.credentials_changed(*changed, credentials.fingerprint)
 
     def run_ended(self) -> None:
         """Report the run NOT_SERVING (the server still answers while its clients hear it)."""
@@ -154,6 +180,8 @@ class GrpcServer:
         self._close_loop()
 
     async def _stop(self, grace: float | None) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         await self.health.stopping()
         servers = [self._server, *([self._probes] if self._probes is not None else [])]
         await asyncio.gather(*(server.stop(grace) for server in servers))
@@ -197,27 +225,6 @@ def start_grpc(coordinator: Coordinator, address: str, security: ServerSecurity 
     return GrpcServer(coordinator, address, security or ServerSecurity(), health_port)
 
 
-def check_address(address: str) -> None:
-    """Raise :class:`AddressInUse` with the operating system's reason when ``HOST:PORT`` cannot
-    be bound (in use, or not an address of this machine), before gRPC tries and logs its own
-    error. Binds a probe socket the way gRPC binds (``SO_REUSEADDR``) and closes it."""
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        return  # not HOST:PORT (e.g. unix:PATH): gRPC says what is wrong
-    host = host.strip("[]") or "0.0.0.0"
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (ValueError, socket.gaierror) as error:
-        raise AddressInUse(f"cannot listen on {address}: {error}") from error
-    family, kind, proto, _, sockaddr = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(sockaddr)
-        except OSError as error:
-            raise AddressInUse(f"cannot listen on {address}: {error.strerror or error}") from error
-
-
 def check_credentials_host_run(principals: list[Principal] | None, clients: int) -> None:
     """Raise :class:`SecurityError` unless the credentials let every client id of the run be
     hosted by exactly one process: an id no credential names could never join (the server would
@@ -225,24 +232,40 @@ def check_credentials_host_run(principals: list[Principal] | None, clients: int)
     and an id beyond the run's belongs to credentials made for another run. None: anyone may join."""
     if principals is None:
         return
+    unnamed, problems = _credential_problems(principals, clients)
+    if unnamed:
+        problems.insert(0, f"client ids {format_id_ranges(unnamed)} are named by no process")
+    if problems:
+        raise SecurityError(f"--credentials cannot host this run of {clients} clients (ids 0-{clients - 1}): "
+                            f"{'; '.join(problems)}; write credentials for it with fedpart certs --clients "
+                            f"{clients}, or give each id to exactly one process")
+
+
+def check_reloaded_credentials(principals: list[Principal], clients: int) -> None:
+    """Raise :class:`SecurityError` unless a credentials file the server read again while it runs
+    can be taken: as :func:`check_credentials_host_run`, except that client ids may be named by no
+    process (their credential was revoked: those clients are unavailable until one names them)."""
+    _, problems = _credential_problems(principals, clients)
+    if problems:
+        raise SecurityError(f"the changed credentials file cannot host this run of {clients} clients: "
+                            f"{'; '.join(problems)}")
+
+
+def _credential_problems(principals: list[Principal], clients: int) -> tuple[list[int], list[str]]:
+    """The run's client ids no credential names, and what else is wrong: ids named by several
+    processes, ids beyond the run."""
     named: dict[int, list[str]] = defaultdict(list)
     for principal in principals:
         for client in principal.clients:
             named[client].append(principal.name)
     problems = []
-    missing = [c for c in range(clients) if c not in named]
-    if missing:
-        problems.append(f"client ids {format_id_ranges(missing)} are named by no process")
     for client_ids, names in _group_by_names({c: n for c, n in named.items() if len(n) > 1}):
         problems.append(f"client ids {format_id_ranges(client_ids)} are named by {len(names)} processes "
                         f"({', '.join(names)})")
     beyond = [c for c in named if c >= clients]
     if beyond:
         problems.append(f"client ids {format_id_ranges(beyond)} are not in the run")
-    if problems:
-        raise SecurityError(f"--credentials cannot host this run of {clients} clients (ids 0-{clients - 1}): "
-                            f"{'; '.join(problems)}; write credentials for it with fedpart certs --clients "
-                            f"{clients}, or give each id to exactly one process")
+    return [c for c in range(clients) if c not in named], problems
 
 
 def _group_by_names(named: dict[int, list[str]]) -> list[tuple[list[int], list[str]]]:
@@ -255,7 +278,8 @@ def _group_by_names(named: dict[int, list[str]]) -> list[tuple[list[int], list[s
 
 def serve(config: RunConfig, address: str, out_dir: str | Path, security: ServerSecurity | None = None,
           resume: bool = False, overwrite: bool = False, progress: str = "auto",
-          health_port: int | None = None, metrics_port: int | None = None) -> int:
+          health_port: int | None = None, metrics_port: int | None = None,
+          resume_command: Callable[[str], str] | None = None, new_credentials: bool = False) -> int:
     """Run a whole federated experiment as the coordinator; returns the exit code
     (:class:`~fedpart.common.exit_codes.ExitCode`). With ``resume``, continue the run in
     ``out_dir`` after its last completed round; with ``overwrite``, replace the run in
@@ -263,8 +287,12 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
     lines otherwise), ``plain`` or ``json`` (progress lines for ``fedpart run``). ``health_port``:
     also answer health checks in plaintext there (:mod:`fedpart.server.health`);
     ``metrics_port``: serve Prometheus metrics there (:mod:`fedpart.server.metrics`); both on
-    the host of ``address``. Called in the main thread, SIGINT and SIGTERM end the
-    run at the round loop's next wait (:func:`~fedpart.common.exit_codes.signals_to`)."""
+    the host of ``address``. ``resume_command``: the exact command that continues this run, made
+    from the address the server listens on; a stop prints it and the run state keeps it. A resume
+    must keep the run's transport and credentials file
+    (:func:`~fedpart.server.run_state.check_resume_security`), unless ``new_credentials``. Called
+    in the main thread, SIGINT and SIGTERM end the run at the round loop's next wait
+    (:func:`~fedpart.common.exit_codes.signals_to`)."""
     security = security or ServerSecurity()
     started = time.monotonic()
     # checked before anything is bound or written
@@ -272,6 +300,10 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
     if metrics_port is not None:
         check_metrics_available()
     saved = read_run_state(out_dir, config.to_dict()) if resume else None
+    transport = "mutual TLS" if security.client_ca is not None else "TLS" if security.tls else "plaintext"
+    credentials_sha256 = fingerprint(security.credentials_content) if security.credentials_content else ""
+    if saved is not None:
+        check_resume_security(saved.security, transport, credentials_sha256, new_credentials)
     if not resume:
         check_new_run_dir(out_dir, overwrite)
     display = Display(logger="fedpart.server")
@@ -295,6 +327,9 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
             stack.callback(metrics.stop)
         server = start_grpc(coordinator, address, security, health_port)
         stack.callback(server.stop, 2.0)
+        command = (resume_command(server.address) if resume_command is not None
+                   else f"fedpart server --resume {Path(out_dir).resolve()}")
+        coordinator.security = {"transport": transport, "credentials_sha256": credentials_sha256, "command": command}
         if saved is None:
             run_dir = RunDirectory(out_dir, config.checkpoint, overwrite=overwrite)
             run_dir.write_config(config)
@@ -357,8 +392,8 @@ class ServerRun:
             code = self._rounds_and_evaluation()
         except Stopped as stop:
             code, ended_early = stop.code, (INTERRUPTED, f"{stop.reason} after round {len(self.records)}/"
-                                                         f"{self.config.rounds}; continue with fedpart server "
-                                                         f"--resume {self.run_dir.path}")
+                                                         f"{self.config.rounds}; continue with: "
+                                                         f"{self.coordinator.security['command']}")
         except TimeoutError as error:
             self.display.log(f"error: {error}")
             code, ended_early = ExitCode.UNREACHABLE, (FAILED, f"gave up: {error}")
@@ -404,6 +439,7 @@ class ServerRun:
         self.run_dir.write_summary(summary)
         mark_finished(self.run_dir.path)
         self.display.print(format_table(RunSummary.from_json(summary)))
+        self.display.print(next_steps(self.run_dir.path))
         return code
 
     def _failures(self) -> list[str]:
@@ -419,6 +455,17 @@ class ServerRun:
                                 self._failures(), self.seconds(), status=status, note=note, exit_code=int(code))
         self.run_dir.write_summary(summary)
         self.display.log(f"run {status}: {note}; wrote {self.run_dir.path / 'summary.json'}")
+
+
+def next_steps(run_dir: Path) -> str:
+    """The lines after the final table: where the run is, and the commands that report on it and
+    take its personalized models away (those stay with the client processes' --state-dir: under
+    the run directory for fedpart run, on the client machines otherwise)."""
+    path = shlex.quote(str(run_dir.resolve()))
+    state = "" if (run_dir / "state").is_dir() else " --state-dir DIR  (each client process's --state-dir)"
+    return (f"run directory  {path}\n"
+            f"report         fedpart report {path} --out {path}/report\n"
+            f"export         fedpart export {path} --out {path}/models{state}")
 
 
 def short_rounds(records: list[dict], config: RunConfig) -> list[str]:

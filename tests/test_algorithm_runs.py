@@ -205,7 +205,7 @@ def test_personal_parts_survive_a_client_process_restart(tmp_path: Path, process
     config_path = write_config(tmp_path / "config.yaml", config)
     out = tmp_path / "out"
     server, reader, address = start_server(processes, config_path, out)
-    client_args = fedpart_command("client", "--server", address, "--clients", "0-1",
+    client_args = fedpart_command("client", "--insecure", "--server", address, "--clients", "0-1",
                                   "--state-dir", str(tmp_path / "state"), "--threads", "1")
     first = processes.start(client_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     reader.wait_for(r"round\s+1/3", timeout=WAIT)

@@ -138,7 +138,7 @@ def test_server_and_clients_started_separately(tmp_path: Path, processes) -> Non
     config_path = write_config(tmp_path / "config.yaml", config)
     out = tmp_path / "out"
     server, reader, address = start_server(processes, config_path, out)
-    clients = [processes.start(fedpart_command("client", "--server", address, "--clients", ids,
+    clients = [processes.start(fedpart_command("client", "--insecure", "--server", address, "--clients", ids,
                                                "--state-dir", str(tmp_path / f"state{i}"), "--threads", "1"),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for i, ids in enumerate(["0-2", "3,4"])]
@@ -161,11 +161,11 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
 def test_client_hosting_an_unknown_client_is_refused(tmp_path: Path, processes) -> None:
     config_path = write_config(tmp_path / "config.yaml", small_config(clients=2, server={"join_timeout": 60}))
     _, _, address = start_server(processes, config_path, tmp_path / "out")
-    client = processes.start(fedpart_command("client", "--server", address, "--clients", "0-5"),
+    client = processes.start(fedpart_command("client", "--insecure", "--server", address, "--clients", "0-5"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = client.communicate(timeout=WAIT)[0]
-    assert client.returncode == 1
-    assert "out of range" in log and "[2, 3, 4, 5]" in log
+    assert client.returncode == 2  # the operator's mistake: the table's USAGE
+    assert "client ids 2-5 are not in the run: it has clients 0-1" in log
 
 
 def test_a_client_without_its_data_says_why_and_the_server_reports_it(tmp_path: Path, processes) -> None:
@@ -176,7 +176,7 @@ def test_a_client_without_its_data_says_why_and_the_server_reports_it(tmp_path: 
                           server={"join_timeout": 8, "round_timeout": 30, "heartbeat_timeout": 30})
     config_path = write_config(tmp_path / "config.yaml", config)
     server, reader, address = start_server(processes, config_path, tmp_path / "out")
-    client = processes.start(fedpart_command("client", "--server", address, "--clients", "0-1"),
+    client = processes.start(fedpart_command("client", "--insecure", "--server", address, "--clients", "0-1"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = client.communicate(timeout=WAIT)[0]
     assert client.returncode == 2  # checked before loading anything: the data root does not fit the run

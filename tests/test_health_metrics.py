@@ -130,7 +130,7 @@ def test_a_server_with_tls_tokens_health_and_metrics_ports_through_a_run(secrets
                                      timeout=WAIT).group(1)
     metrics_url = reader.wait_for(r"Prometheus metrics on (http://127\.0\.0\.1:\d+/metrics)", timeout=WAIT).group(1)
 
-    for target in ([address, "--ca", str(secrets / "ca.pem")], [health_address]):
+    for target in ([address, "--ca", str(secrets / "ca.pem")], [health_address, "--insecure"]):
         for service in ("", RUN_SERVICE):
             result = subprocess.run(fedpart_command("health", "--server", *target, "--service", service),
                                     capture_output=True, text=True, timeout=WAIT)
@@ -176,7 +176,7 @@ def test_health_of_a_server_that_is_not_there_exits_4(tmp_path: Path) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{probe.getsockname()[1]}"
-    result = subprocess.run(fedpart_command("health", "--server", address, "--timeout", "2"),
+    result = subprocess.run(fedpart_command("health", "--insecure", "--server", address, "--timeout", "2"),
                             capture_output=True, text=True, timeout=WAIT)
     assert result.returncode == 4 and result.stdout == ""
     assert re.fullmatch(rf"fedpart health: error: no answer from {address} within 2 s \(UNAVAILABLE: .+\)\n",

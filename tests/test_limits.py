@@ -18,12 +18,12 @@ import pytest
 from conftest import WAIT, child_env, fedpart_command, small_config, write_config
 from fedpart.client.session import SessionThread
 from fedpart.common.limits import (
-    PROCESSES_PER_HOST_ENV,
+    HOST_SHARE_ENV,
     CpuBudget,
+    HostShare,
     cgroup_cpu_quota,
     client_threads,
     cpu_budget,
-    processes_per_host,
     yield_to_training,
 )
 
@@ -127,16 +127,39 @@ def test_client_threads_are_an_even_share_of_the_cores(budget: CpuBudget, proces
     assert client_threads(processes, budget) == threads
 
 
-def test_processes_per_host_from_the_option_the_environment_or_one() -> None:
-    assert processes_per_host(3, {PROCESSES_PER_HOST_ENV: "5"}) == 3
-    assert processes_per_host(None, {PROCESSES_PER_HOST_ENV: "5"}) == 5
-    assert processes_per_host(None, {}) == 1
-    for option, environ, source in ((0, {}, "--processes-per-host"), (None, {PROCESSES_PER_HOST_ENV: "two"},
-                                                                      PROCESSES_PER_HOST_ENV)):
-        with pytest.raises(ValueError, match=f"{source} '.*': expected a whole number"):
-            processes_per_host(option, environ)
+def test_client_threads_need_at_least_one_process() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         client_threads(0, CpuBudget(4, None))
+
+
+def test_client_processes_of_a_host_find_each_other_and_share_its_cores(tmp_path: Path) -> None:
+    """Each registers itself; each counts the live ones whose CPUs overlap its own; one that
+    leaves, or dies (its lock goes with it), stops counting and its file is removed."""
+    budget = CpuBudget(4, None)
+    first = HostShare(budget, tmp_path)
+    assert first.threads() == (4, 1)
+    second = HostShare(budget, tmp_path)
+    assert first.threads() == second.threads() == (2, 2)
+    second.close()
+    assert first.threads() == (4, 1) and not second.path.exists()
+    dead = tmp_path / "12345-gone.share"  # a registration whose process died: nobody holds its lock
+    dead.write_text('{"pid": 12345, "cpus": [0]}')
+    assert first.processes() == 1 and not dead.exists()
+    elsewhere = HostShare(budget, tmp_path)
+    elsewhere.path.write_text('{"pid": 1, "cpus": [9999]}')  # pinned to CPUs this process cannot use
+    assert first.processes() == 1
+    elsewhere.close()
+    first.close()
+    assert list(tmp_path.glob("*.share")) == []
+
+
+def test_the_registry_folder_is_private_to_its_user(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(HOST_SHARE_ENV, str(tmp_path / "share"))
+    share = HostShare(CpuBudget(2, None))
+    try:
+        assert share.directory == tmp_path / "share" and (share.directory.stat().st_mode & 0o777) == 0o700
+    finally:
+        share.close()
 
 
 def _closed_address() -> str:
@@ -149,7 +172,7 @@ def _client_threads_line(tmp_path: Path, *options: str, env: dict[str, str] | No
                          cpus: set[int] | None = None) -> str:
     """The torch-threads line of a ``fedpart client`` that finds no server (it gives up after 1 s)."""
     result = subprocess.run(
-        fedpart_command("client", "--server", _closed_address(), "--clients", "0", "--connect-timeout", "1",
+        fedpart_command("client", "--insecure", "--server", _closed_address(), "--clients", "0", "--connect-timeout", "1",
                         "--state-dir", str(tmp_path / "state"), *options),
         capture_output=True, text=True, timeout=WAIT, env=env or child_env(),
         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
@@ -158,32 +181,28 @@ def _client_threads_line(tmp_path: Path, *options: str, env: dict[str, str] | No
     return line
 
 
-def test_a_standalone_client_divides_its_cores_by_the_processes_on_its_host(tmp_path: Path) -> None:
-    """``--processes-per-host``, or FEDPART_PROCESSES_PER_HOST, divides the cores the process may
-    use (here its affinity, pinned to one CPU, and this machine's own quota); ``--threads`` wins."""
+def test_a_standalone_client_takes_its_share_of_the_cores_by_itself(tmp_path: Path) -> None:
+    """With another client process registered on the host, a ``fedpart client`` started without
+    flags takes half the cores it may use (here its affinity, pinned to one CPU, and this machine's
+    own quota), and says so in its first line; ``--threads`` wins."""
     budget = cpu_budget()
-    threads = client_threads(2, budget)
-    line = _client_threads_line(tmp_path, "--processes-per-host", "2")
-    assert line.endswith(f"] {threads} torch thread{'s' if threads > 1 else ''} "
-                         f"({budget.describe()} / 2 client processes on this host)"), line
-    line = _client_threads_line(tmp_path, env=child_env() | {PROCESSES_PER_HOST_ENV: "3"})
-    assert "/ 3 client processes on this host" in line, line
-    pinned = CpuBudget(1, budget.quota)
-    line = _client_threads_line(tmp_path, cpus={min(os.sched_getaffinity(0))})
-    assert line.endswith(f"1 torch thread ({pinned.describe()} / 1 client process on this host)"), line
-    assert _client_threads_line(tmp_path, "--threads", "3", "--processes-per-host", "2").endswith(
-        "3 torch threads (--threads)")
-
-
-def test_a_bad_processes_per_host_exits_2(tmp_path: Path) -> None:
-    result = subprocess.run(fedpart_command("client", "--server", _closed_address(), "--clients", "0",
-                                            "--state-dir", str(tmp_path / "state")),
-                            capture_output=True, text=True, timeout=WAIT,
-                            env=child_env() | {PROCESSES_PER_HOST_ENV: "0"})
-    assert result.returncode == 2
-    assert result.stderr.strip() == (f"fedpart client: error: {PROCESSES_PER_HOST_ENV} '0': expected a whole "
-                                     "number of client processes, at least 1"), result.stderr
-    assert re.search("torch thread", result.stdout) is None
+    folder = tmp_path / "share"
+    env = child_env() | {HOST_SHARE_ENV: str(folder)}
+    line = _client_threads_line(tmp_path, env=env)
+    assert line.endswith(f"] {budget.cores} torch thread{'s' if budget.cores > 1 else ''} ({budget.describe()} / "
+                         "1 client process on this host; it follows as processes start or stop beside it)"), line
+    neighbour = HostShare(budget, folder)  # another client process of this host
+    try:
+        threads = client_threads(2, budget)
+        line = _client_threads_line(tmp_path, env=env)
+        assert line.endswith(f"] {threads} torch thread{'s' if threads > 1 else ''} ({budget.describe()} / "
+                             "2 client processes on this host; it follows as processes start or stop beside it)"), line
+        pinned = CpuBudget(1, budget.quota)
+        line = _client_threads_line(tmp_path, env=env, cpus={min(os.sched_getaffinity(0))})
+        assert f"1 torch thread ({pinned.describe()} / 2 client processes on this host" in line, line
+        assert _client_threads_line(tmp_path, "--threads", "3", env=env).endswith("3 torch threads (--threads)")
+    finally:
+        neighbour.close()
 
 
 # ------------------------------------------------------------------- threads beside training

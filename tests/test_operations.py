@@ -180,11 +180,11 @@ def test_the_readme_server_command_runs_without_data_or_names_the_option(tmp_pat
     out = tmp_path / "run"
     empty = tmp_path / "no-data"
     empty.mkdir()
-    result = _fedpart("server", "mnist_cnn2", "--out", str(out), "--set", f"data.root={empty}", cwd=tmp_path)
+    result = _fedpart("server", "--insecure", "mnist_cnn2", "--out", str(out), "--set", f"data.root={empty}", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert "evaluate.global_test" in result.stderr and "t10k-images-idx3-ubyte.gz not found" in result.stderr
     assert not out.exists()
-    server = processes.start(fedpart_command("server", "mnist_cnn2", "--out", str(out), "--address", "127.0.0.1:0",
+    server = processes.start(fedpart_command("server", "--insecure", "mnist_cnn2", "--out", str(out), "--address", "127.0.0.1:0",
                                              "--set", f"data.root={empty}", "--set", "evaluate.global_test=false"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     LineReader(server).wait_for(r"waiting for 20 clients", timeout=WAIT)
@@ -204,8 +204,8 @@ def test_a_bad_config_exits_2_before_any_process_starts(tmp_path: Path, command,
     config_path = write_config(tmp_path / "config.yaml", small_config(**overrides))
     out = tmp_path / "out"
     started = time.monotonic()
-    result = _fedpart(command, str(config_path), "--out", str(out), *(["--address", "127.0.0.1:0"]
-                                                                      if command == "server" else []), cwd=tmp_path)
+    result = _fedpart(command, str(config_path), "--out", str(out),
+                      *(["--address", "127.0.0.1:0", "--insecure"] if command == "server" else []), cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert time.monotonic() - started < 20 * WAIT / 300
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
@@ -276,7 +276,7 @@ def test_an_earlier_run_is_never_destroyed(tmp_path: Path) -> None:
     before = _files(out)
     config_path = tmp_path / "run.yaml"
     for args in (["run", str(config_path), "--out", str(out)],
-                 ["server", str(config_path), "--out", str(out), "--address", "127.0.0.1:0"]):
+                 ["server", str(config_path), "--out", str(out), "--address", "127.0.0.1:0", "--insecure"]):
         refused = _fedpart(*args)
         assert refused.returncode == 2, refused.stderr
         assert "already holds a run" in refused.stderr and f"--resume {out}" in refused.stderr \
@@ -284,7 +284,7 @@ def test_an_earlier_run_is_never_destroyed(tmp_path: Path) -> None:
         assert _files(out) == before
     listener, port = _busy_port()
     with listener:
-        refused = _fedpart("server", str(config_path), "--out", str(out), "--overwrite", "--address",
+        refused = _fedpart("server", "--insecure", str(config_path), "--out", str(out), "--overwrite", "--address",
                            f"127.0.0.1:{port}")
     assert refused.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in refused.stderr, refused.stderr
     assert _files(out) == before
@@ -333,7 +333,7 @@ def test_the_address_in_use_is_one_line_and_nothing_is_written(tmp_path: Path) -
     out = tmp_path / "out"
     listener, port = _busy_port()
     with listener:
-        result = _fedpart("server", str(config_path), "--out", str(out), "--address", f"127.0.0.1:{port}")
+        result = _fedpart("server", "--insecure", str(config_path), "--out", str(out), "--address", f"127.0.0.1:{port}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"fedpart server: error: cannot listen on 127.0.0.1:{port}: "
                                                   "Address already in use"], result.stderr
@@ -346,7 +346,7 @@ def test_the_address_in_use_is_one_line_and_nothing_is_written(tmp_path: Path) -
 def test_a_wrong_server_address_is_retried_with_backoff_up_to_connect_timeout(tmp_path: Path) -> None:
     address = f"127.0.0.1:{_free_port()}"
     started = time.monotonic()
-    result = _fedpart("client", "--server", address, "--clients", "0", "--connect-timeout", "4",
+    result = _fedpart("client", "--insecure", "--server", address, "--clients", "0", "--connect-timeout", "4",
                       "--state-dir", str(tmp_path / "state"))
     assert result.returncode == 4, result.stderr
     assert time.monotonic() - started >= 4
@@ -365,7 +365,7 @@ def test_a_wrong_server_address_is_retried_with_backoff_up_to_connect_timeout(tm
 
 
 def _client(processes, address: str, ids: str, root: Path, *extra: str) -> subprocess.Popen:
-    return processes.start(fedpart_command("client", "--server", address, "--clients", ids, "--threads", "1",
+    return processes.start(fedpart_command("client", "--insecure", "--server", address, "--clients", ids, "--threads", "1",
                                            "--state-dir", str(root / f"state_{ids}"), *extra),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -425,7 +425,7 @@ def test_an_interrupted_server_tells_its_clients_writes_what_it_knows_and_resume
     for path in (out / "checkpoints").iterdir():
         path.unlink()
     (out / "checkpoints").rmdir()
-    resumed = processes.start(fedpart_command("server", "--resume", str(out), "--address", address),
+    resumed = processes.start(fedpart_command("server", "--resume", str(out), "--address", address, "--insecure"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     reader = LineReader(resumed)
     reader.wait_for(rf"resuming run \w+ after round {done}/20", timeout=WAIT)
@@ -446,7 +446,7 @@ def test_a_server_that_gives_up_exits_4_and_its_clients_5(tmp_path: Path, proces
     out = tmp_path / "out"
     address = f"127.0.0.1:{_free_port()}"
     client = _client(processes, address, "0-1", tmp_path)  # first, so that it waits for the server; 2-3 never come
-    server = processes.start(fedpart_command("server", str(write_config(tmp_path / "config.yaml", config)),
+    server = processes.start(fedpart_command("server", "--insecure", str(write_config(tmp_path / "config.yaml", config)),
                                              "--address", address, "--out", str(out)),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = LineReader(server).rest(timeout=WAIT)
@@ -477,8 +477,12 @@ def test_without_a_terminal_the_output_is_plain_timestamped_lines(tmp_path: Path
     assert ESCAPE not in log
     assert all(re.match(STAMP + r"\[client \S+\] ", line) for line in log.splitlines()), log
     threads = client_threads(2)  # two client processes share this host's cores
-    for doing in (rf"{threads} torch threads? \(\d+ cores available .* / 2 client processes on this host\)",
-                  r"connecting to 127\.0\.0\.1:\d+ \(TLS with a token\)", r"joined run \w+ hosting clients 0-1",
+    first = re.search(r"\] (\d+) torch threads? \(\d+ cores available .* / ([12]) client process(?:es)? on this host; "
+                      r"it follows as processes start or stop beside it\)", log)
+    assert first, log
+    if first.group(2) == "1" and client_threads(1) != threads:  # it registered before the other one
+        assert re.search(rf"now {threads} torch threads?: 2 client processes share this host's \d+ cores", log), log
+    for doing in (r"connecting to 127\.0\.0\.1:\d+ \(TLS with a token\)", r"joined run \w+ hosting clients 0-1",
                   r"loading digits for clients 0-1", r"task \d+: train client \d round 1",
                   r"client \d round 1: trained \d+ steps in \d+\.\d\d s, loss \d", r"result sent \([\d,]+ bytes\)",
                   r"evaluating and personalising client \d", r"run finished"):
@@ -554,10 +558,10 @@ def test_server_and_client_on_terminals_show_their_live_displays(tmp_path: Path,
     local step of its current task."""
     config_path = write_config(tmp_path / "config.yaml", small_config(rounds=4, **SLOW_ROUNDS))
     port = _free_port()
-    server = OnTerminal(processes, fedpart_command("server", str(config_path), "--out", str(tmp_path / "out"),
+    server = OnTerminal(processes, fedpart_command("server", "--insecure", str(config_path), "--out", str(tmp_path / "out"),
                                                    "--address", f"127.0.0.1:{port}"))
     server.wait_for("listening on", WAIT)
-    client = OnTerminal(processes, fedpart_command("client", "--server", f"127.0.0.1:{port}", "--clients", "0-1",
+    client = OnTerminal(processes, fedpart_command("client", "--insecure", "--server", f"127.0.0.1:{port}", "--clients", "0-1",
                                                    "--threads", "1", "--state-dir", str(tmp_path / "state")))
     assert server.finish(WAIT) == 0, server.output[-3000:]
     assert client.finish(WAIT) == 0, client.output[-3000:]

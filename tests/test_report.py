@@ -453,7 +453,7 @@ def test_a_run_that_lost_a_client_process_is_reported_as_failed(tmp_path: Path, 
 
     def client(index: int, ids: str) -> subprocess.Popen:
         with (tmp_path / f"client_{index}.log").open("a") as log:
-            return processes.start(fedpart_command("client", "--server", address, "--clients", ids, "--threads", "1",
+            return processes.start(fedpart_command("client", "--insecure", "--server", address, "--clients", ids, "--threads", "1",
                                                    "--state-dir", str(tmp_path / f"state_{index}")),
                                    stdout=log, stderr=subprocess.STDOUT)
 

@@ -614,7 +614,7 @@ def _run(tmp_path: Path, processes: Processes, name: str, config: dict,
     the summary, the metrics, the server's output and the run directory."""
     out = tmp_path / name
     server, reader, address = start_server(processes, write_config(tmp_path / f"{name}.yaml", config), out)
-    clients = [processes.start(fedpart_command("client", "--server", address, "--clients", "0-8" if attack else "0-9",
+    clients = [processes.start(fedpart_command("client", "--insecure", "--server", address, "--clients", "0-8" if attack else "0-9",
                                                "--threads", "1", "--state-dir", str(tmp_path / f"{name}-state")),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     if attack:
