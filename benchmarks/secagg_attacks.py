@@ -143,14 +143,17 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only the cases of these names")
     parser.add_argument("--set", action="append", default=[], help="a further config override, e.g. rounds=2")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds any one wait of a run may take")
+    parser.add_argument("--keep", type=Path, help="keep the runs' directories and logs here (default: removed)")
     args = parser.parse_args()
     print("| case | exit code | global accuracy | failures | clients named |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="secagg-attacks-") as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for case in cases(args.tight_bound):
             if args.only and case.name not in args.only:
                 continue
-            row = measure(case, Path(tmp), args.timeout, args.set)
+            row = measure(case, work, args.timeout, args.set)
             accuracy = f"{100 * row.accuracy:.1f} %" if row.accuracy is not None else "-"
             named = ", ".join(map(str, row.named)) or "-"
             print(f"| {case.name} | {row.exit_code} | {accuracy} | {row.failures} | {named} |", flush=True)
