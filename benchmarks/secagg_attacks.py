@@ -13,7 +13,10 @@ row, else the hostile process of ``tests/fixtures/hostile_secagg.py`` (raw gRPC 
 - ``alter-share``: one revealed share altered in the unmask step;
 - ``false-update``: a well-formed masked update of random ring elements (outside what
   semi-honest secure aggregation can check), at the default ``privacy.secure_aggregation_bound``
-  and at ``--tight-bound`` (with the honest row at that bound beside it).
+  and at ``--tight-bound`` (with the honest row at that bound beside it);
+- ``clipped-false-update``: a false update that keeps inside the clip (random elements of
+  +-bound, weighted as an honest one), what a liar could still do if its input were validated,
+  at both bounds.
 
 Per row: the server's exit code, the global model's accuracy on the server's test split after the
 last round, how many failures the summary lists, and the clients its failure lines name. Runs go
@@ -70,8 +73,10 @@ class Row:
 def cases(tight: float) -> list[Case]:
     return [Case("clean", None, None), Case("honest", "honest", None), Case("refuse-share", "refuse-share", None),
             Case("garbage-shares", "garbage-shares", None), Case("alter-share", "alter-share", None),
-            Case("false-update", "false-update", None), Case(f"honest, bound {tight:g}", "honest", tight),
-            Case(f"false-update, bound {tight:g}", "false-update", tight)]
+            Case("false-update", "false-update", None), Case("clipped-false-update", "clipped-false-update", None),
+            Case(f"honest, bound {tight:g}", "honest", tight),
+            Case(f"false-update, bound {tight:g}", "false-update", tight),
+            Case(f"clipped-false-update, bound {tight:g}", "clipped-false-update", tight)]
 
 
 def _credentials(secrets: Path) -> None:
