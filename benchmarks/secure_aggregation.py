@@ -8,13 +8,13 @@ number of clients of ``--clients``: without secure aggregation, with it over the
 the same between the rows of one size: seed, partition, rounds, local SGD.
 
 Per row, from the run's ``metrics.jsonl`` (rounds after the first, which also pays the start-up):
-the mean round seconds on the server, the logical bytes a round moves (each client its own
-device: up and down), and the part of them that is the protocol's own traffic (the ledger part
-``secagg``: keys, sealed shares, the unmasking lists and shares, the headers of the three extra
-tasks), per client and in all. The masked update itself is as large as the plain float32 update
-and is counted under body/head. Runs go one after another.
+the mean round seconds on the server, the logical bytes a round moves (each client its own device:
+up and down), and the part of them that is the protocol's own traffic (the ledger part ``secagg``:
+keys, commitments, sealed shares, disputes, the masking and unmasking lists, revealed shares, the
+headers of the four extra tasks), per client and in all. The masked update itself is as large as
+the plain float32 update and is counted under body/head. Runs go one after another.
 
-    nice -n 19 python benchmarks/secure_aggregation.py      # the table of docs/privacy.md
+    nice -n 19 python benchmarks/secure_aggregation.py      # the table of docs/secure-aggregation.md
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ class ClientProcess:
         self._call(self.session.joined_run(server.call_timeout, server.heartbeat_timeout))  # beats while data loads
         try:
             self.store = ClientStore(self.state_dir, reply.run_id)
-            self.secure = SecureUpdates(reply.run_id)
+            self.secure = SecureUpdates(reply.run_id, self.log)
             self.store.mark_latest()
             restored = [c for c in self.client_ids if self.store.personal_parts(c)]
             if restored:
@@ -370,12 +370,8 @@ class ClientProcess:
         client, step = task.client_id, task.secagg
         self.activity.task(f"client {client} round {task.round}: secure aggregation ({step.stage.name.lower()})")
         try:
-            if step.stage == SecAggStage.SHARE:
-                return Answer(secagg=self.secure.share(client, task.round, step))
-            if step.stage == SecAggStage.UNMASK:
-                return Answer(secagg=self.secure.reveal(client, task.round, step))
             if step.stage != SecAggStage.MASK:
-                raise SecureStepError(f"client {client}: a SECAGG task with stage {step.stage.name}")
+                return Answer(secagg=self.secure.answer(client, task.round, step))
             masked = self.secure.mask(client, task.round, step)
         except SecureStepError as error:
             self.log(f"warning: {error}")

@@ -1,17 +1,19 @@
 """A client's side of secure aggregation (``privacy.secure_aggregation``, docs/privacy.md).
 
 The worker keeps each hosted client's update of the current round here instead of sending it
-(Bonawitz et al., CCS 2017): the TRAIN task's ADVERTISE step answers two public keys, SHARE
-answers a sealed share of the client's secrets for each neighbour, MASK answers the update
-clipped, quantized and masked (int32 tensors of the uploaded tensors' shapes), UNMASK answers the
-shares the server needs to remove the masks of the sum. The steps themselves are
+(Bonawitz et al., CCS 2017): the TRAIN task's ADVERTISE step answers two public keys and a
+commitment to the self-mask seed, SHARE answers a sealed share of the client's secrets for each
+neighbour and a commitment to every share, CHECK answers the neighbours whose shares sealed to it
+do not open or do not match their commitments, MASK answers the update clipped, quantized and
+masked with the peers the step names (int32 tensors of the uploaded tensors' shapes), UNMASK
+answers the shares the server needs to remove the masks of the sum. The steps themselves are
 :class:`fedpart.common.secagg.ClientParty`'s; this module keeps one party per client and round.
 A process that restarts loses its parties: its clients count as dropped out of that round.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,14 +36,17 @@ class _Kept:
 
 class SecureUpdates:
     """The parties and kept updates of the clients a process hosts, for the round in progress.
-    Delivery is at least once: a step that arrives again gets the answer it got the first time."""
+    Delivery is at least once: a step that arrives again gets the answer it got the first time.
+    ``log`` gets a warning line for every neighbour whose shares do not hold."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, log: Callable[[str], None] = print) -> None:
         self.run_id = run_id
+        self.log = log
         self._kept: dict[tuple[int, int], _Kept] = {}
 
     def advertise(self, client: int, round_number: int, update: Mapping[str, torch.Tensor]) -> SecAggAnswer:
-        """Keep ``update`` (the deltas the plan uploads) and answer the client's public keys.
+        """Keep ``update`` (the deltas the plan uploads) and answer the client's public keys and
+        seed commitment.
         Parties of earlier rounds are dropped: a round's steps end before the next round starts."""
         for key in [k for k in self._kept if k[1] < round_number]:
             del self._kept[key]
@@ -51,19 +56,39 @@ class SecureUpdates:
         self._kept[(client, round_number)] = _Kept(party, {n: t.detach().to("cpu", torch.float32)
                                                            for n, t in update.items()})
         cipher_key, mask_key = party.public_keys()
-        answer = SecAggAnswer(cipher_key=cipher_key, mask_key=mask_key)
+        answer = SecAggAnswer(cipher_key=cipher_key, mask_key=mask_key, seed_commitment=party.seed_commitment())
         self._kept[(client, round_number)].answers[SecAggStage.ADVERTISE] = answer
         return answer
 
-    def share(self, client: int, round_number: int, step: SecAggStep) -> SecAggAnswer:
+    def answer(self, client: int, round_number: int, step: SecAggStep) -> SecAggAnswer:
+        """The answer to a SHARE, CHECK or UNMASK step."""
+        steps = {SecAggStage.SHARE: self._share, SecAggStage.CHECK: self._check, SecAggStage.UNMASK: self._reveal}
+        if step.stage not in steps:
+            raise SecureStepError(f"client {client}: a SECAGG task with stage {step.stage.name}")
         kept = self._party(client, round_number)
-        if SecAggStage.SHARE in kept.answers:
-            return kept.answers[SecAggStage.SHARE]
-        try:
-            answer = kept.answers[SecAggStage.SHARE] = SecAggAnswer(sealed=kept.party.share(step.peers, step.threshold))
-            return answer
-        except SecAggError as error:
-            raise SecureStepError(f"client {client} round {round_number}: sharing failed: {error}") from error
+        if step.stage not in kept.answers:
+            try:
+                kept.answers[step.stage] = steps[step.stage](kept.party, step)
+            except SecAggError as error:
+                raise SecureStepError(f"client {client} round {round_number}: {step.stage.name.lower()} "
+                                      f"refused: {error}") from error
+        return kept.answers[step.stage]
+
+    @staticmethod
+    def _share(party: ClientParty, step: SecAggStep) -> SecAggAnswer:
+        dealt = party.share(step.peers, step.threshold)
+        return SecAggAnswer(sealed=dealt.sealed, commitments=dealt.commitments)
+
+    def _check(self, party: ClientParty, step: SecAggStep) -> SecAggAnswer:
+        disputed = party.check(step.sealed, step.commitments)
+        for sender, why in sorted(disputed.items()):
+            self.log(f"warning: client {party.client_id}: the shares from client {sender} do not hold ({why}); "
+                     "told the server")
+        return SecAggAnswer(disputed=tuple(sorted(disputed)))
+
+    @staticmethod
+    def _reveal(party: ClientParty, step: SecAggStep) -> SecAggAnswer:
+        return SecAggAnswer(revealed=party.reveal(step.survivors, step.dropped))
 
     def mask(self, client: int, round_number: int, step: SecAggStep) -> dict[str, torch.Tensor]:
         """The masked update: every element clipped to the step's bound, quantized with its step,
@@ -73,7 +98,7 @@ class SecureUpdates:
             return kept.answers[SecAggStage.MASK]
         flat = np.concatenate([t.reshape(-1).numpy() for t in kept.update.values()])
         try:
-            masked = kept.party.masked(quantize(flat, step.bound, step.step, step.weight), step.sealed)
+            masked = kept.party.masked(quantize(flat, step.bound, step.step, step.weight), step.mask_with)
         except SecAggError as error:
             raise SecureStepError(f"client {client} round {round_number}: masking failed: {error}") from error
         signed = torch.from_numpy(masked.view(np.int32))
@@ -83,13 +108,6 @@ class SecureUpdates:
             start += tensor.numel()
         kept.answers[SecAggStage.MASK] = out
         return out
-
-    def reveal(self, client: int, round_number: int, step: SecAggStep) -> SecAggAnswer:
-        kept = self._party(client, round_number)
-        try:
-            return SecAggAnswer(revealed=kept.party.reveal(step.survivors, step.dropped))
-        except SecAggError as error:
-            raise SecureStepError(f"client {client} round {round_number}: unmasking refused: {error}") from error
 
     def _party(self, client: int, round_number: int) -> _Kept:
         kept = self._kept.get((client, round_number))

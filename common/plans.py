@@ -28,10 +28,11 @@ class SecAggStage(IntEnum):
     proto's ``SecAggStage``. ADVERTISE rides on the TRAIN task; the others are SECAGG tasks."""
 
     NONE = 0
-    ADVERTISE = 1  # train, keep the update, answer two public keys
-    SHARE = 2      # the neighbours' keys: answer a sealed share of the secrets for each
-    MASK = 3       # the shares sealed to this client: answer the masked, quantized update
+    ADVERTISE = 1  # train, keep the update, answer two public keys and a seed commitment
+    SHARE = 2      # the neighbours' keys: answer a sealed share of the secrets for each, and commitments
+    MASK = 3       # the peers to mask with: answer the masked, quantized update
     UNMASK = 4     # who masked and who dropped out: answer the shares that remove the masks
+    CHECK = 5      # between SHARE and MASK: the shares sealed to this client; answer those that fail
 
 
 class RunOutcome(IntEnum):
@@ -92,12 +93,15 @@ class SecAggStep:
     stage: SecAggStage
     peers: Mapping[int, tuple[bytes, bytes]] = field(default_factory=dict)  # SHARE: neighbour -> (cipher, mask) keys
     threshold: int = 0                    # SHARE: shares that rebuild a secret
-    sealed: Mapping[int, bytes] = field(default_factory=dict)  # MASK: shares sealed to this client, by sender
+    sealed: Mapping[int, bytes] = field(default_factory=dict)  # CHECK: shares sealed to this client, by sender
     survivors: tuple[int, ...] = ()       # UNMASK: neighbours whose masked update arrived
     dropped: tuple[int, ...] = ()         # UNMASK: neighbours that shared but sent no masked update
     bound: float = 0.0                    # MASK: each element is clipped to [-bound, bound]
     step: float = 0.0                     # MASK: quantization step
     weight: int = 0                       # MASK: integer weight multiplied into the quantized update
+    # CHECK: the commitments (seed share, key share) of the shares sealed to this client, by sender
+    commitments: Mapping[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    mask_with: tuple[int, ...] = ()       # MASK: the peers this client masks with
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,10 @@ class SecAggAnswer:
     mask_key: bytes = b""                 # ADVERTISE
     sealed: Mapping[int, bytes] = field(default_factory=dict)    # SHARE: by recipient
     revealed: Mapping[int, bytes] = field(default_factory=dict)  # UNMASK: shares held, by their owner
+    seed_commitment: bytes = b""          # ADVERTISE
+    # SHARE: the commitments (seed share, key share) of every share dealt, by holder
+    commitments: Mapping[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    disputed: tuple[int, ...] = ()        # CHECK: senders whose shares do not open or do not match
 
 
 @dataclass

@@ -4,12 +4,21 @@ The protocol is Bonawitz et al., "Practical Secure Aggregation for Privacy-Prese
 Learning" (CCS 2017), semi-honest variant: each client advertises two X25519 public keys (one
 encrypts the Shamir shares it sends to its peers, one agrees the pairwise mask seeds), splits a
 random self-mask seed and its mask private key among its neighbours, adds to its quantized update
-its self mask and, for every neighbour v that shared, ``+PRG(s_uv)`` if ``u < v`` else
+its self mask and, for every neighbour v it masks with, ``+PRG(s_uv)`` if ``u < v`` else
 ``-PRG(s_uv)``; the pairwise masks cancel in the server's sum, and the server removes what is
 left with the secrets the survivors reveal: the self-mask seed of every client that sent a masked
 update, the mask private key of every client that shared but did not. Neighbourhoods are the
 SecAgg+ graph of Bell et al., "Secure Single-Server Aggregation with (Poly)Logarithmic Overhead"
 (CCS 2020): a random circulant graph of even degree instead of the complete graph.
+
+What one lying client can break in that protocol, it cannot break silently here: every secret is
+bound to its dealer by SHA-256 commitments made before anyone masks (the self-mask seed's with
+the keys, every share's with the sealed shares), so a revealed share that was altered, or a
+dealer whose shares do not rebuild what it committed to, is found and named (:func:`unmask`);
+and each client checks the shares sealed to it before masking (:meth:`ClientParty.check`), so
+that a pair that disputes its shares leaves the round's graph instead of the honest side
+dropping out (:func:`mask_graph`). A well-formed false update is beyond any of this: the
+protocol hides inputs, it cannot vouch for them.
 
 Arithmetic is modulo ``2**RING_BITS``: updates are quantized to integers (:func:`quantize`), and a
 masked update is a ``uint32`` vector that travels as ``int32`` (the same bits).
@@ -17,10 +26,12 @@ masked update is a ``uint32`` vector that travels as ``int32`` (the same bits).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -32,7 +43,12 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 
 class SecAggError(ValueError):
-    """A step of secure aggregation cannot be done (says why)."""
+    """A step of secure aggregation cannot be done (says why); ``culprits``: the clients whose
+    messages made it fail, where that is known (empty for dropouts alone)."""
+
+    def __init__(self, message: str, culprits: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.culprits = tuple(sorted(set(culprits)))
 
 
 RING_BITS = 32  # masked updates are sums modulo 2**32; on the wire as int32 (two's complement view)
@@ -49,6 +65,9 @@ _KEY_BYTES = 32
 _CIPHER_PURPOSE = b"fedpart secagg cipher\x00"
 _MASK_PURPOSE = b"fedpart secagg mask\x00"
 _SHARES_LABEL = b"fedpart secagg shares\x00"
+_SEED_COMMITMENT = b"fedpart secagg seed commitment\x00"
+_SHARE_COMMITMENT = b"fedpart secagg share commitment\x00"
+SEED, KEY = 0, 1  # the two secrets a client deals: its self-mask seed and its mask private key
 
 
 def _check_id(client: int, what: str = "client id") -> int:
@@ -285,8 +304,49 @@ def _associated(round_tag: bytes, sender: int, recipient: int) -> bytes:
     )
 
 
+def seed_commitment(round_tag: bytes, owner: int, seed: bytes) -> bytes:
+    """SHA-256 of the self-mask seed of ``owner``, bound to the round and the owner.
+
+    Advertised with the keys, before any share exists, so a rebuilt seed can be checked the way a
+    rebuilt mask key is checked against its public key. Hiding because the seed is 32 random bytes.
+    """
+    owner = _check_id(owner, "owner id")
+    return hashlib.sha256(_SEED_COMMITMENT + len(round_tag).to_bytes(8, "big") + round_tag
+                          + owner.to_bytes(8, "big") + seed).digest()
+
+
+def share_commitments(round_tag: bytes, owner: int, holder: int, pair: tuple[bytes, bytes]) -> tuple[bytes, bytes]:
+    """SHA-256 commitments to the two shares (seed share, key share) ``owner`` dealt ``holder``.
+
+    Each binds the round, the dealer, the holder and which secret the share is of. The dealer
+    sends them to the server with its sealed shares; the holder checks the shares it opens against
+    them before masking (:meth:`ClientParty.check`) and the server checks every revealed share
+    against them (:func:`unmask`): so a share that does not match was altered by its holder, and
+    shares that match but do not rebuild the committed secret were dealt wrong by their dealer.
+    Hiding because a share's y is uniform over a 521-bit field for any threshold of 2 or more.
+    """
+    return (_share_commitment(round_tag, owner, holder, SEED, pair[SEED]),
+            _share_commitment(round_tag, owner, holder, KEY, pair[KEY]))
+
+
+def _share_commitment(round_tag: bytes, owner: int, holder: int, kind: int, share: bytes) -> bytes:
+    return hashlib.sha256(_SHARE_COMMITMENT + len(round_tag).to_bytes(8, "big") + round_tag
+                          + _check_id(owner, "owner id").to_bytes(8, "big")
+                          + _check_id(holder, "holder id").to_bytes(8, "big") + bytes([kind]) + share).digest()
+
+
 def _pair_mask(private: X25519PrivateKey, peer_mask_key: bytes, round_tag: bytes, elements: int) -> np.ndarray:
     return mask_stream(shared_key(private, peer_mask_key, _MASK_PURPOSE + round_tag), elements)
+
+
+@dataclass(frozen=True)
+class Dealt:
+    """A client's answer to the SHARE step: its shares sealed to each neighbour, and the
+    commitments to every share it dealt (:func:`share_commitments`), by holder (the neighbours
+    and the client itself)."""
+
+    sealed: dict[int, bytes]
+    commitments: dict[int, tuple[bytes, bytes]]
 
 
 class ClientParty:
@@ -304,13 +364,20 @@ class ClientParty:
         self._mask_private, self._mask_public = key_pair()
         self._seed = os.urandom(_KEY_BYTES)
         self._peers: dict[int, tuple[bytes, bytes]] | None = None
+        self._threshold = 0
         self._own: tuple[bytes, bytes] | None = None  # this client's shares of its seed and key
-        self._held: dict[int, tuple[bytes, bytes]] | None = None  # owner -> (seed, key) shares
+        self._held: dict[int, tuple[bytes, bytes]] | None = None  # owner -> (seed, key) shares that checked
+        self._masked_with: tuple[int, ...] | None = None  # the peers it masked with, once it has
         self._revealed: tuple[tuple[int, ...], tuple[int, ...], dict[int, bytes]] | None = None
 
     def public_keys(self) -> tuple[bytes, bytes]:
         """(cipher public key, mask public key), 32 raw bytes each."""
         return self._cipher_public, self._mask_public
+
+    def seed_commitment(self) -> bytes:
+        """The commitment to this client's self-mask seed (:func:`seed_commitment`), advertised
+        with the public keys."""
+        return seed_commitment(self.round_tag, self.client_id, self._seed)
 
     def _agree(self, private: X25519PrivateKey, peer: int, peer_key: bytes, purpose: bytes) -> bytes:
         try:
@@ -318,12 +385,13 @@ class ClientParty:
         except SecAggError as error:
             raise SecAggError(f"client {peer}: {error}") from error
 
-    def share(self, peers: Mapping[int, tuple[bytes, bytes]], threshold: int) -> dict[int, bytes]:
+    def share(self, peers: Mapping[int, tuple[bytes, bytes]], threshold: int) -> Dealt:
         """Split the self-mask seed and the mask private key among the neighbours and this client.
 
         ``peers``: each neighbour's (cipher key, mask key), without this client. Returns, for each
         neighbour, its two shares (seed share then key share, 148 bytes) sealed with the cipher
-        key agreed with it, bound to the round, the sender and the recipient.
+        key agreed with it, bound to the round, the sender and the recipient; and the commitments
+        to every share, this client's own included.
         """
         if self._peers is not None:
             raise SecAggError(f"client {self.client_id} has already shared")
@@ -337,7 +405,7 @@ class ClientParty:
         seed_shares = split_secret(self._seed, threshold, holders)
         mask_key = self._mask_private.private_bytes_raw()
         key_shares = split_secret(mask_key, threshold, holders)
-        out = {
+        sealed = {
             v: seal(
                 self._agree(self._cipher_private, v, keys[0], _CIPHER_PURPOSE),
                 seed_shares[v] + key_shares[v],
@@ -347,63 +415,98 @@ class ClientParty:
         }
         for v, keys in ids.items():  # a mask key that cannot agree would only fail in masked()
             self._agree(self._mask_private, v, keys[1], _MASK_PURPOSE)
+        commitments = {h: share_commitments(self.round_tag, self.client_id, h, (seed_shares[h], key_shares[h]))
+                       for h in holders}
         self._peers = ids
+        self._threshold = threshold
         self._own = (seed_shares[self.client_id], key_shares[self.client_id])
-        return out
+        return Dealt(sealed, commitments)
 
-    def masked(self, quantized: np.ndarray, sealed: Mapping[int, bytes]) -> np.ndarray:
-        """The quantized update plus its self mask and the pairwise masks with every sender.
+    def check(self, sealed: Mapping[int, bytes], commitments: Mapping[int, tuple[bytes, bytes]]) -> dict[int, str]:
+        """Open the shares sealed to this client and keep those that hold; returns the senders whose
+        shares do not, with why (the CHECK step's answer: the server takes those pairs out of the
+        round's graph, :func:`mask_graph`).
 
-        ``sealed``: the shares sealed to this client, by sender (the neighbours that shared). The
-        mask with sender v is ``+PRG(s_uv)`` when this id is below v, else ``-PRG(s_uv)``, so the
-        pair cancels in the sum (Bonawitz et al. §4). Modulo 2**32; callable once.
+        ``sealed``: by sender; ``commitments``: each sender's commitments to the shares it dealt
+        this client. A pair of shares holds when it authenticates under the key agreed with its
+        sender and bound to the round, sender and recipient, is two well-formed shares of this
+        client's point, and matches its commitments. Callable once; SecAggError (and nothing kept)
+        for a sender that is not a peer or a box without its commitments.
         """
         if self._peers is None:
             raise SecAggError(f"client {self.client_id} has not shared yet")
         if self._held is not None:
+            raise SecAggError(f"client {self.client_id} has already checked its shares")
+        if set(sealed) != set(commitments):
+            raise SecAggError("the sealed shares and their commitments name different senders")
+        strangers = sorted(set(sealed) - set(self._peers))
+        if strangers:
+            raise SecAggError(f"clients {strangers} are not peers of client {self.client_id}")
+        held, disputed = {self.client_id: self._own}, {}
+        for v in sorted(sealed):
+            try:
+                held[v] = self._open(v, sealed[v], commitments[v])
+            except SecAggError as error:
+                disputed[v] = str(error)
+        self._held = held
+        return disputed
+
+    def _open(self, sender: int, box: bytes, commitments: tuple[bytes, bytes]) -> tuple[bytes, bytes]:
+        """The pair of shares in ``box`` from ``sender``, checked; SecAggError says why not."""
+        key = self._agree(self._cipher_private, sender, self._peers[sender][0], _CIPHER_PURPOSE)
+        plain = unseal(key, box, _associated(self.round_tag, sender, self.client_id))
+        if len(plain) != 2 * _SHARE_BYTES:
+            raise SecAggError(f"the shares are {len(plain)} bytes instead of {2 * _SHARE_BYTES}")
+        pair = (plain[:_SHARE_BYTES], plain[_SHARE_BYTES:])
+        for part in pair:
+            _share_point(self.client_id, part)
+        if share_commitments(self.round_tag, sender, self.client_id, pair) != tuple(commitments):
+            raise SecAggError("the shares do not match their commitments")
+        return pair
+
+    def masked(self, quantized: np.ndarray, peers: Collection[int]) -> np.ndarray:
+        """The quantized update plus its self mask and the pairwise masks with ``peers``.
+
+        ``peers``: the neighbours to mask with (the MASK step's), all of them peers whose shares
+        held in :meth:`check`, and with this client at least the threshold (Bonawitz et al. Fig. 4:
+        a client aborts with fewer than t peers left). The mask with peer v is ``+PRG(s_uv)`` when
+        this id is below v, else ``-PRG(s_uv)``, so the pair cancels in the sum. Modulo 2**32;
+        callable once.
+        """
+        if self._held is None:
+            raise SecAggError(f"client {self.client_id} has not checked its shares yet")
+        if self._masked_with is not None:
             raise SecAggError(f"client {self.client_id} has already sent its masked update")
         if not isinstance(quantized, np.ndarray) or quantized.dtype != np.uint32:
             raise SecAggError("a quantized update is a uint32 array")
-        held = {}
-        for v, box in sealed.items():
-            if v not in self._peers:
-                raise SecAggError(f"client {v} is not a peer of client {self.client_id}")
-            try:
-                key = self._agree(self._cipher_private, v, self._peers[v][0], _CIPHER_PURPOSE)
-                plain = unseal(key, box, _associated(self.round_tag, v, self.client_id))
-            except SecAggError as error:
-                raise SecAggError(f"the shares from client {v}: {error}") from error
-            pair = (plain[:_SHARE_BYTES], plain[_SHARE_BYTES:])
-            try:
-                if len(plain) != 2 * _SHARE_BYTES:
-                    raise SecAggError(f"{len(plain)} bytes instead of {2 * _SHARE_BYTES}")
-                for part in pair:
-                    _share_point(self.client_id, part)
-            except SecAggError as error:
-                raise SecAggError(f"the shares from client {v} are malformed: {error}") from error
-            held[v] = pair
+        ids = sorted(set(peers))
+        unheld = [v for v in ids if v == self.client_id or v not in self._held]
+        if unheld:
+            raise SecAggError(f"client {self.client_id} holds no checked shares of clients {unheld}")
+        if len(ids) + 1 < self._threshold:
+            raise SecAggError(f"client {self.client_id} would mask with {len(ids)} peers, fewer than the "
+                              f"threshold {self._threshold} needs")
         out = quantized + mask_stream(self._seed, quantized.size).reshape(quantized.shape)
-        for v in sorted(held):
+        for v in ids:
             pair = _pair_mask(self._mask_private, self._peers[v][1], self.round_tag, quantized.size)
             if self.client_id < v:
                 out += pair.reshape(quantized.shape)
             else:
                 out -= pair.reshape(quantized.shape)
-        held[self.client_id] = self._own
-        self._held = held
+        self._masked_with = tuple(ids)
         return out
 
     def reveal(self, survivors: Sequence[int], dropped: Sequence[int]) -> dict[int, bytes]:
         """The shares the server needs: owner -> this client's Shamir share.
 
         For each survivor (this client may be one) the share of its self-mask seed; for each
-        dropped client the share of its mask private key. Never both for one client: a client in
-        both lists, one whose shares this client does not hold, this client among the dropped, or a
-        second call with other lists is a SecAggError and reveals nothing (Bonawitz et al. §4: a
-        client's update stays hidden only if at most one of its secrets is ever revealed). The
-        same lists again give the same answer (at-least-once delivery).
+        dropped client the share of its mask private key; only of the peers it masked with. Never
+        both for one client: a client in both lists, one it did not mask with, this client among
+        the dropped, or a second call with other lists is a SecAggError and reveals nothing
+        (Bonawitz et al. §4: a client's update stays hidden only if at most one of its secrets is
+        ever revealed). The same lists again give the same answer (at-least-once delivery).
         """
-        if self._held is None:
+        if self._masked_with is None:
             raise SecAggError(f"client {self.client_id} has not sent its masked update")
         alive, gone = tuple(sorted(survivors)), tuple(sorted(dropped))
         if self._revealed is not None:
@@ -418,73 +521,170 @@ class ClientParty:
             raise SecAggError(f"clients {sorted(both)} are listed both as survivors and as dropped")
         if self.client_id in gone:
             raise SecAggError(f"client {self.client_id} is listed as dropped")
-        unknown = sorted(set(alive + gone) - set(self._held))
+        unknown = sorted(set(alive + gone) - {self.client_id, *self._masked_with})
         if unknown:
-            raise SecAggError(f"client {self.client_id} holds no shares of clients {unknown}")
-        answer = {u: self._held[u][0] for u in alive} | {v: self._held[v][1] for v in gone}
+            raise SecAggError(f"client {self.client_id} did not mask with clients {unknown}")
+        answer = {u: self._held[u][SEED] for u in alive} | {v: self._held[v][KEY] for v in gone}
         self._revealed = (alive, gone, answer)
         return dict(answer)
+
+
+@dataclass(frozen=True)
+class MaskGraph:
+    """Who masks with whom once the CHECK step's disputes are in (:func:`mask_graph`)."""
+
+    neighbours: dict[int, tuple[int, ...]]  # the clients that mask, each with the peers it masks with
+    named: dict[int, int]                   # dropped for their own disputes (more than the threshold leaves room
+                                            # for): client -> how many of its neighbours it disputes with
+    short: tuple[int, ...]                  # dropped because too few undisputed neighbours remain to them
+    disputed: tuple[tuple[int, int], ...]   # the pairs taken out between clients that stay
+
+
+def mask_graph(graph: Mapping[int, Sequence[int]], shared: Collection[int], checked: Collection[int],
+               disputes: Mapping[int, Collection[int]], threshold: int) -> MaskGraph:
+    """The round's graph for masking: the SHARE graph ``graph`` among the clients that ``checked``
+    (answered the CHECK step), less every pair one side disputes.
+
+    ``shared``: the clients whose shares were routed (those that answered SHARE); ``disputes``:
+    client -> the senders whose shares did not hold for it. The server cannot tell which side of a
+    disputed pair lies (each box opens only to its recipient), so the pair stops masking together
+    and holds no shares of each other; that is harmless while each side keeps ``threshold - 1``
+    neighbours. A client in more disputes than its neighbourhood has room for (more than
+    ``len(graph[c]) + 1 - threshold``) is dropped and named: the sender of bad shares to its
+    neighbours, or a client that disputes theirs, isolates itself, while naming an honest client
+    takes that many liars among its neighbours, as breaking the threshold does. Clients then left
+    with fewer than ``threshold - 1`` neighbours drop out as well (named as short, not blamed),
+    until every client that masks keeps enough holders of its secrets.
+    """
+    present = set(shared)
+    pairs = {frozenset((c, v)) for c, senders in disputes.items() for v in senders if v != c}
+    lost = {c: sum(frozenset((c, v)) in pairs for v in graph[c] if v in present) for c in present}
+    named = {c: lost[c] for c in sorted(present) if lost[c] > len(graph[c]) + 1 - threshold}
+    kept = set(checked) - set(named)
+    near = {c: {v for v in graph[c] if v in kept and frozenset((c, v)) not in pairs} for c in kept}
+    short: set[int] = set()
+    while True:
+        out = {c for c in near if len(near[c]) + 1 < threshold}
+        if not out:
+            break
+        short |= out
+        near = {c: vs - out for c, vs in near.items() if c not in out}
+    disputed = sorted((min(p), max(p)) for p in pairs if p <= near.keys())
+    return MaskGraph({c: tuple(sorted(near[c])) for c in sorted(near)}, named, tuple(sorted(short)), tuple(disputed))
+
+
+@dataclass(frozen=True)
+class Commitments:
+    """What one client committed to before anyone masked: the public key of its pairwise masks,
+    the commitment to its self-mask seed (:func:`seed_commitment`), and those to every share it
+    dealt (:func:`share_commitments`), by holder."""
+
+    mask_key: bytes
+    seed: bytes
+    shares: Mapping[int, tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True)
+class Unmasked:
+    """The unmasked sum, and the holders whose revealed shares did not match their commitments
+    (ignored: the sum was rebuilt without them)."""
+
+    total: np.ndarray
+    liars: tuple[int, ...]
 
 
 def unmask(
     total: np.ndarray,
     masked_by: Sequence[int],
-    shared: Mapping[int, tuple[bytes, bytes]],
+    committed: Mapping[int, Commitments],
     graph: Mapping[int, Sequence[int]],
     revealed: Mapping[int, Mapping[int, bytes]],
     threshold: int,
     round_tag: bytes,
-) -> np.ndarray:
+) -> Unmasked:
     """The server's last step (Bonawitz et al. Fig. 4, round 4): the unmasked uint32 sum.
 
-    ``total``: the sum modulo 2**32 of the masked updates of ``masked_by`` (U3). ``shared``: the
-    (cipher, mask) public keys of every client that shared (U2, containing U3). ``graph``: the
-    round's neighbours. ``revealed``: answering client -> owner -> share. Rebuilds the self-mask
-    seed of each survivor and the mask private key of each dropped client (U2 - U3) that has a
-    surviving neighbour, removes the survivors' self masks and the pairwise masks between dropped
-    clients and their surviving neighbours (pairs inside U3 cancel in the sum). SecAggError names
-    the clients whose secret has fewer than ``threshold`` shares, or whose rebuilt mask key does
-    not match its public key.
+    ``total``: the sum modulo 2**32 of the masked updates of ``masked_by`` (U3). ``committed``:
+    what every client in the round's mask graph committed to (containing U3). ``graph``: who
+    masked with whom (:func:`mask_graph`). ``revealed``: answering client -> owner -> share.
+    Every revealed share is checked against its dealer's commitment first: one that does not
+    match is ignored and its holder is a liar. Rebuilds the self-mask seed of each survivor and the
+    mask private key of each dropped client (in the graph, not in U3) that has a surviving
+    neighbour, checks each against the seed commitment or the public key, removes the survivors'
+    self masks and the pairwise masks between dropped clients and their surviving neighbours
+    (pairs inside U3 cancel in the sum). SecAggError when a secret has fewer than ``threshold``
+    matching shares (naming the liars, if that is why, else the clients short of shares) or when
+    matching shares do not rebuild what their dealer committed to (naming the dealer): its
+    ``culprits`` are the liars and such dealers.
     """
     if not isinstance(total, np.ndarray) or total.dtype != np.uint32:
         raise SecAggError("the masked sum is a uint32 array")
     alive = {_check_id(u) for u in masked_by}
-    outside = sorted(alive - set(shared))
+    outside = sorted(alive - set(committed))
     if outside:
-        raise SecAggError(f"clients {outside} sent a masked update but never shared")
-    missing = sorted(c for c in shared if c not in graph)
+        raise SecAggError(f"clients {outside} sent a masked update but are not in the round's graph")
+    missing = sorted(c for c in committed if c not in graph)
     if missing:
         raise SecAggError(f"clients {missing} are not in the neighbourhood graph")
-    gone = {v: sorted(u for u in graph[v] if u in alive) for v in shared if v not in alive}
+    gone = {v: sorted(u for u in graph[v] if u in alive) for v in committed if v not in alive}
     gone = {v: us for v, us in gone.items() if us}  # no surviving neighbour: no mask to remove
-    owners = sorted(alive | set(gone))
-    shares: dict[int, dict[int, bytes]] = {c: {} for c in owners}
-    for holder, answer in revealed.items():
-        for owner, share in answer.items():
-            if owner in shares:
-                shares[owner][holder] = share
-    short = [c for c in owners if len(shares[c]) < threshold]
+    shares, liars = _matching_shares(sorted(alive | set(gone)), alive, committed, revealed, round_tag)
+    short = [c for c in shares if len(shares[c]) < threshold]
+    if short and liars:
+        raise SecAggError(f"clients {liars} revealed shares that do not match their commitments (ignored), and "
+                          f"fewer than {threshold} matching shares remain of the secrets of {len(short)} client(s)",
+                          liars)
     if short:
         raise SecAggError(f"fewer than {threshold} shares of the secrets of clients {short}")
     out = total.copy()
     flat = out.reshape(-1)
+    dealers = {}
     for u in sorted(alive):
         try:
             seed = combine_shares(shares[u], threshold)
+            if seed_commitment(round_tag, u, seed) != committed[u].seed:
+                raise SecAggError("it does not match its commitment")
         except SecAggError as error:
-            raise SecAggError(f"the self-mask seed of client {u}: {error}") from error
+            dealers[u] = f"self-mask seed: {error}"
+            continue
         flat -= mask_stream(seed, flat.size)
     for v, survivors in sorted(gone.items()):
         try:
             private = X25519PrivateKey.from_private_bytes(combine_shares(shares[v], threshold))
+            if _public_bytes(private) != committed[v].mask_key:
+                raise SecAggError("it does not match its public key")
         except SecAggError as error:
-            raise SecAggError(f"the mask key of client {v}: {error}") from error
-        if _public_bytes(private) != shared[v][1]:
-            raise SecAggError(f"the rebuilt mask key of client {v} does not match its public key")
+            dealers[v] = f"mask key: {error}"
+            continue
         for u in survivors:  # u added +PRG(s_uv) if u < v, else -PRG(s_uv)
-            pair = _pair_mask(private, shared[u][1], bytes(round_tag), flat.size)
+            pair = _pair_mask(private, committed[u].mask_key, bytes(round_tag), flat.size)
             if u < v:
                 flat -= pair
             else:
                 flat += pair
-    return out
+    if dealers:
+        why = "; ".join(f"client {c}'s {reason}" for c, reason in sorted(dealers.items()))
+        also = f"; clients {liars} revealed shares that do not match their commitments (ignored)" if liars else ""
+        raise SecAggError(f"clients {sorted(dealers)} dealt shares that match their commitments but do not rebuild "
+                          f"the secret they committed to ({why}){also}", [*dealers, *liars])
+    return Unmasked(out, tuple(liars))
+
+
+def _matching_shares(owners: Sequence[int], alive: Collection[int], committed: Mapping[int, Commitments],
+                     revealed: Mapping[int, Mapping[int, bytes]], round_tag: bytes
+                     ) -> tuple[dict[int, dict[int, bytes]], list[int]]:
+    """owner -> holder -> the revealed shares that match their dealer's commitments (of the seed
+    of a survivor, of the mask key of any other owner), and the holders of any that do not."""
+    shares: dict[int, dict[int, bytes]] = {c: {} for c in owners}
+    liars = set()
+    for holder, answer in revealed.items():
+        for owner, share in answer.items():
+            if owner not in shares:
+                continue
+            kind = SEED if owner in alive else KEY
+            expected = committed[owner].shares.get(holder)
+            if expected is None or _share_commitment(round_tag, owner, holder, kind, share) != expected[kind]:
+                liars.add(holder)
+                continue
+            shares[owner][holder] = share
+    return shares, sorted(liars)

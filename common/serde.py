@@ -8,7 +8,7 @@ evaluation see only the plain values. Tensor specs and pieces stay protobuf and 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from fedpart.common.plans import (
     EvalPlan,
@@ -58,12 +58,20 @@ def eval_plan(message: pb.EvalPlan) -> EvalPlan:
                     seed=message.seed)
 
 
+def _commitments_message(commitments: Mapping[int, tuple[bytes, bytes]]) -> dict[int, pb.ShareCommitments]:
+    return {c: pb.ShareCommitments(seed_share=pair[0], key_share=pair[1]) for c, pair in commitments.items()}
+
+
+def _commitments(message: Mapping[int, pb.ShareCommitments]) -> dict[int, tuple[bytes, bytes]]:
+    return {c: (pair.seed_share, pair.key_share) for c, pair in message.items()}
+
+
 def secagg_step_message(step: SecAggStep) -> pb.SecAggStep:
     return pb.SecAggStep(
         stage=int(step.stage), threshold=step.threshold, sealed=dict(step.sealed),
         peers=[pb.SecAggPeer(client_id=c, cipher_key=keys[0], mask_key=keys[1]) for c, keys in step.peers.items()],
         survivors=list(step.survivors), dropped=list(step.dropped), bound=step.bound, step=step.step,
-        weight=step.weight)
+        weight=step.weight, commitments=_commitments_message(step.commitments), mask_with=list(step.mask_with))
 
 
 def secagg_step(message: pb.SecAggStep) -> SecAggStep:
@@ -77,17 +85,20 @@ def secagg_step(message: pb.SecAggStep) -> SecAggStep:
         raise WireError("a secure aggregation step lists a peer twice")
     return SecAggStep(stage=stage, peers=peers, threshold=message.threshold, sealed=dict(message.sealed),
                       survivors=tuple(message.survivors), dropped=tuple(message.dropped), bound=message.bound,
-                      step=message.step, weight=message.weight)
+                      step=message.step, weight=message.weight, commitments=_commitments(message.commitments),
+                      mask_with=tuple(message.mask_with))
 
 
 def secagg_answer_message(answer: SecAggAnswer) -> pb.SecAggAnswer:
     return pb.SecAggAnswer(cipher_key=answer.cipher_key, mask_key=answer.mask_key, sealed=dict(answer.sealed),
-                           revealed=dict(answer.revealed))
+                           revealed=dict(answer.revealed), seed_commitment=answer.seed_commitment,
+                           commitments=_commitments_message(answer.commitments), disputed=list(answer.disputed))
 
 
 def secagg_answer(message: pb.SecAggAnswer) -> SecAggAnswer:
     return SecAggAnswer(cipher_key=message.cipher_key, mask_key=message.mask_key, sealed=dict(message.sealed),
-                        revealed=dict(message.revealed))
+                        revealed=dict(message.revealed), seed_commitment=message.seed_commitment,
+                        commitments=_commitments(message.commitments), disputed=tuple(message.disputed))
 
 
 def task_header(task: TaskInfo, tensors: Iterable[pb.TensorSpec]) -> pb.TaskHeader:

@@ -242,10 +242,8 @@ class Coordinator:
             except ResultRefused as error:
                 raise Rejected(str(error)) from error
             secure.take_keys(task.client_id, result, int(screened.weight))
-        elif stage == SecAggStage.SHARE:
-            secure.take_shares(task.client_id, result)
-        elif stage == SecAggStage.UNMASK:
-            secure.take_revealed(task.client_id, result)
+        elif stage != SecAggStage.MASK:
+            secure.take(task.client_id, stage, result)
 
         def fold(results: RoundResults) -> None:
             if stage == SecAggStage.MASK:
@@ -288,13 +286,13 @@ class Coordinator:
         self._train_samples[client] = reported_samples
 
     def _secure_steps(self, round_number: int, chunk_bytes: int) -> str | None:
-        """SHARE, MASK and UNMASK of a securely aggregated round, each dispatched to the clients
-        the previous step left and awaited like the training; returns why the round's sum cannot be
-        unmasked (None: it can)."""
+        """SHARE, CHECK, MASK and UNMASK of a securely aggregated round, each dispatched to the
+        clients the previous step left and awaited like the training; returns why the round's sum
+        cannot be unmasked (None: it can)."""
         secure = self._secure
         server = self.config.server
-        steps = (secure.sharing_steps, lambda: secure.masking_steps(self.aggregation.privacy is not None),
-                 secure.unmasking_steps)
+        steps = (secure.sharing_steps, secure.checking_steps,
+                 lambda: secure.masking_steps(self.aggregation.privacy is not None), secure.unmasking_steps)
         for make_steps in steps:
             try:
                 asks = make_steps()
@@ -313,6 +311,11 @@ class Coordinator:
     def _record_failure(self, line: str) -> None:
         with self._cond:
             self._failures.append(line)
+
+    def _blame(self, line: str) -> None:
+        """A client named for what it sent (secure aggregation's checks): a failure of the run."""
+        self._record_failure(line)
+        self.log(f"warning: {line}")
 
     def _finish(self, task: Task) -> None:
         """Close an answered task (it may already be closed when its result was folded as the
@@ -367,7 +370,7 @@ class Coordinator:
         reference = {n: self.global_state[n] for n in uploads}
         secure = None
         if self.config.privacy.secure_aggregation:
-            secure = SecureRound(self.config, self.run_id, round_number, reference)
+            secure = SecureRound(self.config, self.run_id, round_number, reference, self.log, self._blame)
         with self._cond:
             self._round = round_number
             self.recorder.start_round(started, len(sampled))

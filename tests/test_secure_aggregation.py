@@ -7,6 +7,7 @@ cannot serve. The in-process cases drive the coordinator with clients written ag
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -40,13 +41,17 @@ CLIENTS = 6
 
 
 class SimulatedClient:
-    """One client in a process of its own, answering the round's steps with a fixed update."""
+    """One client in a process of its own, answering the round's steps with a fixed update; a
+    ``lie`` of ``"garbage-shares"`` seals random bytes to its neighbours, ``"alter-share"`` adds 1
+    to one share it reveals (of the lowest other survivor's seed)."""
 
-    def __init__(self, coordinator: Coordinator, client: int, update: dict[str, torch.Tensor], samples: int) -> None:
+    def __init__(self, coordinator: Coordinator, client: int, update: dict[str, torch.Tensor], samples: int,
+                 lie: str | None = None) -> None:
         self.coordinator = coordinator
         self.client = client
         self.update = update
         self.samples = samples
+        self.lie = lie
         self.session = coordinator.join(JoinInfo(protocol=PROTOCOL_VERSION, process_name=f"p{client}",
                                                  clients=(HostedClient(client),)))
         self.party: ClientParty | None = None
@@ -62,19 +67,29 @@ class SimulatedClient:
             assert step.stage == SecAggStage.ADVERTISE
             self.party = ClientParty(self.client, round_tag(self.coordinator.run_id, task.round))
             cipher, mask = self.party.public_keys()
-            secagg = SecAggAnswer(cipher_key=cipher, mask_key=mask)
+            secagg = SecAggAnswer(cipher_key=cipher, mask_key=mask, seed_commitment=self.party.seed_commitment())
         elif step.stage == SecAggStage.SHARE:
-            secagg = SecAggAnswer(sealed=self.party.share(step.peers, step.threshold))
+            dealt = self.party.share(step.peers, step.threshold)
+            sealed = dealt.sealed
+            if self.lie == "garbage-shares":
+                sealed = {v: bytes(len(box)) for v, box in sealed.items()}
+            secagg = SecAggAnswer(sealed=sealed, commitments=dealt.commitments)
+        elif step.stage == SecAggStage.CHECK:
+            secagg = SecAggAnswer(disputed=tuple(self.party.check(step.sealed, step.commitments)))
         elif step.stage == SecAggStage.MASK:
             flat = np.concatenate([t.reshape(-1).numpy() for t in self.update.values()])
             self.quantized = quantize(flat, step.bound, step.step, step.weight)
-            masked = torch.from_numpy(self.party.masked(self.quantized, step.sealed).view(np.int32))
+            masked = torch.from_numpy(self.party.masked(self.quantized, step.mask_with).view(np.int32))
             start = 0
             for name, tensor in self.update.items():
                 tensors[name] = masked[start:start + tensor.numel()].reshape(tensor.shape).clone()
                 start += tensor.numel()
         else:
-            secagg = SecAggAnswer(revealed=self.party.reveal(step.survivors, step.dropped))
+            revealed = self.party.reveal(step.survivors, step.dropped)
+            others = [u for u in step.survivors if u != self.client]
+            if self.lie == "alter-share":
+                revealed[others[0]] = revealed[others[0]][:-1] + bytes([revealed[others[0]][-1] ^ 1])
+            secagg = SecAggAnswer(revealed=revealed)
         result = ResultInfo(self.session, task.task_id, self.client, task.round, num_samples=self.samples,
                             metrics={"loss": 1.0}, secagg=secagg)
         return task, result, tensors
@@ -107,17 +122,19 @@ def _clients(coordinator: Coordinator) -> list[SimulatedClient]:
 
 
 def _run(coordinator: Coordinator, clients: list[SimulatedClient], drop_before_mask: set[int] = frozenset(),
-         drop_after_mask: set[int] = frozenset()) -> tuple[dict, list[dict[str, torch.Tensor]]]:
-    """One round: every client trains and shares; ``drop_before_mask`` leave before masking,
-    ``drop_after_mask`` before unmasking. Returns the round's record and every tensor received."""
+         drop_after_mask: set[int] = frozenset(), left_out: set[int] = frozenset()
+         ) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+    """One round: every client trains, shares and checks; ``drop_before_mask`` leave before
+    masking, ``drop_after_mask`` before unmasking; ``left_out`` are not asked to mask (the server
+    dropped them at CHECK). Returns the round's record and every tensor received."""
     records: list[dict] = []
     worker = threading.Thread(target=lambda: records.append(coordinator.run_round(1)), daemon=True)
     worker.start()
     received: list[dict[str, torch.Tensor]] = []
     gone: set[int] = set()
-    for stage in ("train", "share", "mask", "unmask"):
+    for stage in ("train", "share", "check", "mask", "unmask"):
         for client in clients:
-            if client.client in gone:
+            if client.client in gone or (stage in ("mask", "unmask") and client.client in left_out):
                 continue
             if (stage, client.client in drop_before_mask, client.client in drop_after_mask) in (
                     ("mask", True, False), ("unmask", False, True)):
@@ -194,6 +211,24 @@ def test_with_dp_the_server_noises_the_unmasked_sum_over_the_fixed_denominator(o
         assert error > 0.1  # noise of standard deviation 1/6 on every coordinate
     else:
         assert error <= 1e-6
+
+
+@pytest.mark.parametrize("lie", ["garbage-shares", "alter-share"])
+def test_one_lying_client_is_named_alone_and_the_round_is_exact(one_torch_thread, lie) -> None:
+    """Client 2 seals random bytes to its neighbours (each of them disputes it at CHECK, it is
+    dropped before masking and the mean is the others'), or alters a share it reveals (it is
+    ignored and the mean is everyone's). Either way only client 2 is named, as a failure."""
+    coordinator = _coordinator()
+    clients = _clients(coordinator)
+    clients[2].lie = lie
+    before = {n: t.clone() for n, t in coordinator.global_state.items()}
+    record, _ = _run(coordinator, clients, left_out={2} if lie == "garbage-shares" else set())
+    counted = [c for c in clients if lie == "alter-share" or c.client != 2]
+    assert record["completed"] == [c.client for c in counted]
+    assert len(coordinator.failures) == 1
+    assert re.findall(r"\bclients? \[?(\d+(?:, \d+)*)", coordinator.failures[0]) in (["2"], ["2", "2"])
+    error = _max_error(_moved(coordinator, before, clients[0].update), _weighted_mean(counted, 1.0))
+    assert error <= 1e-5
 
 
 def test_too_few_survivors_fail_the_round_clearly_and_keep_the_model(one_torch_thread) -> None:
