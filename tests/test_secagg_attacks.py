@@ -53,7 +53,7 @@ def _run(tmp_path: Path, processes, mode: str, **privacy) -> tuple[int, str, Pat
     out = tmp_path / mode
     server, reader, address = start_server(processes, write_config(tmp_path / f"{mode}.yaml", config), out)
     with (tmp_path / f"{mode}-honest.log").open("w") as honest_log, (tmp_path / f"{mode}-hostile.log").open("w") as log:
-        processes.start(fedpart_command("client", "--server", address, "--clients", HONEST, "--threads", "1",
+        processes.start(fedpart_command("client", "--insecure", "--server", address, "--clients", HONEST, "--threads", "1",
                                         "--state-dir", str(tmp_path / f"{mode}-state")),
                         stdout=honest_log, stderr=subprocess.STDOUT)
         processes.start([sys.executable, str(HOSTILE), address, str(LIAR), mode], stdout=log, stderr=subprocess.STDOUT)
