@@ -6,8 +6,11 @@ protocol, delivery and reconnection are :class:`~fedpart.client.session.Session`
 loop of its own thread; this module is the worker: it keeps one cache of global tensors (with
 their versions) for all of its clients, on its device, so that an unchanged tensor crosses the
 wire, and the bus to a GPU, once per process (:mod:`fedpart.client.placement`), and each client's
-personal parts in its :class:`ClientStore`. A task sent again (its first delivery was lost, or the
-process restarted) trains again from the same start and gives the same result. Stopped by SIGINT
+personal parts in its :class:`ClientStore`. Its ``execute`` trains or evaluates one client and
+replies with the plain update and metrics; what the run adds beside training (clipping, secure
+aggregation, DP-SGD's ledger, compression) are mods around it (:mod:`fedpart.client.mods`). A task
+sent again (its first delivery was lost, or the process restarted) trains again from the same start
+and gives the same result. Stopped by SIGINT
 or SIGTERM it tells the server (``Leave``) before it exits. Exit codes:
 :mod:`fedpart.common.exit_codes`.
 """
@@ -18,7 +21,7 @@ import json
 import os
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -26,15 +29,13 @@ from typing import TypeVar
 
 import torch
 
-from fedpart.client import dp_sgd
 from fedpart.client.evaluation import evaluate_and_personalize
 from fedpart.client.local_data import ClientData, load_client_data
 from fedpart.client.placement import DeviceError, PeakMemory, Transfers, describe, resolve_device
-from fedpart.client.secure_aggregation import SecureStepError, SecureUpdates
+from fedpart.client.mods import Reply, WorkerContext, build_mods, compose, pack, train_options
 from fedpart.client.session import (
     CONNECT_SECONDS,
     RECONNECT_SECONDS,
-    Answer,
     ReceivedTask,
     Sent,
     Session,
@@ -45,7 +46,6 @@ from fedpart.client.session import (
 from fedpart.client.speed import SpeedError, TrainingSpeed
 from fedpart.client.store import ClientStore
 from fedpart.client.training import train_local
-from fedpart.common.codecs import build_codec, encode, encode_with_feedback, seeded_generator
 from fedpart.common.config import config_from_dict
 from fedpart.common.console import ClientActivity, Display, render_client
 from fedpart.common.data.augment import build_augment
@@ -54,13 +54,12 @@ from fedpart.common.experiment import LocalData, build_run_model, check_experime
 from fedpart.common.limits import HostShare
 from fedpart.common.losses import build_loss
 from fedpart.common.models.zoo import unit_forward_flops
-from fedpart.common.plans import RunOutcome, SecAggStage, TaskInfo, TaskKind
-from fedpart.common.privacy import clip_deltas
+from fedpart.common.plans import RunOutcome, TaskInfo, TaskKind
 from fedpart.common.protocol import PROTOCOL_VERSION
 from fedpart.common.client_ids import format_id_ranges
 from fedpart.common.security import ClientSecurity
 from fedpart.common.split_model import tensor_part
-from fedpart.common.wire import TensorAssembler, serialized_pieces, wire_form
+from fedpart.common.wire import TensorAssembler
 from fedpart.proto import fedpart_pb2 as pb
 
 T = TypeVar("T")
@@ -194,7 +193,9 @@ class ClientProcess:
         self._call(self.session.joined_run(server.call_timeout, server.heartbeat_timeout))  # beats while data loads
         try:
             self.store = ClientStore(self.state_dir, reply.run_id)
-            self.secure = SecureUpdates(reply.run_id, self.log)
+            mods = build_mods(WorkerContext(self.config, self.store, reply.run_id, self.log))
+            self.train_options = train_options(mods)
+            self._execute_with_mods = compose(mods, self._execute)
             self.store.mark_latest()
             restored = [c for c in self.client_ids if self.store.personal_parts(c)]
             if restored:
@@ -231,7 +232,8 @@ class ClientProcess:
                 self._share_cores()
                 self._absorb(task)
                 upcoming = self._loop.submit(self.session.next_task(self._reader))
-                answer = self._execute(info)
+                reply = self._execute_with_mods(info)
+                answer = pack(info, reply, self.config.server.largest_result_message(info.result_chunk_bytes))
                 sending.append(self._loop.submit(self.session.answer(task, answer)))
                 self._settle(sending, RESULTS_IN_FLIGHT)
                 self.activity.task("waiting for a task")
@@ -288,13 +290,14 @@ class ClientProcess:
         self.model.load_state_dict(state)
         return personal
 
-    def _execute(self, task: TaskInfo) -> Answer:
-        """Evaluate or train one client as ``task`` asks; returns its answer."""
+    def _execute(self, task: TaskInfo) -> Reply:
+        """Evaluate or train one client as ``task`` asks; returns its reply (the mods around it
+        turn it into what the server gets)."""
         client = task.client_id
         if client not in self.data:
             raise ClientError(f"the server sent a task for client {client}, which this process does not host")
-        if task.kind == TaskKind.SECAGG:
-            return self._secure_step(task)
+        if task.kind not in (TaskKind.TRAIN, TaskKind.EVALUATE):
+            raise ClientError(f"the server sent a {task.kind.name} task, which nothing in this process answers")
         data = self.data[client]
         peak = PeakMemory(self.device)
         personal = self._load_client_model(client, task)
@@ -308,26 +311,17 @@ class ClientProcess:
             metrics = evaluate_and_personalize(self.model, data, task.evaluate, self.loss_fn, self.classification,
                                                build_augment(self.config.train.augment, task.evaluate.seed))
             self.store.save_personalized(client, self.model.state_dict())
-            return Answer(metrics=metrics)
+            return Reply(metrics=metrics)
         plan = task.train
         reference = {n: self.cache[n] for n in plan.upload_deltas}
         self.activity.task(f"client {client} round {task.round}: training")
         outcome = train_local(self.model, data, plan, self.loss_fn, reference, self.unit_flops, objective, state,
                               build_augment(self.config.train.augment, plan.seed), self.speed,
-                              on_steps=self._trained, dp_sgd=self.config.privacy.dp_sgd)
-        # record-level DP-SGD: this client's epsilon over every round it trained (its ledger in the store)
-        private = dp_sgd.spend(self.store.root, client, task.round, outcome.dp_sgd, self.config.privacy.dp_sgd)
+                              on_steps=self._trained, **self.train_options)
         self.log(f"client {client} round {task.round}: trained {outcome.steps} steps in "
-                 f"{outcome.compute_seconds:.2f} s, loss {outcome.loss:.4f}"
-                 + (f", DP-SGD epsilon {private.get('dp_sgd_epsilon', float('inf')):.4g} at delta "
-                    f"{private['dp_sgd_delta']:.3g}" if private else ""))
+                 f"{outcome.compute_seconds:.2f} s, loss {outcome.loss:.4f}")
         trained = {k: v.detach() for k, v in self.model.state_dict().items()}
         uploads = {n: trained[n] - self.cache[n] for n in plan.upload_deltas}
-        if self.config.privacy.dp.enabled and not self.config.privacy.dp.adaptive_clip:  # clipped before any codec
-            uploads = clip_deltas(uploads, self.config.privacy.dp.clip_norm)[0]
-        secagg = None
-        if task.secagg is not None:  # secure aggregation: the update waits for the MASK step
-            secagg, uploads = self.secure.advertise(client, task.round, uploads), {}
         uploads.update({n: trained[n].clone() for n in plan.upload_values})  # sent while the model trains on
         uploads, kept, state = self.transfers.to_host(uploads, {n: trained[n] for n in personal}, state)
         if kept:
@@ -336,73 +330,13 @@ class ClientProcess:
             self.objective_store.save_personal(client, task.round, state)
         metrics = {"loss": outcome.loss, "steps": outcome.steps, "compute_seconds": outcome.compute_seconds,
                    "trainable_parameters": outcome.trainable_parameters, "train_flops": outcome.flops,
-                   **peak.metrics(), **private}
-        answer = self._training_answer(task, outcome.samples, metrics, uploads)
-        answer.secagg = secagg
-        return answer
+                   **peak.metrics()}
+        return Reply(outcome.samples, metrics, uploads, train_report=outcome)
 
     def _trained(self, steps: int, all_steps: int) -> None:
         """Training progress: shown, and a point where a stop (SIGINT, SIGTERM) is taken."""
         self._loop.stops.take()
         self.activity.advance(steps, all_steps)
-
-    def _training_answer(self, task: TaskInfo, num_samples: int, metrics: dict[str, float],
-                         uploads: dict[str, torch.Tensor]) -> Answer:
-        """A training result in messages of the size its task names, its tensors encoded by
-        ``compression.up``; the error-feedback residuals it leaves are kept once the server took it."""
-        specs, tensors, residuals = self._wire_forms(task, uploads)
-
-        def keep_residuals() -> None:
-            if residuals is not None:
-                self.store.save_residuals(task.client_id, task.round, residuals)
-
-        return Answer(num_samples, metrics, specs, self._pieces(task, tensors), keep_residuals)
-
-    def _pieces(self, task: TaskInfo, tensors: list[torch.Tensor]) -> Callable[[], Iterable[bytes]]:
-        """The serialized chunks of a result's tensors, in messages of the size its task names."""
-        chunk_bytes = self.config.server.largest_result_message(task.result_chunk_bytes)
-        return lambda: serialized_pieces(tensors, chunk_bytes)
-
-    def _secure_step(self, task: TaskInfo) -> Answer:
-        """A step of secure aggregation (:mod:`fedpart.client.secure_aggregation`). A step this
-        process cannot answer is answered empty: the server refuses it and counts the client as
-        dropped out of the round."""
-        client, step = task.client_id, task.secagg
-        self.activity.task(f"client {client} round {task.round}: secure aggregation ({step.stage.name.lower()})")
-        try:
-            if step.stage != SecAggStage.MASK:
-                return Answer(secagg=self.secure.answer(client, task.round, step))
-            masked = self.secure.mask(client, task.round, step)
-        except SecureStepError as error:
-            self.log(f"warning: {error}")
-            return Answer()
-        specs, tensors = zip(*(wire_form(name, tensor, None) for name, tensor in masked.items()))
-        return Answer(specs=list(specs), pieces=self._pieces(task, list(tensors)))
-
-    def _wire_forms(self, task: TaskInfo, uploads: dict[str, torch.Tensor]
-                    ) -> tuple[list[pb.TensorSpec], list[torch.Tensor], dict[str, torch.Tensor] | None]:
-        """The uploads' specs, the tensors to send and the new residuals (None without error
-        feedback). Deltas go through the codec (adding the residual first with error feedback),
-        values only through a codec that keeps every element."""
-        section = self.config.compression.up
-        codec = build_codec(section.codec, section.options)
-        generator = seeded_generator(self.config.training_seed, task.client_id, task.round)
-        feedback = codec is not None and codec.error_feedback
-        previous = self.store.residuals(task.client_id, task.round) if feedback else {}
-        deltas = task.train.upload_deltas
-        residuals: dict[str, torch.Tensor] = {}
-        specs = []
-        tensors = []
-        for name, tensor in uploads.items():
-            if name in deltas and feedback and tensor.is_floating_point():
-                encoded, residuals[name] = encode_with_feedback(codec, tensor, previous.get(name), generator)
-            else:
-                values_too = codec is not None and not codec.sparse
-                encoded = encode(codec, tensor, generator) if name in deltas or values_too else None
-            spec, sent = wire_form(name, tensor, encoded)
-            specs.append(spec)
-            tensors.append(sent)
-        return specs, tensors, residuals if feedback else None
 
 
 class _Assembler(TensorAssembler):

@@ -582,9 +582,11 @@ poison = {"scaled": lambda delta: delta * 1e6, "filled": lambda delta: torch.ful
 
 
 class PoisoningClient(ClientProcess):
-    def _training_answer(self, task, num_samples, metrics, uploads):
-        uploads.update({name: poison(uploads[name]) for name in task.train.upload_deltas})
-        return super()._training_answer(task, num_samples, metrics, uploads)
+    def _execute(self, task):
+        reply = super()._execute(task)
+        if task.train is not None:
+            reply.uploads.update({name: poison(reply.uploads[name]) for name in task.train.upload_deltas})
+        return reply
 
 
 sys.exit(PoisoningClient(server, [int(client)], state_dir=state_dir, threads=1).run())

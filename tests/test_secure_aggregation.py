@@ -313,11 +313,17 @@ server, clients, state_dir = sys.argv[1:]
 
 
 class KilledAfterMasking(ClientProcess):
-    def _secure_step(self, task):
-        answer = super()._secure_step(task)
-        if task.secagg.stage.name == "MASK":
-            answer.on_taken = lambda: os.kill(os.getpid(), signal.SIGKILL)
-        return answer
+    def _setup(self, reply):
+        super()._setup(reply)
+        execute = self._execute_with_mods
+
+        def killed_once_masked(task):
+            answer = execute(task)
+            if task.kind.name == "SECAGG" and task.secagg.stage.name == "MASK":
+                answer.on_taken.append(lambda: os.kill(os.getpid(), signal.SIGKILL))
+            return answer
+
+        self._execute_with_mods = killed_once_masked
 
 
 sys.exit(KilledAfterMasking(server, [int(c) for c in clients.split(",")], state_dir=state_dir, threads=1).run())

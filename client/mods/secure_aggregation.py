@@ -1,6 +1,7 @@
-"""A client's side of secure aggregation (``privacy.secure_aggregation``, docs/privacy.md).
+"""A client's side of secure aggregation (``privacy.secure_aggregation``, docs/privacy.md), a mod
+around the worker (:mod:`fedpart.client.mods`).
 
-The worker keeps each hosted client's update of the current round here instead of sending it
+The process keeps each hosted client's update of the current round here instead of sending it
 (Bonawitz et al., CCS 2017): the TRAIN task's ADVERTISE step answers two public keys and a
 commitment to the self-mask seed, SHARE answers a sealed share of the client's secrets for each
 neighbour and a commitment to every share, CHECK answers the neighbours whose shares sealed to it
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fedpart.common.plans import SecAggAnswer, SecAggStage, SecAggStep
+from fedpart.client.mods import Execute, Reply, WorkerContext
+from fedpart.common.plans import SecAggAnswer, SecAggStage, SecAggStep, TaskInfo, TaskKind
 from fedpart.common.secagg import ClientParty, SecAggError, quantize, round_tag
 
 
@@ -115,3 +117,42 @@ class SecureUpdates:
             raise SecureStepError(f"client {client} round {round_number}: no secure aggregation state (this process "
                                   "did not train it, or restarted since)")
         return kept
+
+
+def build(context: WorkerContext) -> SecureAggregation | None:
+    if not context.config.privacy.secure_aggregation:
+        return None
+    return SecureAggregation(SecureUpdates(context.run_id, context.log), context.log)
+
+
+class SecureAggregation:
+    """Holds a training reply's deltas back and answers the round's public keys instead; answers
+    the round's later steps (SECAGG tasks) itself, the MASK step with the masked update. A step
+    this process cannot answer is answered empty: the server refuses it and counts the client as
+    dropped out of the round."""
+
+    train_options: dict[str, object] = {}
+
+    def __init__(self, updates: SecureUpdates, log: Callable[[str], None]) -> None:
+        self.updates = updates
+        self.log = log
+
+    def __call__(self, task: TaskInfo, call_next: Execute) -> Reply:
+        if task.kind == TaskKind.SECAGG:
+            return self._step(task)
+        reply = call_next(task)
+        if task.secagg is None or task.train is None:
+            return reply
+        held = {name: reply.uploads.pop(name) for name in task.train.upload_deltas}
+        reply.step_answer = self.updates.advertise(task.client_id, task.round, held)
+        return reply
+
+    def _step(self, task: TaskInfo) -> Reply:
+        client, step = task.client_id, task.secagg
+        try:
+            if step.stage != SecAggStage.MASK:
+                return Reply(step_answer=self.updates.answer(client, task.round, step))
+            return Reply(uploads=self.updates.mask(client, task.round, step))
+        except SecureStepError as error:
+            self.log(f"warning: {error}")
+            return Reply()
