@@ -51,7 +51,7 @@ Diagnostics printed beside the timings: CPU seconds per round of every process o
 (read from ``/proc``; for fedpart between two pauses, while its processes are stopped, which
 spans one round's work and the checkpoint after it) and of them the seconds the training threads
 (each training process's main thread: torch computes in it at one thread) ran on a core, the rest
-split into the training processes' other threads (fedpart: each client's session and data-link
+split into the training processes' other threads (fedpart: each client's session and gRPC
 threads) and the processes that do not train (fedpart's server and launcher, the floor's parent),
 the share of their runnable time the training threads waited in a run queue for a core
 ("waited", from ``/proc/<pid>/task/<pid>/schedstat``), which tells training slowed because other
