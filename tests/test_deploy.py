@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from string import Template
 from typing import Any
@@ -131,32 +132,208 @@ def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
     return instructions
 
 
+@dataclass
+class Stage:
+    """A build stage: the image or stage it starts ``FROM``, and its instructions."""
+
+    base: str
+    instructions: list[tuple[str, str]]
+
+    def arguments(self, keyword: str) -> list[str]:
+        return [arguments for k, arguments in self.instructions if k == keyword]
+
+
+def dockerfile_stages(path: Path) -> tuple[dict[str, str], dict[str, Stage]]:
+    """The build arguments declared before the first FROM (name -> default) and the stages by name."""
+    global_args: dict[str, str] = {}
+    stages: dict[str, Stage] = {}
+    current: Stage | None = None
+    for keyword, arguments in dockerfile_instructions(path):
+        if keyword == "FROM":
+            base, name = re.fullmatch(r"(\S+) AS (\S+)", arguments, re.IGNORECASE).groups()
+            current = stages[name] = Stage(base, [])
+        elif current is None:
+            assert keyword == "ARG", f"{path.name}: only ARG before the first FROM"
+            name, _, default = arguments.partition("=")
+            global_args[name] = default
+        else:
+            current.instructions.append((keyword, arguments))
+    return global_args, stages
+
+
+def inherited(stages: dict[str, Stage], name: str, keyword: str) -> str | None:
+    """The last ``keyword`` in effect in stage ``name``, following its bases through the stages."""
+    while name in stages:
+        found = stages[name].arguments(keyword)
+        if found:
+            return found[-1]
+        name = stages[name].base
+    return None
+
+
+def pyproject() -> dict[str, Any]:
+    tomllib = pytest.importorskip("tomllib", reason="tomllib: Python 3.11 or later")
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def pip_install_targets(run: str) -> list[str]:
+    """What one ``RUN`` line's ``pip install`` commands install (their non-option words)."""
+    targets = []
+    for command in re.split(r"&&|;", run):
+        words = shlex.split(command)
+        if words[:2] == ["pip", "install"]:
+            values = {i + 1 for i, word in enumerate(words) if word in ("--index-url", "--extra-index-url")}
+            targets += [w for i, w in enumerate(words[2:], 2) if not w.startswith("-") and i not in values]
+    return targets
+
+
+# What each Dockerfile builds: its build arguments' defaults (the public base image and torch index
+# a user's machine reaches) and the extras of fedpart each final stage installs.
+DOCKERFILE_DEFAULTS = {
+    "Dockerfile": {"BASE_IMAGE": "python:3.12-slim", "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu"},
+    "Dockerfile.cuda": {"BASE_IMAGE": "nvidia/cuda:12.8.1-runtime-ubuntu24.04", "TORCH_INDEX_URL": "https://pypi.org/simple"},
+}
+IMAGE_EXTRAS = {"Dockerfile": {"client": set(), "server": {"server", "metrics"}}, "Dockerfile.cuda": {"client": set()}}
+
+
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
-def test_dockerfile_pins_torch_before_fedpart_and_never_installs_torchvision(path: Path):
-    instructions = dockerfile_instructions(path)
-    runs = [arguments for keyword, arguments in instructions if keyword == "RUN"]
+def test_dockerfile_build_arguments_default_to_the_public_base_image_and_torch_index(path: Path):
+    """BASE_IMAGE and TORCH_INDEX_URL let a machine without the public registry and index build the
+    images (CI: a debootstrapped base and a local index); their defaults are what a user gets."""
+    global_args, stages = dockerfile_stages(path)
+    defaults = DOCKERFILE_DEFAULTS[path.name]
+    assert global_args == {"BASE_IMAGE": defaults["BASE_IMAGE"]}
+    (first, *_) = stages.values()
+    assert first.base == "${BASE_IMAGE}" and stages["torch"] is first
+    assert first.arguments("ARG") == [f"TORCH_INDEX_URL={defaults['TORCH_INDEX_URL']}"]
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_installs_torch_from_its_index_then_fedpart_from_a_wheel_with_only_the_extras_it_needs(path: Path):
+    """torch, pinned, from TORCH_INDEX_URL in the stage every image starts from; the sources are
+    copied into the wheel stage only, and each image installs the wheel with its own extras."""
+    _, stages = dockerfile_stages(path)
+    runs = [run for stage in stages.values() for run in stage.arguments("RUN")]
     assert not any("torchvision" in run for run in runs)
-    sources = [arguments.split()[-1] for keyword, arguments in instructions
-               if keyword == "COPY" and arguments.split()[0] == "."]
-    assert len(sources) == 1, "the repository is copied into the image once"
-    torch_index = next(i for i, run in enumerate(runs) if "pip install" in run and TORCH_PIN in run.split())
-    installs_fedpart = re.compile(rf'pip install "?{re.escape(sources[0])}(\[[\w,]+\])?"?( |$)')
-    fedpart_index = next(i for i, run in enumerate(runs) if installs_fedpart.search(run))
-    assert torch_index < fedpart_index
+    torch_installs = [run for run in stages["torch"].arguments("RUN") if TORCH_PIN in pip_install_targets(run)]
+    assert len(torch_installs) == 1 and pip_install_targets(torch_installs[0]) == [TORCH_PIN]
+    assert '--index-url "$TORCH_INDEX_URL"' in torch_installs[0]
+    copies = {name: [c for c in stage.arguments("COPY") if c.split()[0] == "."] for name, stage in stages.items()}
+    assert {name for name, found in copies.items() if found} == {"wheel"}
+    assert stages["wheel"].base == "torch"
+    optional = pyproject()["project"]["optional-dependencies"]
+    finals = {name: stage for name, stage in stages.items() if name not in ("torch", "wheel")}
+    assert set(finals) == set(IMAGE_EXTRAS[path.name])
+    for name, stage in finals.items():
+        assert stage.base == "torch" and stage.arguments("COPY") == ["--from=wheel /tmp/wheels /tmp/wheels"]
+        (run,) = stage.arguments("RUN")
+        (install,) = pip_install_targets(run)
+        assert "/tmp/wheels/fedpart-*.whl" in run, "the wheel of the wheel stage"
+        extras = re.search(r"\[([\w,-]+)\]$", install)
+        assert set(extras[1].split(",") if extras else ()) == IMAGE_EXTRAS[path.name][name]
+        assert IMAGE_EXTRAS[path.name][name] <= set(optional)
+        assert not any(TORCH_PIN in run for run in stage.arguments("RUN")), "torch is the shared layer below"
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
-def test_dockerfile_runs_fedpart_as_a_non_root_user(path: Path):
-    instructions = dict(dockerfile_instructions(path))
-    assert instructions["USER"].split(":")[0] not in ("root", "0")
-    entrypoint = json.loads(instructions["ENTRYPOINT"])
-    assert entrypoint == ["fedpart"]
-    parse_fedpart(json.loads(instructions["CMD"]))
+def test_dockerfile_images_run_fedpart_as_a_non_root_user(path: Path):
+    _, stages = dockerfile_stages(path)
+    for name in IMAGE_EXTRAS[path.name]:
+        assert inherited(stages, name, "USER").split(":")[0] not in ("root", "0"), name
+        assert json.loads(inherited(stages, name, "ENTRYPOINT")) == ["fedpart"]
+        parse_fedpart(json.loads(inherited(stages, name, "CMD")))
+    assert stages["torch"].arguments("USER") == [], "the virtual environment stays root's"
 
 
-def test_dockerignore_keeps_secrets_and_local_state_out_of_the_image():
-    ignored = set((REPO / ".dockerignore").read_text().split())
-    assert {"deploy/secrets", ".git", ".venv", "runs"} <= ignored
+def test_server_image_declares_its_ports_and_its_healthcheck_asks_the_health_service(k8s_command_lines):
+    """The server image EXPOSEs the ports deploy/'s server commands use (gRPC, --health-port,
+    --metrics-port) and its HEALTHCHECK is ``fedpart health`` on the --health-port, which Compose
+    inherits; the client images have neither."""
+    _, stages = dockerfile_stages(DEPLOY / "Dockerfile")
+    server_commands = [s["command"] for s in compose_services(COMPOSE).values() if s["command"][0] == "server"]
+    server_commands += [argv for component, argv, _ in k8s_command_lines if component == "server"]
+    (health_port,) = {options(argv)["--health-port"] for argv in server_commands}
+    ports = {options(argv)["--address"].rsplit(":", 1)[1] for argv in server_commands} | {health_port}
+    ports |= {options(argv)["--metrics-port"] for argv in server_commands if "--metrics-port" in options(argv)}
+    assert set(" ".join(stages["server"].arguments("EXPOSE")).split()) == ports
+    (healthcheck,) = stages["server"].arguments("HEALTHCHECK")
+    settings, _, command = healthcheck.partition(" CMD ")
+    test = json.loads(command)
+    assert test[0] == "fedpart"
+    parse_fedpart(test[1:])
+    assert test[1] == "health" and options(test[1:])["--server"] == f"127.0.0.1:{health_port}"
+    assert "--start-period=" in settings
+    for name, stage in stages.items():
+        if name != "server":
+            assert not stage.arguments("HEALTHCHECK") and not stage.arguments("EXPOSE"), name
+    assert all("healthcheck" not in service for service in compose_services(COMPOSE).values())
+
+
+def test_compose_and_kubernetes_run_the_images_the_docs_build():
+    """Servers run the server image, clients the client image (or the CUDA one), and
+    docs/deploy.md builds each from the Dockerfile and target that Compose names."""
+    images: dict[str, tuple[str, str | None]] = {}
+    for variant in ([COMPOSE], [COMPOSE, COMPOSE_GPU]):
+        for service in compose_services(*variant).values():
+            build = service["build"]
+            images.setdefault(service["image"], (build["dockerfile"], build.get("target")))
+            assert images[service["image"]] == (build["dockerfile"], build.get("target"))
+            expected = "server" if service["command"][0] == "server" else "client"
+            assert build.get("target", "client") == expected
+    assert images == {"fedpart:server": ("deploy/Dockerfile", "server"),
+                      "fedpart:client": ("deploy/Dockerfile", "client"), "fedpart:cuda": ("deploy/Dockerfile.cuda", None)}
+    objects = k8s_objects(K8S_BASE)
+    assert container_of(objects, "Deployment")["image"] == "fedpart:server"
+    assert container_of(objects, "Job")["image"] == "fedpart:client"
+    (patch,) = load_yaml(K8S_GPU / "clients-gpu.yaml")
+    assert patch["spec"]["template"]["spec"]["containers"][0]["image"] == "fedpart:cuda"
+    built = set()
+    for line in (REPO / "docs" / "deploy.md").read_text().splitlines():
+        if line.startswith("docker build "):
+            argv = shlex.split(line.split("#")[0])
+            flags = options(argv)
+            built.add((flags["--tag"], (flags["--file"], flags.get("--target"))))
+            assert argv[-1] == "."
+    assert built == set(images.items())
+
+
+def test_compose_file_is_valid_for_compose_1_and_2():
+    """No top-level ``name:`` (Compose 1, Debian's docker-compose 1.29, refuses it: the project name
+    is given with -p) and only the top-level keys both know."""
+    for path in (COMPOSE, COMPOSE_GPU):
+        top = set(yaml.safe_load(path.read_text()))
+        assert {key for key in top if not key.startswith("x-")} <= {"services", "secrets", "volumes", "networks"}
+    for line in (REPO / "docs" / "deploy.md").read_text().splitlines():
+        if line.startswith("docker compose "):
+            assert shlex.split(line)[2:4] == ["-p", "fedpart"], line
+
+
+def test_dockerignore_keeps_runs_venvs_and_secrets_out_of_the_build_context(tmp_path: Path):
+    """Docker's own matching of .dockerignore (docker-py's, the one Compose 1 uses), over the
+    repository's tracked files and what an operator's checkout may hold besides: only the packages,
+    pyproject.toml and README.md enter the build context."""
+    from docker.utils.build import exclude_paths
+
+    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True,
+                             timeout=60).stdout.split()
+    local = [".venv/bin/python", ".venv-cpu/lib/x.py", "venv/pyvenv.cfg", "server/.venv/x", "runs/quickstart/summary.json",
+             "client/runs/a/config.yaml", "fedpart-state/client_0/head.safetensors", "out/summary.json",
+             "deploy/secrets/ca.key", "deploy/secrets/process_0.token", "secrets/server.key",
+             "my-secrets/server.key", "credentials.yaml", "process_3.token", "build/lib/x.py",
+             "fedpart.egg-info/PKG-INFO", "common/__pycache__/x.pyc"]
+    for name in tracked + local:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).touch()
+    context = {path for path in exclude_paths(str(tmp_path), patterns) if (tmp_path / path).is_file()}
+    assert not context & set(local), sorted(context & set(local))
+    setuptools = pyproject()["tool"]["setuptools"]
+    packages = set(setuptools["package-dir"].values())
+    assert "fedpart.deploy" not in setuptools["package-data"], "the deploy package is its .py files"
+    needed = {"pyproject.toml", "README.md"} | {f for f in tracked if f.split("/")[0] in packages
+                                                and not (f.startswith("deploy/") and not f.endswith(".py"))}
+    assert context - {".dockerignore"} == needed
 
 
 # --------------------------------------------------------------------------------- Docker Compose
@@ -388,6 +565,52 @@ def test_k8s_gpu_overlay_patches_the_client_container_with_one_gpu():
     assert container["image"] != base_container["image"]
 
 
+# The Kubernetes versions the manifests are checked against: every release kubernetes-validate has
+# schemas for from 1.27 on (gRPC probes are GA since 1.27).
+OLDEST_K8S = (1, 27)
+
+
+def strategic_merge(base: Any, patch: Any) -> Any:
+    """A strategic merge patch for what deploy/k8s/gpu patches: maps merged key by key, lists of
+    named maps (containers, env) merged by name, other values replaced (as kustomize does)."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {**base, **{key: strategic_merge(base.get(key), value) for key, value in patch.items()}}
+    if isinstance(base, list) and isinstance(patch, list) and all(isinstance(i, dict) and "name" in i
+                                                                    for i in base + patch):
+        patched = {item["name"]: item for item in patch}
+        merged = [strategic_merge(item, patched.pop(item["name"])) if item["name"] in patched else item
+                  for item in base]
+        return merged + list(patched.values())
+    return patch
+
+
+def test_k8s_manifests_are_valid_against_the_kubernetes_schemas():
+    """Every object of the base, and the client Job as the GPU overlay patches it, against the
+    OpenAPI schemas of each Kubernetes release from OLDEST_K8S on (kubernetes-validate, strict:
+    an unknown or misspelt field fails too)."""
+    import kubernetes_validate
+    from kubernetes_validate.utils import all_versions
+
+    versions = sorted({v for v in all_versions() if tuple(map(int, v.split(".")[:2])) >= OLDEST_K8S},
+                      key=lambda v: tuple(map(int, v.split("."))))
+    assert len(versions) >= 2
+    objects = k8s_objects(K8S_BASE)
+    (patch,) = load_yaml(K8S_GPU / "clients-gpu.yaml")
+    key = (patch["kind"], patch["metadata"]["name"])
+    gpu_job = strategic_merge(objects[key], patch)
+    assert gpu_job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == "2"
+    for version in versions:
+        for (kind, name), document in [*objects.items(), (("Job, GPU overlay", key[1]), gpu_job)]:
+            try:
+                kubernetes_validate.validate(document, version, strict=True)
+            except kubernetes_validate.ValidationError as error:
+                raise AssertionError(f"{kind} {name} is not valid for Kubernetes {version}: {error.message}") from None
+    broken = strategic_merge(objects[key], {"spec": {"template": {"spec": {"containers": [
+        {"name": "client", "resources": {"limit": {"cpu": "2"}}}]}}}})
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, versions[-1], strict=True)
+
+
 def test_k8s_server_resumes_an_interrupted_run_and_never_reruns_a_completed_one(tmp_path: Path):
     """The server pod's script, its commands echoed instead of run, on the run directory a server
     leaves: a new run without one, --resume after a crash or an interrupt (whose summary.json is
@@ -478,18 +701,11 @@ def test_k8s_clients_have_cpu_limits_and_take_their_threads_from_them(k8s_comman
     assert client_threads(1, CpuBudget(affinity=64, quota=limit)) == int(limit)
 
 
-def test_compose_clients_are_cpu_limited_and_the_server_has_a_healthcheck():
+def test_compose_clients_are_cpu_limited():
     """The client containers share one Docker host: each is limited by ``cpus`` (its cgroup quota)
-    so that together they fit a 2-core host, and names no --threads. The server's healthcheck is
-    ``fedpart health`` on its --health-port."""
+    so that together they fit a 2-core host, and names no --threads."""
     for variant in ([COMPOSE], [COMPOSE, COMPOSE_GPU]):
         services = compose_services(*variant)
         clients = [s for s in services.values() if s["command"][0] == "client"]
         assert sum(float(s["cpus"]) for s in clients) <= 2 and all(s["mem_limit"] for s in clients)
         assert all("--threads" not in s["command"] for s in clients)
-        for name in ("server", "server-resume"):
-            service = services[name]
-            test = service["healthcheck"]["test"]
-            assert test[:2] == ["CMD", "fedpart"]
-            parse_fedpart(test[2:])
-            assert options(test[2:])["--server"] == f"127.0.0.1:{options(service['command'])['--health-port']}"
