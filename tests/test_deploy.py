@@ -22,6 +22,7 @@ from fedpart.common.config import load_config
 from fedpart.common.limits import CpuBudget, client_threads
 from fedpart.cli.main import build_parser, resolve_config_path
 from fedpart.common.client_ids import split_clients
+from fedpart.common.security import ClientSecurity
 from fedpart.server.health import RUN_SERVICE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +67,13 @@ def parse_fedpart(argv: list[str]) -> None:
         build_parser().parse_args(argv)
     except SystemExit:
         raise AssertionError(f"fedpart refuses: fedpart {shlex.join(argv)}") from None
+
+
+def asks_in_plaintext(health_argv: list[str]) -> bool:
+    """Whether a ``fedpart health`` command line speaks plaintext, as a --health-port needs."""
+    args = build_parser().parse_args(health_argv)
+    return ClientSecurity.from_options(args.ca, args.server_name, args.token_file, args.cert, args.key,
+                                       args.insecure, credential_required=False).insecure
 
 
 def check_server_command(argv: list[str]) -> None:
@@ -262,6 +270,7 @@ def test_server_image_declares_its_ports_and_its_healthcheck_asks_the_health_ser
     assert test[0] == "fedpart"
     parse_fedpart(test[1:])
     assert test[1] == "health" and options(test[1:])["--server"] == f"127.0.0.1:{health_port}"
+    assert asks_in_plaintext(test[1:]), "the health port answers in plaintext"
     assert "--start-period=" in settings
     for name, stage in stages.items():
         if name != "server":
@@ -674,6 +683,7 @@ def test_k8s_server_probes_use_the_health_service_and_prometheus_scrapes_its_met
         argv = shlex.split(script.rsplit("exec fedpart ", 1)[1])
         parse_fedpart(argv)
         assert argv[0] == "health" and options(argv)["--server"] == f"127.0.0.1:{health_port}"
+        assert asks_in_plaintext(argv), f"{probe}: the health port answers in plaintext"
         run_dir = tmp_path / probe
         runnable = script.replace(RUN_DIR, str(run_dir)).replace("exec fedpart health", "exit 7 #")
         state = run_dir / "server_state" / "state.json"
