@@ -331,7 +331,8 @@ def test_dockerignore_keeps_runs_venvs_and_secrets_out_of_the_build_context(tmp_
              "client/runs/a/config.yaml", "fedpart-state/client_0/head.safetensors", "out/summary.json",
              "deploy/secrets/ca.key", "deploy/secrets/process_0.token", "secrets/server.key",
              "my-secrets/server.key", "credentials.yaml", "process_3.token", "build/lib/x.py",
-             "fedpart.egg-info/PKG-INFO", "common/__pycache__/x.pyc"]
+             "fedpart.egg-info/PKG-INFO", "common/__pycache__/x.pyc", "notes/todo.md", "CHANGES.md",
+             "server/runs/x/summary.json", "deploy/k8s/local/secret.yaml"]
     for name in tracked + local:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).touch()
