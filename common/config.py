@@ -215,11 +215,16 @@ class RobustConfig:
     norm_action: str = "clip"      # a delta over the bound: "clip" (scale it down) or "reject" it
     max_samples: int = 0           # cap on a result's self-reported sample count (0 = none)
     partition_sizes: bool = True   # also cap at the client's partition size where the server can compute it
-    adaptive_bound: float = 10.0   # refuse a result whose delta's L2 norm is over this many times the median
-                                   # of the latest round's deltas of the same tensors (0 = off)
-    first_round_bound: float = 10.0  # before any such round: over this many times those tensors' L2 norm in
+    adaptive_bound: float = 5.0    # refuse a result whose delta's L2 norm is over this many times the median
+                                   # of the latest round's deltas of the same tensors (0 = off; honest results
+                                   # measured up to 3.05 x, docs/security.md)
+    first_round_bound: float = 3.0   # before any such round: over this many times those tensors' L2 norm in
                                      # the initial global model (0 = no bound until a round has been folded;
-                                     # honest round-1 deltas measured 0.14-0.45 x, attacks 1e6 x and more)
+                                     # honest round-1 deltas measured 0.07-0.45 x, attacks 1e6 x and more)
+    monitor_rounds: int = 3        # warn of a client whose last this many results were outliers (0 = monitor off)
+    monitor_norm_ratio: float = 3.0   # an outlier: delta norm over this many times the round's median ...
+    monitor_cosine: float = -0.3      # ... or cosine to the round's robust centre below this
+    monitor_action: str = "refuse"    # a named client's results: "refuse" them until one is not an outlier, or "warn"
 
 
 @dataclass
@@ -529,6 +534,11 @@ def _check_values(config: RunConfig) -> None:
          "robust.adaptive_bound must be 0 (off) or a finite number >= 1"),
         (math.isfinite(robust.first_round_bound) and robust.first_round_bound >= 0,
          "robust.first_round_bound must be a finite number >= 0 (0 = none)"),
+        (robust.monitor_rounds >= 0, "robust.monitor_rounds must be >= 0 (0 = the insider monitor off)"),
+        (math.isfinite(robust.monitor_norm_ratio) and robust.monitor_norm_ratio >= 1,
+         "robust.monitor_norm_ratio must be a finite number >= 1"),
+        (-1 <= robust.monitor_cosine <= 1, "robust.monitor_cosine must be in [-1, 1]"),
+        (robust.monitor_action in ("refuse", "warn"), "robust.monitor_action must be 'refuse' or 'warn'"),
     ]
     sampling = config.sampling
     checks.append((sampling.scheme in SAMPLING_SCHEMES,

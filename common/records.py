@@ -69,6 +69,7 @@ class RoundRecord:
     bytes_by_unit: JsonObject | None = None  # optional: logical bytes by body unit and head
     clients: JsonObject | None = None        # optional: client id -> its bytes and compute seconds
     robust: JsonObject | None = None         # optional: clipped, rejected, samples capped, non-finite
+    insiders: JsonObject | None = None       # optional: the insider monitor's median norm and outliers
     delivery: dict[str, int] | None = None   # optional: what had to be sent again, by kind
     server_step: JsonObject | None = None    # optional: what the server optimizer's step chose
     gpu_peak_bytes: dict[str, int] | None = None  # optional: per client process that used a GPU
@@ -113,6 +114,7 @@ class RunSummary:
     bytes: JsonObject | None = None          # physical and logical, by part, per round, compression
     compute: JsonObject | None = None        # client seconds, train flops, round seconds, [gpu peak]
     delivery: JsonObject | None = None       # {rounds, evaluation}: what had to be sent again
+    robust: JsonObject | None = None         # the defences' counts, capped evaluation reports, insiders named
     privacy: JsonObject | None = None        # the DP budget spent (privacy.dp)
     seconds: float | None = None             # the run's wall time
     failures: list[str] | None = None

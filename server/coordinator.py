@@ -83,7 +83,8 @@ class Coordinator:
         # the lock of the whole state machine; the round loop waits on it, and a stop ends its waits
         self._cond = StoppableCondition()
         self.registry = ProcessRegistry(config, self._cond, log)
-        self.board = TaskBoard(self.registry, self._cond, log, self._record_failure, config.server.delivery_attempts)
+        self.board = TaskBoard(self.registry, self._cond, log, self._record_failure, config.server.delivery_attempts,
+                               dropped=lambda task: self.evaluation.dropped(task))
         self._personal: dict[int, set[str]] = {}  # personal parts each client holds, as the server knows
         self._folding = 0                        # results being folded right now
         self._draining = False                   # the round loop waits for the folds under way
@@ -193,11 +194,14 @@ class Coordinator:
                 trained_samples = self._train_samples.get(task.client_id)
         check_result(task, result, tensors, trained_samples)
         if task.kind == TaskKind.EVALUATE:
+            counted, notes = self.aggregation.screen_evaluation(task.client_id, metrics)
             with self._cond:
                 self.board.claim(task)
-                self.evaluation.reports[task.client_id] = metrics
+                self.evaluation.reports[task.client_id] = counted
                 commit()
                 self._finish(task)
+            for note in notes:
+                self.log(f"warning: client {task.client_id}: {note}")
             return
         if task.secagg is not None:
             self._accept_secure(task, result, tensors, commit)
@@ -210,11 +214,12 @@ class Coordinator:
             with self._cond:
                 if self._results is not None and self.board.is_outstanding(task):
                     self._results.robust.rejected += 1
+                    self._results.deltas.refused(task.client_id, error.observation)
             raise Rejected(str(error)) from error
 
         def fold(results: RoundResults) -> None:
             if screened.deltas:
-                results.deltas.add(screened.deltas, screened.weight)
+                results.deltas.add(screened.deltas, screened.weight, task.client_id)
             if values:
                 self.heads.store(task.client_id, values, screened.weight)
 

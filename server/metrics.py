@@ -3,8 +3,9 @@
 Nothing is counted on the way: :class:`RunCollector` reads, when it is scraped, what the server
 keeps anyway: :meth:`Coordinator.progress` (stage, round, clients done, ETA), the process registry
 (connected processes, ready clients), the byte ledger (bytes by direction and part, refused result
-bytes), the failures list and the round records of ``metrics.jsonl``. A scrape takes the state
-machine's lock a few times, like the live progress display; the rounds never wait for it.
+bytes), the insider monitor's outlier streaks, the failures list and the round records of
+``metrics.jsonl``. A scrape takes the state machine's lock a few times, like the live progress
+display; the rounds never wait for it.
 
 The endpoint is plain HTTP without authentication, like most exporters: it shows counts and
 progress, never tensors, tokens or client data. It needs ``prometheus-client`` (the ``metrics``
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from fedpart.common.records import RoundRecord
 from fedpart.server.report import delivery_totals
+from fedpart.server.robust import ACTIONS
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -26,7 +28,6 @@ if TYPE_CHECKING:
     from fedpart.server.coordinator import Coordinator
 
 STAGES = ("joining", "training", "evaluating")
-ROBUST_COUNTS = ("clipped", "rejected", "samples_capped")
 
 
 class MetricsUnavailable(ImportError):
@@ -114,9 +115,20 @@ class RunCollector:
                                   value=sum(len(r.completed) for r in records))
         robust = CounterMetricFamily("fedpart_results_robust", "Results the defences (robust.*) changed or "
                                      "refused in the completed rounds", labels=["action"])
-        for action in ROBUST_COUNTS:
+        for action in ACTIONS:
             robust.add_metric([action], sum((r.robust or {}).get(action, 0) for r in records))
         yield robust
+        monitor = coordinator.aggregation.monitor
+        if monitor is not None:
+            streaks = monitor.streaks()
+            streak = GaugeMetricFamily("fedpart_insider_outlier_streak", "Clients whose latest results were outliers "
+                                       "(robust.monitor_*), and how many in a row", labels=["client"])
+            for client, count in sorted(streaks.items()):
+                streak.add_metric([str(client)], count)
+            yield streak
+            yield GaugeMetricFamily("fedpart_insiders_named", "Clients named by the insider monitor now: their latest "
+                                    "robust.monitor_rounds results or more were all outliers",
+                                    value=sum(count >= monitor.rounds for count in streaks.values()))
         delivery = CounterMetricFamily("fedpart_delivery", "What faults made the server do, by kind: tasks and "
                                        "results sent again, streams cut, duplicates dropped, tasks given up",
                                        labels=["kind"])

@@ -17,7 +17,9 @@ from fedpart.common.config import CheckpointConfig, ConfigError, RunConfig
 from fedpart.common.records import RoundRecord, RunSummary
 from fedpart.common.split_model import count_parameters
 from fedpart.server.accounting import ByteLedger
+from fedpart.server.robust import ACTIONS
 from fedpart.server.run_state import ResumeError
+from fedpart.server.validation import SAMPLE_COUNTS, reported
 
 CHECKPOINTS = "checkpoints"
 # summary.json's "status": how the run ended
@@ -205,12 +207,35 @@ def build_summary(config: RunConfig, model: torch.nn.Module, rounds: list[dict],
             **_gpu_peak(records),
         },
         delivery={"rounds": delivery_totals(records), "evaluation": dict(evaluation_delivery or {})},
+        robust=_robust(config, records, evaluations),
         privacy=_privacy(config, records) if config.privacy.dp.enabled else None,
         seconds=round(seconds, 3),
         failures=failures,
         per_client=per_client,
         exit_code=exit_code,
     ).to_json()
+
+
+def _robust(config: RunConfig, rounds: Sequence[RoundRecord],
+            evaluations: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
+    """What the defences did over the run (docs/security.md): the rounds' counts summed, the
+    clients whose evaluation sample counts were capped, and the clients the insider monitor named
+    (an outlier in ``robust.monitor_rounds`` results in a row): their outlier results in all and the
+    rounds in which they were named."""
+    insiders: dict[str, dict[str, Any]] = {}
+    for record in rounds:
+        for client, figures in ((record.insiders or {}).get("outliers") or {}).items():
+            entry = insiders.setdefault(client, {"outlier_results": 0, "named_in_rounds": []})
+            entry["outlier_results"] += 1
+            if config.robust.monitor_rounds and figures["streak"] >= config.robust.monitor_rounds:
+                entry["named_in_rounds"].append(record.round)
+    return {
+        "rounds": {action: sum((r.robust or {}).get(action, 0) for r in rounds) for action in ACTIONS},
+        "evaluation_samples_capped": sorted(c for c, m in evaluations.items()
+                                            if any(reported(key) in m for key in SAMPLE_COUNTS)),
+        "insiders": {client: entry for client, entry in sorted(insiders.items(), key=lambda item: int(item[0]))
+                     if entry["named_in_rounds"]},
+    }
 
 
 def _mean(values: list[float], empty: float | None) -> float | None:
@@ -336,6 +361,14 @@ def format_table(summary: RunSummary) -> str:
                        if set(by_encoding) - {"none"})
     if ratios:
         lines.append(f"compression (decoded / wire tensor bytes): {ratios}")
+    robust = summary.robust or {}
+    if robust.get("evaluation_samples_capped"):
+        lines.append("evaluation sample counts capped (more than the client can have): clients "
+                     + ", ".join(str(c) for c in robust["evaluation_samples_capped"]))
+    for client, entry in (robust.get("insiders") or {}).items():
+        named = entry["named_in_rounds"]
+        lines.append(f"INSIDER? client {client}: an outlier in {entry['outlier_results']} results, named by the "
+                     f"insider monitor in {len(named)} rounds ({named[0]}-{named[-1]})")
     if summary.failures:
         lines.append(f"FAILURES ({len(summary.failures)}): " + "; ".join(summary.failures[:5]))
     return "\n".join(lines)

@@ -5,7 +5,8 @@ server's policy (:class:`~fedpart.server.policy.ServerPolicy`) screens with: the
 over all its tensors (:func:`screening_norm`), the :class:`AdaptiveBound` that refuses a delta
 more than ``robust.adaptive_bound`` times the median norm of the latest round's deltas of the same
 tensors, scaling down to ``robust.norm_bound`` (Sun et al., "Can You Really Backdoor Federated
-Learning?", 2019), the partition sizes that cap a self-reported sample count, and the robust
+Learning?", 2019), the partition sizes that cap a self-reported sample count (of a training result
+or an evaluation report), and the robust
 aggregators: the streaming weighted mean (default), the coordinate-wise median and trimmed mean of
 Yin et al., ICML 2018.
 """
@@ -25,10 +26,19 @@ from fedpart.common.data.datasets import load_dataset
 from fedpart.common.data.partition import make_partition
 from fedpart.common.registry import ROBUST_AGGREGATORS, Option
 from fedpart.server.aggregation import CoordinateMedian, CoordinateTrimmedMean, WeightedMean
+from fedpart.server.insiders import Observation
 
 
 class ResultRefused(ValueError):
-    """A result the server's policy will not fold in; the message says why."""
+    """A result the server's policy will not fold in; the message says why. ``observation``: what
+    the insider monitor keeps of a result refused for its norm (None: not observed)."""
+
+    def __init__(self, message: str, observation: Observation | None = None) -> None:
+        super().__init__(message)
+        self.observation = observation
+
+
+ACTIONS = ("clipped", "rejected", "samples_capped")  # what the defences count of a round's results
 
 
 @dataclass
@@ -81,11 +91,13 @@ def upload_key(names: Iterable[str]) -> str:
 
 class MeasuredDeltas(dict[str, torch.Tensor]):
     """A result's delta tensors with their L2 norm as screening measured it
-    (:func:`screening_norm`), so that folding them does not measure them again."""
+    (:func:`screening_norm`), so that folding them does not measure them again, and the norm of
+    the deltas the client sent (``sent_norm``: before a clip to ``robust.norm_bound``)."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], norm: float) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], norm: float, sent_norm: float | None = None) -> None:
         super().__init__(tensors)
         self.norm = norm
+        self.sent_norm = norm if sent_norm is None else sent_norm
 
 
 def scaled(deltas: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
@@ -178,8 +190,16 @@ class AdaptiveBound:
             self._medians = medians
 
 
-def partition_train_sizes(config: RunConfig) -> list[int]:
-    """Every client's train-split size, from the same seeded partition the clients compute.
+@dataclass(frozen=True)
+class PartitionSizes:
+    """Every client's train-split and test-split size, by client id."""
+
+    train: list[int]
+    test: list[int]
+
+
+def partition_sizes(config: RunConfig) -> PartitionSizes:
+    """Every client's split sizes, from the same seeded partition the clients compute.
 
     Raises ``OSError``/``ValueError``/``ImportError`` when the server cannot load the dataset.
     """
@@ -187,7 +207,7 @@ def partition_train_sizes(config: RunConfig) -> list[int]:
     dataset = load_dataset(data.dataset, data.root, **data.options)
     splits = make_partition(dataset.y_train, dataset.y_test, config.clients, data.partition.scheme, config.partition_seed,
                             num_classes=dataset.num_classes, **data.partition.options)
-    return [len(split.train) for split in splits]
+    return PartitionSizes([len(split.train) for split in splits], [len(split.test) for split in splits])
 
 
 ROBUST_AGGREGATORS.register("mean", "The streaming weighted mean (train.weighting), folded as results arrive.")(

@@ -14,8 +14,7 @@ from fedpart.common.algorithms import learning_rate
 from fedpart.common.config import RunConfig
 from fedpart.common.records import RoundRecord
 from fedpart.server.accounting import ByteLedger
-from fedpart.server.aggregation import Aggregator
-from fedpart.server.policy import ServerPolicy
+from fedpart.server.policy import RoundAggregate, ServerPolicy
 from fedpart.server.robust import RobustCounts
 from fedpart.server.task_board import TaskBoard
 
@@ -24,7 +23,7 @@ from fedpart.server.task_board import TaskBoard
 class RoundResults:
     """What one round has collected so far."""
 
-    deltas: Aggregator
+    deltas: RoundAggregate
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     samples: dict[int, int] = field(default_factory=dict)
     robust: RobustCounts = field(default_factory=RobustCounts)
@@ -111,6 +110,7 @@ class RunRecorder:
                               **{k: v for k, v in metrics.get(c, {}).items() if k.startswith("dp_sgd_")}}
                      for c in sampled},
             robust=results.robust.as_dict(),
+            insiders=results.deltas.insiders,
             delivery=self.board.delivery_counts(round_number).as_dict(),
             server_step=self.policy.step_report(),
             gpu_peak_bytes=gpu_peak or None,

@@ -97,11 +97,15 @@ class TaskBoard:
     """Tasks per process, long polls, and the wait for dispatched tasks."""
 
     def __init__(self, registry: ProcessRegistry, cond: threading.Condition, log: Callable[[str], None],
-                 record_failure: Callable[[str], None], attempts: int = 8) -> None:
+                 record_failure: Callable[[str], None], attempts: int = 8,
+                 dropped: Callable[[Task], None] = lambda task: None) -> None:
+        """``dropped`` is told (under the lock) of every task :meth:`fail_task` drops: its result
+        was refused or its sending failed."""
         self.registry = registry
         self.log = log
         self.attempts = attempts
         self._record_failure = record_failure
+        self._dropped = dropped
         self._cond = cond
         self._mailboxes: dict[str, Mailbox] = {}  # by session, live processes only
         self._open: dict[int, Task] = {}          # queued or taken, on a live process
@@ -352,6 +356,7 @@ class TaskBoard:
                 return False
             self._close_task(task)
             self._record_failure(f"round {task.round} client {task.client_id}: {reason}")
+            self._dropped(task)
         self.log(f"warning: round {task.round} client {task.client_id} dropped: {reason}")
         return True
 

@@ -33,6 +33,13 @@ from fedpart.proto import fedpart_pb2 as pb
 # Bounds on what a result header may carry besides its tensor specs.
 MAX_METRICS = 64
 MAX_METRIC_NAME = 64
+SAMPLE_COUNTS = ("train_samples", "test_samples")  # the sample counts an evaluation report carries
+
+
+def reported(key: str) -> str:
+    """The key under which the server keeps what a client reported for a sample count it capped
+    (``server/policy.py``); a client may not send it."""
+    return f"reported_{key}"
 
 
 def check_header(result: ResultInfo, declared: Sequence[pb.TensorSpec], expected: Sequence[pb.TensorSpec]) -> None:
@@ -94,11 +101,15 @@ def check_result(task: TaskInfo, result: ResultInfo, tensors: Mapping[str, torch
 
 def check_evaluation(metrics: Mapping[str, float], plan: EvalPlan, trained_samples: int | None) -> None:
     """An evaluation report must carry the keys its plan implies, accuracies in [0, 1], whole
-    non-negative sample counts, and the training sample count the client reported in training."""
-    missing = [k for k in ("train_samples", "test_samples") if k not in metrics]
+    non-negative sample counts, and the training sample count the client reported in training;
+    it may not carry the keys the server sets (:func:`reported`)."""
+    missing = [k for k in SAMPLE_COUNTS if k not in metrics]
     if missing:
         raise InvalidResult(f"evaluation result lacks {missing}")
-    for key in ("train_samples", "test_samples"):
+    reserved = [reported(k) for k in SAMPLE_COUNTS if reported(k) in metrics]
+    if reserved:
+        raise InvalidResult(f"evaluation result carries {reserved}, which only the server sets")
+    for key in SAMPLE_COUNTS:
         value = metrics[key]
         if value < 0 or value != int(value):
             raise InvalidResult(f"evaluation result: {key} = {value} is not a whole number of samples")

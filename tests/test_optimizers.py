@@ -207,7 +207,7 @@ def test_a_plug_in_server_optimizer_is_one_module(monkeypatch):
 def test_defaults_reproduce_the_plain_step():
     step = _step()
     assert type(step.optimizer) is Plain and step.optimizer.lr == 1.0
-    assert step.step_report() == {} and step.optimizer_state() == {}
+    assert step.step_report() == {} and step.optimizer.state() == {}
 
 
 def test_server_optimizer_options_reach_the_optimizer():
@@ -245,8 +245,10 @@ def test_bad_server_optimizer_settings_name_the_key(raw, message):
 
 
 def test_the_optimizer_state_is_part_of_the_run_state(tmp_path):
-    # the adaptive bound off: its medians would be in the state too (tests/test_robust.py covers them)
-    config = config_from_dict(small_config(server_optimizer={"name": "fedadam"}, robust={"adaptive_bound": 0}))
+    # the adaptive bound and the insider monitor off: their medians and history would be in the state too
+    # (tests/test_robust.py and tests/test_insiders.py cover them)
+    config = config_from_dict(small_config(server_optimizer={"name": "fedadam"},
+                                           robust={"adaptive_bound": 0, "monitor_rounds": 0}))
     coordinator = Coordinator(config, log=lambda line: None)
     name = next(iter(coordinator.global_state))
     deltas = coordinator.aggregation.new_aggregator()

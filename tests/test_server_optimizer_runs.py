@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fedpart.common.checkpoint import load_tensors
+from fedpart.server.insiders import InsiderMonitor
 from fedpart.server.robust import AdaptiveBound
 from test_algorithm_runs import CLIENTS, _run
 
@@ -24,11 +25,11 @@ def _checkpoints(out: Path) -> list[dict[str, torch.Tensor]]:
 
 def _optimizer_state(out: Path) -> dict[str, torch.Tensor]:
     """The server optimizer's state after the last round, from the run state (without the
-    adaptive norm bound's medians, saved beside it)."""
+    adaptive norm bound's medians and the insider monitor's history, saved beside it)."""
     tensors = load_tensors(out / "server_state/round_0002.safetensors")
     prefix = "server_optimizer/"
-    return {k[len(prefix):]: v for k, v in tensors.items()
-            if k.startswith(prefix) and not k.startswith(prefix + AdaptiveBound.STATE_PREFIX)}
+    beside = (prefix + AdaptiveBound.STATE_PREFIX, prefix + InsiderMonitor.STATE_PREFIX)
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix) and not k.startswith(beside)}
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor) -> None:
