@@ -76,12 +76,12 @@ CHANNEL_OPTIONS: list[tuple[str, object]] = [
     # the process trains for minutes
     ("grpc.keepalive_time_ms", int(KEEPALIVE_SECONDS * 1000)),
     ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_SECONDS * 1000)),
-    # gRPC waits this long for the answer to any ping, keepalives included (60 s by default: a
-    # black-holed upload failed after 70 s; with it, after the keepalive bound)
+    # gRPC waits this long for the answer to any ping, keepalives included (its default outlasts
+    # the keepalive bound, so a black-holed upload would fail late; with it, at the bound)
     ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_SECONDS * 1000)),
     ("grpc.keepalive_permit_without_calls", 1),
     # keep pinging through a long poll that carries no data (by default pings stop after two,
-    # and a connection black-holed later went unnoticed for 50 s)
+    # and a connection black-holed later would go unnoticed past the keepalive bound)
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", int(FIRST_RETRY_SECONDS * 1000)),
     ("grpc.max_reconnect_backoff_ms", int(MAX_RETRY_SECONDS * 1000)),

@@ -10,16 +10,15 @@ other without an operator's flag (:class:`HostShare`): each registers itself in 
 this user's on the host and counts the live processes registered there whose CPUs overlap its
 own, before each task, so that a process started beside others and one whose neighbours stopped
 both take their share from their next task on. Two processes that each took every core would
-fight for them, torch's intra-op threads spinning against each other's: rounds many times slower.
+fight for them, torch's intra-op threads spinning against each other's: rounds many times slower
+(``benchmarks/hand_started.py --every-core`` shows it).
 
 The threads beside training (a client's session and gRPC threads; a server on a host
 where client processes train) :func:`yield_to_training`: they run under Linux's ``SCHED_BATCH``
 policy (sched(7)), so that one of them waking up waits for the scheduler's next tick instead of
 taking the core from a training thread at once. Their share of the CPU is unchanged. Each such
-wakeup would otherwise cost the training thread its place on the core and a refill of its caches:
-with 2 client processes on 2 cores, fedpart's training threads were taken off their core 67-72
-times per second of training, 45 once the threads beside them yield, against the compute floor's
-16-17 (``benchmarks/round_overhead.py``, docs/benchmarks.md).
+wakeup would otherwise cost the training thread its place on the core and a refill of its caches
+(``benchmarks/round_overhead.py`` counts the training threads' preemptions, docs/benchmarks.md).
 """
 
 from __future__ import annotations

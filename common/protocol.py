@@ -51,9 +51,8 @@ RESULT_REJECTED = grpc.StatusCode.INVALID_ARGUMENT
 # KEEPALIVE_TIMEOUT_SECONDS, and the calls on it fail and are tried again on a new connection.
 # gRPC times every ping out by the timeout (grpc.http2.ping_timeout_ms), the bandwidth probes a
 # client sends while a task streams in included, and their answers queue behind the task bytes on
-# the way: 5 s closed thousands of busy connections a run behind one slow hop (10,000 clients in
-# 2,000 processes through benchmarks/server_scale.py --relay: 961-4,061 evaluation tasks sent
-# again; with 20 s, none).
+# the way: a short timeout closes busy connections behind one slow hop and sends their tasks
+# again, so the timeout leaves room for a task's bytes (benchmarks/server_scale.py --relay).
 KEEPALIVE_SECONDS = 10.0
 KEEPALIVE_TIMEOUT_SECONDS = 20.0
 

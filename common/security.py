@@ -236,7 +236,7 @@ class ClientSecurity:
         """The metadata every call on an :meth:`aio_channel` carries: the token, as the bearer
         credential that gRPC's token call credentials send (none in plaintext). As metadata it
         costs nothing per call, where gRPC Python runs call credentials on a thread it starts
-        for every call (about 0.3 ms of CPU a call, measured)."""
+        for every call."""
         if self.insecure or not self.token:
             return ()
         return (("authorization", f"Bearer {self.token}"),)

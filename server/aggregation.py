@@ -85,8 +85,8 @@ _FOLD_OPTIONS = {"nogil": True, "error_model": "numpy", "boundscheck": False}
 def _torch_two_sum_fold(value: np.ndarray, total: np.ndarray, error: np.ndarray, source: np.ndarray,
                         weight: float) -> None:
     """:func:`_two_sum_fold` as whole-array torch operations: the same IEEE operations per
-    element, so the same bits, in nine passes instead of one (a cnn2 result: 1.71 ms against
-    0.33 ms compiled, ``benchmarks/fold_throughput.py --torch-threads 1``)."""
+    element, so the same bits, in nine passes instead of one (slower than the compiled pass:
+    ``benchmarks/fold_throughput.py`` compares them, docs/benchmarks.md)."""
     old = torch.from_numpy(value)
     term = torch.from_numpy(source).to(torch.float64) * weight
     new = torch.from_numpy(total)
@@ -107,7 +107,7 @@ def _compile(kernel: Callable[..., None], fallback: Callable[..., None]) -> Call
     """``kernel`` (:func:`_two_sum_fold` or :func:`_two_sum_first`) compiled by Numba (the
     ``server`` extra) for float32 and float64 sources: one pass instead of torch's nine. Compiled
     code is cached beside this file, or in the user's cache directory; where neither can be
-    written each kernel is compiled in each process (about 0.5 s). Without Numba, ``fallback``
+    written each kernel is compiled in each process, once, at its start. Without Numba, ``fallback``
     gives the same bits, slower."""
     try:
         import numba
@@ -126,7 +126,7 @@ FOLD_BLOCK_ELEMENTS = 131_072
 """Elements per block of a running sum: the unit that one thread folds under a block's lock, so
 that several threads fold one result's blocks at once. A block's fold is one compiled call that
 releases the GIL; smaller blocks cost more calls and lock turns, larger ones let fewer threads fold
-a tensor at once. Measured with benchmarks/fold_throughput.py."""
+a tensor at once. ``benchmarks/fold_throughput.py --block N`` measures another block size."""
 
 
 def fold_source(tensor: torch.Tensor) -> np.ndarray:

@@ -8,20 +8,18 @@ O(slots x model), whatever the number of uploads in flight.
 
 While a result stream waits for a slot, gRPC still takes in about one message of it (it lets a
 message it has begun complete), so the waiting streams together hold up to processes x message
-size: at 2,000 processes with 1 MiB messages heaptrack found 1.15 GB there. Each training task
+size, which at thousands of processes outweighs the upload slots themselves. Each training task
 therefore names the largest message its result may come in (:func:`result_chunk_bytes`):
 ``server.waiting_upload_bytes`` shared among the connected processes, so a few processes send
-large messages (fewer of them cost the server less CPU: 7.1 instead of 8.0 CPU s a round for 1,000
-cnn2 results at 100 processes) and many send small ones.
+large messages (fewer of them cost the server less CPU) and many send small ones.
 
 Each connection's HTTP/2 window, the bytes it may send before the server reads them, is bounded
 too (:func:`receive_window`): by default the windows of all the run's clients together hold 32
 MiB (the run's clients bound its processes), each within [256 KiB, 4 MiB]. A small run gets
 windows that hold a whole cnn2 result, so a sender is not woken for a window update every 128
-KiB: at 2 processes on 2 cores this halved the CPU of the client processes' gRPC event-engine
-threads (0.028-0.034 to 0.014-0.018 s a round) and cut the transport's CPU by about 0.03 s a
-round. Larger totals did not pay: 524 KiB windows at 1,000 clients in 100 processes cost the
-server 0.08 CPU s a round more than 256 KiB ones (median of 7 pairs), so runs from 128 clients up
+KiB, which costs the client processes' gRPC threads CPU on every upload. Larger totals did not
+pay in large runs, where they cost the server CPU (``benchmarks/server_scale.py --set
+server.receive_window=...`` measures a window against the default), so runs from 128 clients up
 keep 256 KiB.
 
 Downloads: a task is sent only while it holds one of a fixed number of *download slots*; every
