@@ -216,7 +216,7 @@ class Coordinator:
     def _accept_training(self, task: Task, result: ResultInfo, tensors: dict[str, torch.Tensor],
                          commit: Callable[[], None]) -> None:
         """Screen a training result and fold it into the round (see :meth:`accept`)."""
-        screened = self._screen(task, result, tensors)
+        screened = self._screen(task, result, {n: tensors[n] for n in task.train.upload_deltas})
         values = {n: tensors[n] for n in task.train.upload_values}
         self._fold(task, lambda results: self._fold_training(results, task, screened, values),
                    lambda results: self._record_training(results, task.client_id, dict(result.metrics), screened,
@@ -224,12 +224,11 @@ class Coordinator:
         for note in screened.notes:
             self.log(f"warning: round {task.round} client {task.client_id}: {note}")
 
-    def _screen(self, task: Task, result: ResultInfo, tensors: Mapping[str, torch.Tensor]) -> Screened:
-        """The policy's screening of a training result; :class:`Rejected` (counted in the round's
-        results while the task is outstanding) for one it refuses."""
+    def _screen(self, task: Task, result: ResultInfo, deltas: dict[str, torch.Tensor]) -> Screened:
+        """The policy's screening of a training result with ``deltas``; :class:`Rejected` (counted
+        in the round's results while the task is outstanding) for one it refuses."""
         try:
-            return self.aggregation.screen(task.client_id, {n: tensors[n] for n in task.train.upload_deltas},
-                                           int(result.num_samples))
+            return self.aggregation.screen(task.client_id, deltas, int(result.num_samples))
         except ResultRefused as error:
             with self._cond:
                 if self._results is not None and self.board.is_outstanding(task):
