@@ -41,7 +41,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -60,6 +60,7 @@ from fedpart.server.run_state import RunState
 from fedpart.server.secure_aggregation import SecureRound
 from fedpart.server.task_board import DeliveryCounts, Task
 from fedpart.server.transfers import result_chunk_bytes
+from fedpart.server.virtual_clock import VirtualClock
 
 
 def staleness_weight(section: BufferedConfig) -> Callable[[int], float]:
@@ -101,6 +102,55 @@ class Flight:
     def order(self) -> tuple[float, int, int]:
         """Its place in virtual time: finish, then round, then client."""
         return self.finish, self.round, self.client
+
+
+class Schedule:
+    """Which clients train and which results a version folds, FedBuff's bookkeeping without tasks,
+    threads or tensors: the engine's, and a dry run's of a run's virtual timeline (a schedule
+    does not depend on what the clients learn). ``flights`` by client; ``clock`` the virtual
+    clock (None: the wall clock, where arrival decides)."""
+
+    def __init__(self, clients: int, concurrency: int, buffer_size: int, seed: int,
+                 clock: VirtualClock | None = None) -> None:
+        self.clients = clients
+        self.concurrency = concurrency
+        self.buffer_size = buffer_size
+        self.seed = seed
+        self.clock = clock
+        self.flights: dict[int, Flight] = {}
+
+    def start(self, version: int, last: int) -> list[Flight]:
+        """New flights at the start of ``version``: idle clients until ``concurrency`` train, and
+        no more than the versions up to ``last`` can fold; each drawn uniformly among the idle
+        clients by the seeded draw of (seed, version), which is the synchronous round's sample when
+        every client is idle."""
+        wanted = min(self.concurrency, self.buffer_size * (last - version + 1)) - len(self.flights)
+        idle = [c for c in range(self.clients) if c not in self.flights]
+        count = max(0, min(wanted, len(idle)))
+        if not count:
+            return []
+        rng = np.random.default_rng([self.seed, version])
+        now = self.clock.now if self.clock is not None else 0.0
+        started = []
+        for client in sorted(idle[i] for i in rng.choice(len(idle), size=count, replace=False)):
+            finish = self.clock.finish(client, version, now) if self.clock is not None else 0.0
+            started.append(self.flights.setdefault(client, Flight(client, version, now, finish)))
+        return started
+
+    def members(self, kept: set[int] = frozenset()) -> set[int]:
+        """``kept`` and the flights that finish first in virtual time, ``buffer_size`` in all."""
+        kept = kept & set(self.flights)
+        waiting = sorted((f for c, f in self.flights.items() if c not in kept), key=lambda f: f.order)
+        return kept | {f.client for f in waiting[:max(0, self.buffer_size - len(kept))]}
+
+    def close(self, folded: Iterable[int]) -> tuple[list[Flight], tuple[float, float] | None]:
+        """End the flights of the ``folded`` clients; with the virtual clock move it to the last
+        one's finish. Returns those flights and (virtual time, their device seconds), or None."""
+        done = [self.flights.pop(c) for c in sorted(folded)]
+        if self.clock is None:
+            return done, None
+        self.clock.now = max([self.clock.now, *(f.finish for f in done)])
+        return done, (self.clock.now, sum(self.clock.busy(f.client, f.round) for f in done))
 
 
 @dataclass
@@ -193,7 +243,8 @@ class BufferedCoordinator(Coordinator):
         super().__init__(config, log)
         self.concurrency, self.buffer_size = config.buffered.resolved(config.clients, config.sampling.fraction)
         self.staleness_weight = staleness_weight(config.buffered)
-        self._flights: dict[int, Flight] = {}       # by client
+        self.schedule = Schedule(config.clients, self.concurrency, self.buffer_size, config.sampling_seed, self.clock)
+        self._flights = self.schedule.flights       # by client
         self._held: dict[int, Held] = {}            # by client
         self._models: dict[int, tuple[dict[str, torch.Tensor], dict[str, int]]] = {}  # version -> (tensors, versions)
         self._buffer: Buffer | None = None
@@ -338,7 +389,7 @@ class BufferedCoordinator(Coordinator):
             if self.config.privacy.secure_aggregation:
                 secure = SecureRound(self.config, self.run_id, round_number, reference, self.log, self._blame)
             buffer = Buffer(round_number, RoundResults(self.aggregation.new_aggregator(round_number, reference, secure)),
-                            self._members() if self.clock is not None else None)
+                            self.schedule.members() if self.clock is not None else None)
             self._buffer = buffer
             self._results = buffer.results
             self._secure = secure
@@ -380,16 +431,7 @@ class BufferedCoordinator(Coordinator):
     def _dispatch(self, round_number: int) -> list[int]:
         """Tasks for the flights restored from a run state and for newly chosen idle clients
         (holds the lock); returns the clients that got one."""
-        last = self.last_round
-        wanted = min(self.concurrency, self.buffer_size * (last - round_number + 1)) - len(self._flights)
-        idle = [c for c in range(self.config.clients) if c not in self._flights]
-        count = max(0, min(wanted, len(idle)))
-        if count:
-            rng = np.random.default_rng([self.config.sampling_seed, round_number])
-            now = self.clock.now if self.clock is not None else 0.0
-            for client in sorted(idle[i] for i in rng.choice(len(idle), size=count, replace=False)):
-                finish = self.clock.finish(client, round_number, now) if self.clock is not None else 0.0
-                self._flights[client] = Flight(client, round_number, now, finish)
+        self.schedule.start(round_number, self.last_round)
         server = self.config.server
         chunk_bytes = result_chunk_bytes(server.result_chunk_bytes, server.waiting_upload_bytes,
                                          self.registry.live_processes)
@@ -409,10 +451,6 @@ class BufferedCoordinator(Coordinator):
             tasks.append(flight.task)
         self.board.dispatch(tasks)
         return [task.client_id for task in tasks]
-
-    def _members(self) -> set[int]:
-        """The ``buffer_size`` flights that finish first in virtual time (holds the lock)."""
-        return {f.client for f in sorted(self._flights.values(), key=lambda f: f.order)[:self.buffer_size]}
 
     def _fill(self, buffer: Buffer, started: float) -> None:
         """Wait until the buffer is complete, or ``server.round_timeout`` passed (it then folds
@@ -455,23 +493,16 @@ class BufferedCoordinator(Coordinator):
     def _refill(self, buffer: Buffer) -> None:
         """With the virtual clock, a buffer whose members left (dropped, refused) takes the next
         flights to finish in their place (holds the lock)."""
-        if buffer.members is None:
-            return
-        kept = (buffer.members & set(self._flights)) | buffer.admitted
-        waiting = sorted((f for c, f in self._flights.items() if c not in kept), key=lambda f: f.order)
-        buffer.members = kept | {f.client for f in waiting[:max(0, self.buffer_size - len(kept))]}
+        if buffer.members is not None:
+            buffer.members = self.schedule.members(buffer.members | buffer.admitted)
 
     def _close(self, buffer: Buffer, dispatched: list[int], seconds: float) -> dict:
         """End the folded flights, move the virtual clock, forget unneeded versions; the record
         (holds the lock)."""
-        folded = [self._flights.pop(c) for c in sorted(buffer.folded)]
+        folded, virtual = self.schedule.close(buffer.folded)
         tasks = {f.client: f.round for f in folded}
         for client in buffer.refused:
             self._flights.pop(client, None)
-        virtual = None
-        if self.clock is not None:
-            self.clock.now = max([self.clock.now, *(f.finish for f in folded)])
-            virtual = (self.clock.now, sum(self.clock.busy(f.client, f.round) for f in folded))
         needed = {f.round - 1 for f in self._flights.values()}
         self._models = {v: model for v, model in self._models.items() if v in needed}
         self.recorder.end_round(buffer.version, seconds)
@@ -523,8 +554,9 @@ class BufferedCoordinator(Coordinator):
         next version (its client trains it again from the same start)."""
         super().restore(state)
         with self._cond:
-            self._flights = {client: Flight(client, task_round, start, finish)
-                             for client, task_round, start, finish in state.engine.get("flights", [])}
+            self._flights.clear()
+            self._flights.update({client: Flight(client, task_round, start, finish)
+                                  for client, task_round, start, finish in state.engine.get("flights", [])})
             self._models = {}
             for version, model_versions in state.engine.get("models", {}).items():
                 model = {name: state.engine_tensors.get(f"{version}/{name}", self.global_state[name])
