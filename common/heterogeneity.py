@@ -76,8 +76,8 @@ class Devices:
         intermittent = set(rng.permutation(clients)[:round(section.offline_share * clients)].tolist())
         phases = rng.uniform(0.0, section.offline_period, clients)
         offline = section.offline_fraction * section.offline_period
-        self._devices = [Device(float(slowdowns[c]), float(phases[c]), section.offline_period,
-                                offline if c in intermittent else 0.0) for c in range(clients)]
+        self._devices = [Device(float(slowdowns[c]), float(phases[c]), section.offline_period, offline)
+                         if c in intermittent else Device(float(slowdowns[c])) for c in range(clients)]
 
     def __getitem__(self, client: int) -> Device:
         return self._devices[client]
