@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from fedpart.common.algorithms import learning_rate
 from fedpart.common.config import BufferedConfig, RunConfig
 from fedpart.common.plans import ResultInfo, SecAggStage, SecAggStep, TaskKind
 from fedpart.common.protocol import Rejected
@@ -359,6 +360,20 @@ class BufferedCoordinator(Coordinator):
             self._folded(buffer, task)
         for note in screened.notes:
             self.log(f"warning: round {task.round} client {client}: {note}")
+
+    def _screen(self, task: Task, result: ResultInfo, deltas: dict[str, torch.Tensor]) -> Screened:
+        """Screen a result as if it had trained with the current version's learning rate: one
+        that trained before a decay of ``train.lr`` (``train.lr_milestones``) moved by that much
+        more, which the adaptive bound would take for an attack (the bound, clipping and the
+        norms the bound keeps then measure every result on one scale); the screened deltas are
+        scaled back. Under ``privacy.dp`` the clip is absolute: screened as it came."""
+        train, rounds = self.config.train, self.config.rounds
+        trained, now = (learning_rate(train.lr, r - 1, rounds, train.lr_milestones, train.lr_gamma)
+                        for r in (task.round, self.current_round))
+        if not deltas or trained == now or not trained or not now or self.aggregation.privacy is not None:
+            return super()._screen(task, result, deltas)
+        screened = super()._screen(task, result, stale_scaled(deltas, now / trained))
+        return replace(screened, deltas=stale_scaled(screened.deltas, trained / now))
 
     def _fold_training(self, results: RoundResults, task: Task, screened: Screened,
                        values: Mapping[str, torch.Tensor]) -> None:

@@ -309,3 +309,27 @@ def test_a_version_record_counts_the_bytes_moved_while_it_was_open() -> None:
     assert traffic.totals(9, 0) == {"down": 100, "up": 40}  # client 0's task of round 1, whole
     assert traffic.totals(9, 3) == {"down": 0, "up": 0}      # not folded in this version
     assert traffic.logical(9)["up"] == 40 and traffic.by_unit(9)["fc1"] == {"down": 0, "up": 40}
+
+
+def test_a_result_trained_before_a_learning_rate_decay_is_screened_at_the_current_rate(one_torch_thread) -> None:
+    """lr x0.1 from version 3 on (train.lr_milestones): a round-1 task folded in version 4 moved
+    ~30 times as far as version 3's results, ~3 times on their rate's scale: the adaptive bound
+    (10 x the median) takes it at the current rate, scaled back after screening."""
+    config = _virtual_config(heterogeneity={}, buffered={"concurrency": 4, "buffer_size": 1}, rounds=8,
+                             train={"epochs": 1, "batch_size": 20, "lr": 0.05, "lr_milestones": [0.25]})
+    coordinator = BufferedCoordinator(config, log=lambda line: None)
+    session = _join(coordinator)
+    worker, records = _versions(coordinator, 4)
+    first = _take(coordinator, session, 4)
+    held = [t.task_id for t in first[1:]]
+    _answer(coordinator, session, first[0], scale=0.03)
+    for version in (2, 3):
+        (task,) = _take(coordinator, session, 1, tuple(held))
+        assert task.round == version
+        _answer(coordinator, session, task, scale=0.03 if version == 2 else 0.001)
+    (fourth,) = _take(coordinator, session, 1, tuple(held))
+    _answer(coordinator, session, first[1], scale=0.03)  # stale by 3, trained at the earlier rate
+    worker.join(BOUND)
+    assert coordinator.failures == [] and records[3]["robust"]["rejected"] == 0
+    assert records[3]["completed"] == [first[1].client_id] and records[3]["buffered"]["staleness"] == {"3": 1}
+    assert fourth.round == 4
