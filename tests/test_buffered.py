@@ -333,3 +333,41 @@ def test_a_result_trained_before_a_learning_rate_decay_is_screened_at_the_curren
     assert coordinator.failures == [] and records[3]["robust"]["rejected"] == 0
     assert records[3]["completed"] == [first[1].client_id] and records[3]["buffered"]["staleness"] == {"3": 1}
     assert fourth.round == 4
+
+
+def test_a_kept_update_is_advertised_again_under_the_version_that_folds_it() -> None:
+    """Under the buffered engine a process keeps each client's update until that client's version
+    asks for keys bound to it; another client's advertise does not drop it."""
+    from fedpart.client.mods.secure_aggregation import SecureStepError, SecureUpdates
+
+    updates = SecureUpdates("run", buffered=True)
+    first = updates.advertise(0, 3, {"w": torch.ones(2)})
+    updates.advertise(1, 5, {"w": torch.zeros(2)})  # a later round of another client keeps client 0's
+    assert updates.readvertise(0, 3) == first       # trained in the version that folds it: the same keys
+    again = updates.readvertise(0, 6)
+    assert again != first and updates.readvertise(0, 6) == again  # keys of round 6, given once
+    with pytest.raises(SecureStepError, match="no kept update"):
+        updates.readvertise(2, 6)
+    synchronous = SecureUpdates("run")
+    synchronous.advertise(0, 3, {"w": torch.ones(2)})
+    synchronous.advertise(1, 4, {"w": torch.ones(2)})  # a synchronous round ends before the next: dropped
+    with pytest.raises(SecureStepError):
+        synchronous.readvertise(0, 4)
+
+
+def test_compare_runs_each_algorithm_once_per_engine(tmp_path) -> None:
+    from conftest import write_config
+    from fedpart.cli.compare import parse_engines, plan_runs
+
+    config = write_config(tmp_path / "config.yaml", small_config())
+    planned = plan_runs(config, ["fedavg", "fedbabu"], ["buffered.concurrency=2"], tmp_path / "out", [0],
+                        engines=parse_engines("sync,buffered"))
+    assert [(p.label, p.out.relative_to(tmp_path / "out").as_posix()) for p in planned] == [
+        ("fedavg sync seed 0", "fedavg/sync/seed0"), ("fedavg buffered seed 0", "fedavg/buffered/seed0"),
+        ("fedbabu sync seed 0", "fedbabu/sync/seed0"), ("fedbabu buffered seed 0", "fedbabu/buffered/seed0")]
+    assert [p.config.server.engine for p in planned] == ["sync", "buffered"] * 2
+    for bad, message in (("sync,async", "round engines out of"), ("sync,sync", "none twice")):
+        with pytest.raises(ConfigError, match=message):
+            parse_engines(bad)
+    with pytest.raises(ConfigError, match="--engines sets the round engine"):
+        plan_runs(config, ["fedavg"], ["server.engine=sync"], tmp_path / "other", engines=["sync"])

@@ -75,6 +75,7 @@ def _separated_devices(config: dict, margin: float) -> int:
 
 def _heterogeneous(**overrides) -> dict:
     config = small_config(rounds=4, clients=4, processes=4, data=DIGITS,
+                          evaluate={"finetune_epochs": [1, 2], "batch_size": 50, "global_every": 1},
                           server={"engine": "buffered", "round_timeout": 120, "join_timeout": 120,
                                   "heartbeat_timeout": 30},
                           buffered={"concurrency": 3, "buffer_size": 1, "staleness": "polynomial"},
@@ -119,6 +120,18 @@ def test_a_virtual_run_is_deterministic_and_a_timed_run_in_the_same_order_matche
     assert all(r.get("virtual_seconds") is None for r in timed_records)
     logs = "".join(p.read_text() for p in (timed_out / "logs").glob("client_*.log"))
     assert "its device takes" in logs  # the processes waited
+
+    from fedpart.report.runs import read_runs
+    from fedpart.report.tables import table_rows
+
+    rows = {row["run"]: row for row in table_rows(read_runs([out, timed_out], ["virtual", "wall"]), target=0.0)
+            if row["row"] == "run"}
+    assert rows["virtual"]["engine"] == "buffered" and rows["virtual"]["clock"] == "virtual"
+    assert rows["virtual"]["clock_seconds"] == records[-1]["virtual_seconds"]
+    assert 0 < rows["virtual"]["utilization"] < 1 and rows["virtual"]["mean_staleness"] > 0
+    assert rows["virtual"]["clock_time_to_target"] == records[0]["virtual_seconds"]  # any accuracy reaches 0
+    assert rows["wall"]["clock"] == "wall" and rows["wall"]["utilization"] is None
+    assert rows["wall"]["bytes_per_update"] == rows["virtual"]["bytes_per_update"]
 
 
 def test_a_killed_server_resumes_its_buffer_with_identical_results(virtual_run, processes, tmp_path: Path) -> None:
