@@ -4,9 +4,8 @@ every client process (they draw from the run's config alone).
 
 - **Speed**: a task of ``s`` local steps takes ``s * step_seconds * slowdown`` seconds of device
   time; ``speed: lognormal`` draws each slowdown as exp(speed_sigma * z), z standard normal (median
-  1; at sigma 1 one device in ten is 3.6 times slower than the median or more, as the heavy-tailed
-  device speeds of cross-device deployments, Bonawitz et al., "Towards Federated Learning at
-  Scale", MLSys 2019), ``none`` gives every device slowdown 1.
+  1, heavy-tailed: at sigma 1 one device in ten is 3.6 times slower than the median or more),
+  ``none`` gives every device slowdown 1.
 - **Availability**: ``offline_share`` of the clients (exactly that share, rounded, drawn by the
   seed) are offline for ``offline_fraction`` of every ``offline_period`` seconds, each from a seeded
   phase in [0, period); the others are always online. A device that is offline does not train: a
