@@ -410,7 +410,7 @@ class BufferedCoordinator(Coordinator):
             self._secure = secure
             self._key_weights = {}
             ready = []
-            for client in sorted(self._held):
+            for client in list(self._held):  # in the order they arrived
                 if client in buffer.members if buffer.members is not None else len(ready) < self.buffer_size:
                     ready.append(self._held.pop(client))
                     buffer.admitted.add(client)
