@@ -371,3 +371,13 @@ def test_compare_runs_each_algorithm_once_per_engine(tmp_path) -> None:
             parse_engines(bad)
     with pytest.raises(ConfigError, match="--engines sets the round engine"):
         plan_runs(config, ["fedavg"], ["server.engine=sync"], tmp_path / "other", engines=["sync"])
+
+
+def test_the_virtual_clock_says_what_to_fix_when_the_server_cannot_compute_the_partition(tmp_path) -> None:
+    from fedpart.server.coordinator import Coordinator
+    from fedpart.server.virtual_clock import VirtualClockError
+
+    config = config_from_dict(small_config(data={"dataset": "mnist", "root": str(tmp_path)},
+                                           heterogeneity={"clock": "virtual"}))
+    with pytest.raises(VirtualClockError, match="give the server data.root, or set heterogeneity.clock: wall"):
+        Coordinator(config, log=lambda line: None)
