@@ -251,7 +251,8 @@ class TaskBoard:
         hosts = "; ".join(f"{format_id_ranges(ids)} on {where}" for where, ids in by_process.items())
         self.log(f"warning: round {open_tasks[0].round} has waited {waited:.0f} s for {len(open_tasks)} of "
                  f"{len(task_ids)} clients: {hosts}; it closes in at most {left:.0f} s (server.round_timeout; "
-                 "remedies: sampling.over_selection, server.round_deadline_factor, docs/operating-a-run.md)")
+                 "remedies: sampling.over_selection, server.round_deadline_factor, server.engine: buffered, "
+                 "docs/operating-a-run.md)")
 
     def close(self, task_ids: set[int]) -> set[int]:
         """Close those of ``task_ids`` still queued or outstanding (a late result is refused);
