@@ -12,6 +12,11 @@ With ``seeds`` every algorithm runs once per seed S, into ``OUT/<algorithm>/seed
 clients and the training randomness vary, over one partition (``seeds.partition``, or the
 config's ``seed``); ``vary_partition`` also sets ``seed`` to S, so that the partition varies too.
 The runs of one seed are the same for every algorithm; the report groups each algorithm's runs.
+
+With ``engines`` (``sync,buffered``) every algorithm (and seed) runs once per round engine
+(``server.engine``), into ``OUT/<algorithm>/<engine>/`` (``.../<engine>/seed<S>/``): the same config,
+partition, devices and seeds, so the report sets the synchronous and the buffered engine side by
+side (the ``buffered`` section is read by the buffered engine only).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ REPORT_DIR = "report"
 
 
 VARIED_SEEDS = ("init", "sampling", "training")  # what --seeds varies over one partition
+ENGINES = ("sync", "buffered")
 
 
 @dataclass
@@ -36,10 +42,12 @@ class PlannedRun:
     config: RunConfig
     out: Path
     seed: int | None = None  # the --seeds value of this run (None: compare without --seeds)
+    engine: str | None = None  # the --engines value of this run (None: compare without --engines)
 
     @property
     def label(self) -> str:
-        return self.algorithm if self.seed is None else f"{self.algorithm} seed {self.seed}"
+        name = self.algorithm if self.engine is None else f"{self.algorithm} {self.engine}"
+        return name if self.seed is None else f"{name} seed {self.seed}"
 
 
 def parse_algorithms(text: str) -> list[str]:
@@ -64,6 +72,16 @@ def parse_seeds(text: str) -> list[int]:
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"--seeds {text!r} names a seed twice")
     return seeds
+
+
+def parse_engines(text: str) -> list[str]:
+    """``sync,buffered`` -> ["sync", "buffered"]: round engines, none twice."""
+    engines = [e.strip() for e in text.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ENGINES]
+    if not engines or unknown or len(set(engines)) != len(engines):
+        raise ConfigError(f"--engines {text!r}: comma-separated round engines out of {', '.join(ENGINES)}, none twice, "
+                          "e.g. --engines sync,buffered")
+    return engines
 
 
 def seed_overrides(seed: int, vary_partition: bool) -> list[str]:
@@ -93,9 +111,10 @@ def split_overrides(sets: list[str], algorithms: list[str]) -> tuple[list[str], 
 
 
 def plan_runs(config_path: Path, algorithms: list[str], sets: list[str], out: Path,
-              seeds: list[int] | None = None, vary_partition: bool = False) -> list[PlannedRun]:
+              seeds: list[int] | None = None, vary_partition: bool = False,
+              engines: list[str] | None = None) -> list[PlannedRun]:
     """Every run's config, validated (algorithm options included), and its new run directory:
-    one run per algorithm, or with ``seeds`` one per algorithm and seed."""
+    one run per algorithm, and per seed with ``seeds``, and per round engine with ``engines``."""
     from fedpart.common.experiment import run_algorithm
 
     if vary_partition and seeds is None:
@@ -107,21 +126,28 @@ def plan_runs(config_path: Path, algorithms: list[str], sets: list[str], out: Pa
         clashing = [text for text in sets if text.split("=", 1)[0].split(":")[-1].strip() in seed_keys]
         if clashing:
             raise ConfigError(f"--set {clashing[0]}: --seeds sets the seeds of each run")
+    if engines is not None:
+        clashing = [text for text in sets if text.split("=", 1)[0].split(":")[-1].strip() == "server.engine"]
+        if clashing:
+            raise ConfigError(f"--set {clashing[0]}: --engines sets the round engine of each run")
     planned = []
     for algorithm in algorithms:
-        for seed in seeds if seeds is not None else [None]:
-            extra = seed_overrides(seed, vary_partition) if seed is not None else []
-            overrides = [*common, f"algorithm.name={algorithm}", *scoped[algorithm], *extra]
-            try:
-                config = load_config(config_path, overrides)
-                run_algorithm(config)
-            except (ConfigError, ValueError, TypeError) as error:
-                raise ConfigError(f"{algorithm}: {error} (to set an option for one algorithm only: "
-                                  "--set ALGORITHM:algorithm.OPTION=VALUE)") from error
-            run_dir = out / algorithm if seed is None else out / algorithm / f"seed{seed}"
-            if run_dir.exists():
-                raise ConfigError(f"{run_dir} exists: compare never writes into an earlier run; choose another --out")
-            planned.append(PlannedRun(algorithm, overrides, config, run_dir, seed))
+        for engine in engines if engines is not None else [None]:
+            for seed in seeds if seeds is not None else [None]:
+                extra = seed_overrides(seed, vary_partition) if seed is not None else []
+                chosen = [f"server.engine={engine}"] if engine is not None else []
+                overrides = [*common, f"algorithm.name={algorithm}", *scoped[algorithm], *chosen, *extra]
+                try:
+                    config = load_config(config_path, overrides)
+                    run_algorithm(config)
+                except (ConfigError, ValueError, TypeError) as error:
+                    raise ConfigError(f"{algorithm}{f' ({engine})' if engine else ''}: {error} (to set an option for "
+                                      "one algorithm only: --set ALGORITHM:algorithm.OPTION=VALUE)") from error
+                run_dir = out / algorithm / (engine or "") / (f"seed{seed}" if seed is not None else "")
+                if run_dir.exists():
+                    raise ConfigError(f"{run_dir} exists: compare never writes into an earlier run; choose another "
+                                      "--out")
+                planned.append(PlannedRun(algorithm, overrides, config, run_dir, seed, engine))
     report_dir = out / REPORT_DIR
     if report_dir.exists():
         raise ConfigError(f"{report_dir} exists: choose another --out")
@@ -129,14 +155,15 @@ def plan_runs(config_path: Path, algorithms: list[str], sets: list[str], out: Pa
 
 
 def compare(config_path: Path, algorithms: list[str], sets: list[str], out: Path, link: Link | None,
-            target: float | None, seeds: list[int] | None = None, vary_partition: bool = False) -> int:
-    """Run every algorithm (once per seed with ``seeds``), then write the report; 0 only when
-    every run succeeded."""
+            target: float | None, seeds: list[int] | None = None, vary_partition: bool = False,
+            engines: list[str] | None = None) -> int:
+    """Run every algorithm (once per seed with ``seeds``, per round engine with ``engines``), then
+    write the report; 0 only when every run succeeded."""
     from fedpart.deploy.launcher import run_local
     from fedpart.report.build import require_plotting, write_report
 
     require_plotting()
-    planned = plan_runs(config_path, algorithms, sets, out, seeds, vary_partition)
+    planned = plan_runs(config_path, algorithms, sets, out, seeds, vary_partition, engines)
     codes = {}
     for run in planned:
         print(f"fedpart compare: {run.label} -> {run.out}", flush=True)

@@ -315,13 +315,14 @@ def _report(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from fedpart.common.config import load_config
-    from fedpart.cli.compare import compare, parse_algorithms, parse_seeds
+    from fedpart.cli.compare import compare, parse_algorithms, parse_engines, parse_seeds
 
     path = resolve_config_path(args.config)
     algorithms = parse_algorithms(args.algorithms)
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None
+    engines = parse_engines(args.engines) if args.engines is not None else None
     out = Path(args.out or default_out_dir(f"compare-{load_config(path).name}"))
-    return compare(path, algorithms, args.set, out, _link(args), args.target, seeds, args.vary_partition)
+    return compare(path, algorithms, args.set, out, _link(args), args.target, seeds, args.vary_partition, engines)
 
 
 def _add_link_options(parser: argparse.ArgumentParser) -> None:
@@ -500,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "seeds.training set to S over one partition; the report shows mean ± std")
     compare.add_argument("--vary-partition", action="store_true",
                          help="with --seeds: also set the run's seed to S, so that the partition varies too")
+    compare.add_argument("--engines", metavar="ENGINE,...",
+                         help="run each algorithm (and seed) once per round engine, e.g. sync,buffered "
+                              "(server.engine), into OUT/<algorithm>/<engine>")
     _add_link_options(compare)
     compare.set_defaults(handler=_compare)
     add_export_parser(commands)

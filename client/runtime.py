@@ -17,6 +17,7 @@ or SIGTERM it tells the server (``Leave``) before it exits. Exit codes:
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import socket
@@ -193,7 +194,7 @@ class ClientProcess:
         self._call(self.session.joined_run(server.call_timeout, server.heartbeat_timeout))  # beats while data loads
         try:
             self.store = ClientStore(self.state_dir, reply.run_id)
-            mods = build_mods(WorkerContext(self.config, self.store, reply.run_id, self.log))
+            mods = build_mods(WorkerContext(self.config, self.store, reply.run_id, self.log, self._pause))
             self.train_options = train_options(mods)
             self._execute_with_mods = compose(mods, self._execute)
             self.store.mark_latest()
@@ -332,6 +333,12 @@ class ClientProcess:
                    "trainable_parameters": outcome.trainable_parameters, "train_flops": outcome.flops,
                    **peak.metrics()}
         return Reply(outcome.samples, metrics, uploads, train_report=outcome)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait ``seconds`` (an emulated device's time), ended early by a stop (SIGINT, SIGTERM)."""
+        self.activity.task(f"waiting {seconds:.1f} s: an emulated slower device")
+        concurrent.futures.wait([self._loop.stops.arrived], timeout=seconds)
+        self._loop.stops.take()
 
     def _trained(self, steps: int, all_steps: int) -> None:
         """Training progress: shown, and a point where a stop (SIGINT, SIGTERM) is taken."""

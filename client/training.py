@@ -135,7 +135,7 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
     total_loss = torch.zeros((), device=device)
     seen = steps = 0
     flops = 0.0
-    all_steps = sum(p.epochs for p in plan.phases if p.trainable) * math.ceil(n / plan.batch_size)
+    all_steps = plan.local_steps(n)
     for phase in plan.phases:
         if not phase.trainable or phase.epochs == 0:
             continue

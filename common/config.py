@@ -169,8 +169,13 @@ class CheckpointConfig:
     keep: int = 3    # round checkpoints kept, newest first, the last round's always (0: all)
 
 
+ENGINES = ("sync", "buffered")
+
+
 @dataclass
 class ServerConfig:
+    engine: str = "sync"            # the round engine: "sync" (rounds of sampled clients) or "buffered"
+                                    # (FedBuff: the buffered section; fedpart.server.buffered)
     join_timeout: float = 300.0     # seconds to wait for every client to be hosted
     round_timeout: float = 600.0    # a round closes with the results in hand after this
     evaluation_timeout: float = 3600.0  # the final evaluation (every client fine-tunes) closes after this
@@ -351,6 +356,62 @@ class PrivacyConfig:
     secure_aggregation_bound: float = 1.0             # each uploaded element is clipped to +-bound
 
 
+STALENESS_WEIGHTS = ("constant", "polynomial", "hinge")
+
+
+@dataclass
+class BufferedConfig:
+    """Asynchronous buffered aggregation, FedBuff (Nguyen et al., "Federated Learning with Buffered
+    Asynchronous Aggregation", AISTATS 2022), with ``server.engine: buffered``: ``concurrency``
+    clients train at once, each on the global version it was given; each server version folds
+    ``buffer_size`` results, each delta scaled by its staleness weight s(t - tau): ``constant``
+    1, ``polynomial`` (1 + staleness)**-staleness_exponent (the paper's 1/sqrt(1 + staleness) at
+    0.5), or ``hinge`` 1 up to ``hinge_cutoff`` versions and 1 / (hinge_slope * (staleness -
+    hinge_cutoff) + 1) beyond (Xie et al., "Asynchronous Federated Optimization", 2019)."""
+
+    concurrency: int | None = None   # None: the clients a synchronous round samples (sampling.fraction)
+    buffer_size: int | None = None   # None: concurrency
+    staleness: str = "constant"
+    staleness_exponent: float = 0.5
+    hinge_slope: float = 10.0
+    hinge_cutoff: int = 4
+
+    def resolved(self, clients: int, fraction: float) -> tuple[int, int]:
+        """(concurrency, buffer_size), the unset ones resolved."""
+        concurrency = self.concurrency or max(1, int(fraction * clients + 1e-9))
+        return concurrency, self.buffer_size or concurrency
+
+
+SPEED_DISTRIBUTIONS = ("none", "lognormal")
+CLOCKS = ("wall", "virtual")
+
+
+@dataclass
+class HeterogeneityConfig:
+    """Device heterogeneity, drawn from named, seeded distributions (``fedpart.common.heterogeneity``):
+    each client's slowdown (``speed: lognormal``: exp(speed_sigma * N(0, 1)), median 1), and
+    ``offline_share`` of the clients offline ``offline_fraction`` of every ``offline_period``
+    seconds, from a seeded phase (they pause their training while offline). A task of ``s`` local
+    steps takes ``s * step_seconds * slowdown`` seconds of device time. ``clock: wall``: each client
+    process makes its tasks last that long by waiting (``fedpart.client.mods.heterogeneity``);
+    ``virtual``: nobody waits, the round engines order results by the simulated time instead, so
+    a run is deterministic for its seeds and takes only its compute time."""
+
+    speed: str = "none"
+    speed_sigma: float = 1.0
+    offline_share: float = 0.0
+    offline_fraction: float = 0.5
+    offline_period: float = 600.0
+    step_seconds: float = 0.05
+    clock: str = "wall"
+    seed: int | None = None   # None: the run's seed
+
+    @property
+    def emulated(self) -> bool:
+        """Whether any device differs from the nominal one (a slowdown or an offline period)."""
+        return self.speed != "none" or self.offline_share > 0
+
+
 # Settings that moved: old key -> new key.
 _MOVED = {"train.server_lr": "server_optimizer.lr"}
 
@@ -378,6 +439,8 @@ class RunConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    buffered: BufferedConfig = field(default_factory=BufferedConfig)
+    heterogeneity: HeterogeneityConfig = field(default_factory=HeterogeneityConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -556,6 +619,78 @@ def _check_values(config: RunConfig) -> None:
             raise ConfigError(message)
     _check_privacy_values(config)
     _check_secure_aggregation_values(config)
+    _check_engine_values(config)
+    _check_heterogeneity_values(config.heterogeneity)
+
+
+def _check_engine_values(config: RunConfig) -> None:
+    """``server.engine`` and, when it is ``buffered``, the ``buffered`` section and what the
+    buffered engine cannot run with. Raises ConfigError naming the key."""
+    engine, section = config.server.engine, config.buffered
+    if engine not in ENGINES:
+        raise ConfigError(f"server.engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "sync":
+        return  # the buffered section is read by the buffered engine only (one config runs both engines)
+    concurrency, buffer_size = section.resolved(config.clients, config.sampling.fraction)
+    sampling = config.sampling
+    checks = [
+        (section.concurrency is None or 1 <= section.concurrency <= config.clients,
+         f"buffered.concurrency must be in [1, clients = {config.clients}]"),
+        (section.buffer_size is None or section.buffer_size >= 1, "buffered.buffer_size must be at least 1"),
+        (buffer_size <= concurrency, f"buffered.buffer_size {buffer_size} is more than buffered.concurrency "
+                                     f"{concurrency}: a buffer could never fill"),
+        (section.staleness in STALENESS_WEIGHTS,
+         f"buffered.staleness must be one of {', '.join(STALENESS_WEIGHTS)}, got {section.staleness!r}"),
+        (math.isfinite(section.staleness_exponent) and section.staleness_exponent >= 0,
+         "buffered.staleness_exponent must be a finite number >= 0"),
+        (math.isfinite(section.hinge_slope) and section.hinge_slope >= 0,
+         "buffered.hinge_slope must be a finite number >= 0"),
+        (section.hinge_cutoff >= 0, "buffered.hinge_cutoff must be >= 0"),
+        (sampling.scheme == "fixed" and sampling.probability is None and not sampling.over_selection,
+         "server.engine buffered keeps buffered.concurrency clients training and picks each new one uniformly "
+         "among the idle clients: leave sampling.scheme, sampling.probability and sampling.over_selection unset"),
+        (not config.server.round_deadline_factor,
+         "server.round_deadline_factor closes a synchronous round early; the buffered engine never waits for a "
+         "straggler: set server.round_deadline_factor: 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    privacy = config.privacy
+    if privacy.secure_aggregation:
+        threshold = privacy.secure_aggregation_threshold
+        if buffer_size < 2 or (threshold is not None and threshold > buffer_size):
+            raise ConfigError(f"privacy.secure_aggregation runs over each buffer of buffered.buffer_size = "
+                              f"{buffer_size} results, fewer than its threshold of "
+                              f"{max(2, threshold or 2)}: raise buffered.buffer_size")
+        if section.staleness != "constant":
+            raise ConfigError(f"buffered.staleness {section.staleness!r} scales each delta by its staleness, and "
+                              "under privacy.secure_aggregation the server never sees one: set buffered.staleness: "
+                              "constant")
+    if privacy.dp.enabled and buffer_size != max(1, int(sampling.fraction * config.clients + 1e-9)):
+        raise ConfigError(f"privacy.dp accounts each fold of buffered.buffer_size = {buffer_size} results as a round "
+                          f"of fixed-size sampling of sampling.fraction * clients: set sampling.fraction to "
+                          f"{buffer_size}/{config.clients} (docs/buffered.md, Privacy)")
+
+
+def _check_heterogeneity_values(section: HeterogeneityConfig) -> None:
+    """The ``heterogeneity`` section. Raises ConfigError naming the key."""
+    checks = [
+        (section.speed in SPEED_DISTRIBUTIONS,
+         f"heterogeneity.speed must be one of {', '.join(SPEED_DISTRIBUTIONS)}, got {section.speed!r}"),
+        (math.isfinite(section.speed_sigma) and 0 <= section.speed_sigma <= 10,
+         "heterogeneity.speed_sigma must be in [0, 10]"),
+        (0 <= section.offline_share <= 1, "heterogeneity.offline_share must be in [0, 1]"),
+        (0 <= section.offline_fraction < 1, "heterogeneity.offline_fraction must be in [0, 1)"),
+        (math.isfinite(section.offline_period) and section.offline_period > 0,
+         "heterogeneity.offline_period must be a finite number of seconds > 0"),
+        (math.isfinite(section.step_seconds) and section.step_seconds > 0,
+         "heterogeneity.step_seconds must be a finite number of seconds > 0"),
+        (section.clock in CLOCKS, f"heterogeneity.clock must be one of {', '.join(CLOCKS)}, got {section.clock!r}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
 
 
 def _check_components(config: RunConfig, server_parts: bool) -> None:

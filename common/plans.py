@@ -8,6 +8,7 @@ stay with :mod:`fedpart.common.wire`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -71,6 +72,11 @@ class TrainPlan:
     def uploads(self) -> tuple[str, ...]:
         """Names of the tensors a result of this plan carries, in the order they are sent."""
         return self.upload_deltas + self.upload_values
+
+    def local_steps(self, train_size: int) -> int:
+        """The local steps this plan takes on ``train_size`` training samples: every epoch of a
+        phase that trains anything, ``ceil(train_size / batch_size)`` steps each."""
+        return sum(p.epochs for p in self.phases if p.trainable) * math.ceil(train_size / self.batch_size)
 
 
 @dataclass(frozen=True)

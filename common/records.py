@@ -75,6 +75,9 @@ class RoundRecord:
     gpu_peak_bytes: dict[str, int] | None = None  # optional: per client process that used a GPU
     privacy: JsonObject | None = None        # optional: {epsilon} after the round (privacy.dp)
     global_metrics: dict[str, float] | None = field(default=None, metadata={"key": "global"})  # optional
+    virtual_seconds: float | None = None     # optional: the virtual clock when the round closed
+    virtual_busy: float | None = None        # optional: device seconds of the tasks it folded (virtual clock)
+    buffered: JsonObject | None = None       # optional: the buffered engine's version (staleness, ...)
 
     def bytes_in(self, direction: str) -> int:
         """The round's physical bytes in ``direction`` (down: to the clients, up)."""

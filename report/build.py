@@ -103,7 +103,7 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path, link: Link | N
     from fedpart.report.page import render
 
     target_given = target is not None
-    if target is None and link is not None:
+    if target is None:
         target = default_target([[a for _, a in run.global_accuracy()] for run in runs])
     rows = table_rows(runs, link, target)
     (out / "table.csv").write_text(to_csv(rows, link))

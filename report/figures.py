@@ -40,8 +40,8 @@ SHORT_ROUND_STYLE = {"linestyle": "none", "marker": "x", "color": "#ff0000", "ma
 SHORT_ROUND_LABEL = "round that folded fewer clients than sampled"
 BAND_ALPHA = 0.2
 # The file name (without .png) of every figure a report can have, in page order.
-FIGURE_NAMES = ("accuracy_rounds", "accuracy_bytes", "bytes_per_round", "bytes_units", "compute_rounds",
-                "personalization", "link_time")
+FIGURE_NAMES = ("accuracy_rounds", "accuracy_bytes", "time_staleness", "bytes_per_round", "bytes_units",
+                "compute_rounds", "personalization", "link_time")
 
 
 @dataclass
@@ -260,6 +260,59 @@ def accuracy_per_byte(runs: Sequence[Run]) -> Plot:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("global test accuracy")
     _percent_axis(axes[0][0])
+    _legend(figure, axes[0])
+    plot.figure = figure
+    return plot
+
+
+def time_and_staleness(runs: Sequence[Run], target: float | None) -> Plot:
+    """Global accuracy against each run's own time (virtual where every run shown ran the virtual
+    clock, else the server's wall time), and the staleness of the buffered runs' folded results."""
+    timed = [r for r in runs if r.virtual_clock or r.staleness()]
+    with_accuracy = [r for r in timed if r.global_accuracy()]
+    buffered = [r for r in timed if r.staleness()]
+    virtual = bool(with_accuracy) and all(r.virtual_clock for r in with_accuracy)
+    plot = Plot("time_staleness", "Accuracy against time, and staleness", "")
+    if not with_accuracy and not buffered:
+        plot.missing = ("no run ran the virtual clock (heterogeneity.clock: virtual) or the buffered engine with "
+                        "accuracy per round (evaluate.global_every)")
+        return plot
+    clock = ("virtual time (heterogeneity.clock: virtual: the devices' simulated time)" if virtual else
+             "the server's wall time (not every run shown ran the virtual clock)")
+    parts = []
+    if with_accuracy:
+        parts.append(f"global test accuracy against {clock}"
+                     + ("; the dotted line is the target of the times to target" if target is not None else ""))
+    if buffered:
+        parts.append("the share of each buffered run's folded results by staleness (server versions between the "
+                     "version a task trained on and the one it was folded into)")
+    where = [" (left)", " (right)"] if len(parts) == 2 else [""]
+    plot.caption = "; ".join(p + w for p, w in zip(parts, where)).capitalize() + "." + _band_note(with_accuracy)
+    figure, axes = _figure(len(parts))
+    if with_accuracy:
+        ax = axes[0][0]
+        _draw(ax, runs, with_accuracy, _global_accuracy,
+              Run.clock_seconds if virtual else Run.wall_seconds)
+        if target is not None:
+            ax.axhline(target, color="black", linestyle=":", linewidth=1)
+        ax.set_xlabel(f"{'virtual' if virtual else 'wall'} time, s")
+        ax.set_ylabel("global test accuracy")
+        ax.grid(alpha=0.3)
+        _percent_axis(ax)
+    if buffered:
+        ax = axes[0][-1]
+        styles = _styles(runs)
+        width = 0.8 / len(buffered)
+        for index, run in enumerate(buffered):
+            counts = run.staleness()
+            total = sum(counts.values())
+            ax.bar([s - 0.4 + width * (index + 0.5) for s in counts], [n / total for n in counts.values()], width,
+                   color=styles[run.group]["color"], label=run.label if run.label != run.group else run.group)
+        ax.set_xlabel("staleness (server versions)")
+        ax.set_ylabel("share of folded results")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(axis="y", alpha=0.3)
+        _percent_axis(ax)
     _legend(figure, axes[0])
     plot.figure = figure
     return plot
@@ -505,8 +558,8 @@ def time_on_link(runs: Sequence[Run], link: Link, target: float | None) -> Plot:
 
 def all_plots(runs: Sequence[Run], link: Link | None, target: float | None) -> list[Plot]:
     """Every figure of the report, in page order."""
-    plots = [accuracy_per_round(runs), accuracy_per_byte(runs), bytes_per_round(runs), bytes_per_unit(runs),
-             compute_per_round(runs), personalization(runs)]
+    plots = [accuracy_per_round(runs), accuracy_per_byte(runs), time_and_staleness(runs, target),
+             bytes_per_round(runs), bytes_per_unit(runs), compute_per_round(runs), personalization(runs)]
     if link is not None:
         plots.append(time_on_link(runs, link, target))
     return plots

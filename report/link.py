@@ -236,8 +236,9 @@ def cumulative_seconds(times: Sequence[RoundTime | None]) -> list[float]:
 
 def time_to_accuracy(records: Sequence[RoundRecord], cumulative: Sequence[float],
                      target: float) -> float | None:
-    """Modelled time at the end of the first round whose global accuracy reaches ``target``
-    (None: never reached in the rounds that were tested)."""
+    """Time (``cumulative``: at the end of each round, modelled or the run's clock) at the end of
+    the first round whose global accuracy reaches ``target`` (None: never reached in the rounds
+    that were tested)."""
     for record, seconds in zip(records, cumulative):
         accuracy = (record.global_metrics or {}).get("acc")
         if accuracy is not None and accuracy >= target:

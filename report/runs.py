@@ -142,6 +142,34 @@ class Run:
             return None
         return self.summary.accuracy.get("global", {}).get("acc")
 
+    @property
+    def virtual_clock(self) -> bool:
+        """Every round record has the virtual clock's time (``heterogeneity.clock: virtual``)."""
+        return bool(self.rounds) and all(r.virtual_seconds is not None for r in self.rounds)
+
+    def wall_seconds(self) -> dict[int, float]:
+        """The server's wall time of the rounds so far, at the end of each round."""
+        total, out = 0.0, {}
+        for record in self.rounds:
+            total += record.seconds
+            out[record.round] = total
+        return out
+
+    def clock_seconds(self) -> dict[int, float]:
+        """The run's time at the end of each round: the virtual clock's where it ran one, else
+        the server's wall time (:meth:`wall_seconds`)."""
+        if self.virtual_clock:
+            return {r.round: r.virtual_seconds for r in self.rounds}
+        return self.wall_seconds()
+
+    def staleness(self) -> dict[int, int]:
+        """How many folded results had each staleness (buffered engine; empty for a synchronous run)."""
+        counts: dict[int, int] = {}
+        for record in self.rounds:
+            for staleness, count in ((record.buffered or {}).get("staleness") or {}).items():
+                counts[int(staleness)] = counts.get(int(staleness), 0) + count
+        return dict(sorted(counts.items()))
+
     def has_client_entries(self) -> bool:
         """Every round record has the per-client bytes and compute seconds the link model needs."""
         return bool(self.rounds) and all(r.clients is not None for r in self.rounds)

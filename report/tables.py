@@ -2,7 +2,9 @@
 
 The comparison: one row per run, its numbers taken from ``summary.json`` (accuracy, bytes per
 round, wall time, status, failures) and ``metrics.jsonl`` (compute per round, rounds that folded
-fewer clients than sampled), plus the modelled time on a link when one is given; and one row per
+fewer clients than sampled; the run's own clock, virtual where it ran one, and its time to the
+target accuracy, the clients' utilization, staleness and bytes per folded update), plus the
+modelled time on a link when one is given; and one row per
 group of runs that differ only in their seeds, with the mean, standard deviation and count of
 each number. Written as CSV (full precision, for scripts) and Markdown (rounded). The per-round
 table (``rounds.csv``): one row per run and round, from ``metrics.jsonl``."""
@@ -69,6 +71,8 @@ IDENTITY_COLUMNS = [
     Column("short_round_list", "short rounds (completed of sampled)", _text),
     Column("rounds", "rounds", _text),
     Column("bytes_counted", "bytes", _text),
+    Column("engine", "engine", _text),
+    Column("clock", "clock", _text),
 ]
 # Numbers a group averages: the run rows hold the run's value, the group rows the mean over the
 # group's runs that have one, with KEY_std (sample standard deviation, two runs or more) and KEY_n.
@@ -83,6 +87,11 @@ NUMBER_COLUMNS = [
     Column("client_compute_seconds_per_round", "client compute / round", _seconds),
     Column("train_flops_per_round", "train FLOPs / round", _flops),
     Column("wall_seconds", "wall time", _seconds),
+    Column("clock_seconds", "run time", _seconds),
+    Column("clock_time_to_target", "time to target", _seconds),
+    Column("utilization", "utilization %", _percent),
+    Column("mean_staleness", "mean staleness", lambda value: f"{value:.2f}"),
+    Column("bytes_per_update", "bytes / update", _bytes),
 ]
 FINETUNE_COLUMN = Column("finetune_epochs", "fine-tune epochs", _text)
 LINK_COLUMNS = [
@@ -94,7 +103,8 @@ LINK_COLUMNS = [
 SHOWN_KEYS = ("run", "status", "exit_code", "failures", "short_rounds", "rounds", "initial_acc",
               "personalized_acc", "finetune_epochs", "global_acc", "bytes_down_per_round", "bytes_up_per_round",
               "physical_bytes_down_per_round", "physical_bytes_up_per_round", "client_compute_seconds_per_round",
-              "train_flops_per_round", "wall_seconds", *(c.key for c in LINK_COLUMNS))
+              "train_flops_per_round", "wall_seconds", "engine", "clock", "clock_seconds", "clock_time_to_target",
+              "utilization", "mean_staleness", "bytes_per_update", *(c.key for c in LINK_COLUMNS))
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -113,8 +123,35 @@ def _per_round_mean(run: Run, direction: str, logical: bool) -> float | None:
     return _mean([round_bytes(r, direction, logical) for r in run.rounds])
 
 
+def _clock_numbers(run: Run, target: float | None) -> dict[str, Any]:
+    """The run on its own clock (virtual where it ran one, else the server's wall time): its
+    engine, run time, time to ``target`` accuracy, the share of the clients' time they trained
+    (virtual clock), the mean staleness of its folded results (buffered engine) and its logical
+    bytes per folded update."""
+    rounds = run.rounds
+    clock = run.clock_seconds()
+    staleness = run.staleness()
+    folded = sum(len(r.completed) for r in rounds)
+    clients = run.config.get("clients")
+    row: dict[str, Any] = {
+        "engine": run.config.get("server", {}).get("engine", "sync"),
+        "clock": "virtual" if run.virtual_clock else "wall",
+        "clock_seconds": clock[rounds[-1].round] if rounds else None,
+        "clock_time_to_target": None, "utilization": None,
+        "mean_staleness": (sum(s * n for s, n in staleness.items()) / sum(staleness.values())) if staleness else None,
+        "bytes_per_update": (sum(round_bytes(r, d, True) for r in rounds for d in ("down", "up")) / folded
+                             if folded and run.has_logical_bytes() else None),
+    }
+    if target is not None and rounds:
+        row["clock_time_to_target"] = time_to_accuracy(rounds, [clock[r.round] for r in rounds], target)
+    if run.virtual_clock and clients and row["clock_seconds"]:
+        row["utilization"] = sum(r.virtual_busy or 0.0 for r in rounds) / (clients * row["clock_seconds"])
+    return row
+
+
 def run_row(run: Run, link: Link | None = None, target: float | None = None) -> dict[str, Any]:
-    """The table row of one run: plain numbers (None where the run has no such number)."""
+    """The table row of one run: plain numbers (None where the run has no such number);
+    ``target``: the accuracy of the times to target."""
     summary, rounds = run.summary, run.rounds
     logical = run.has_logical_bytes()
     code, code_source = run.exit_code_and_source()
@@ -138,6 +175,7 @@ def run_row(run: Run, link: Link | None = None, target: float | None = None) -> 
         "client_compute_seconds_per_round": _mean([r.client_compute_seconds for r in rounds]),
         "train_flops_per_round": _mean([r.train_flops for r in rounds]),
         "wall_seconds": None,
+        **_clock_numbers(run, target),
     }
     if summary is not None:
         accuracy = summary.accuracy
@@ -171,7 +209,7 @@ def group_row(name: str, rows: Sequence[dict[str, Any]], link: Link | None) -> d
     count over the group's runs that have it; what all runs share, once."""
     row: dict[str, Any] = {"row": "group", "group": name, "run": name, "n": len(rows)}
     for key in ("algorithm", *(f"seed_{s}" for s in SEED_SOURCES), "exit_code", "exit_code_source", "rounds",
-                "bytes_counted", "finetune_epochs"):
+                "bytes_counted", "finetune_epochs", "engine", "clock"):
         values = {r[key] for r in rows}
         row[key] = values.pop() if len(values) == 1 else None
     row["status"] = _status_counts([r["status"] for r in rows])

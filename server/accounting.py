@@ -45,6 +45,8 @@ class ByteLedger:
         self._logical_by_round: dict[tuple[int, str, str], int] = defaultdict(int)
         self._logical_by_client: dict[tuple[int, int, str], int] = defaultdict(int)
         self._logical_by_unit: dict[tuple[int, str, str], int] = defaultdict(int)
+        self._logical_overall: dict[tuple[str, str], int] = defaultdict(int)       # (direction, part)
+        self._logical_unit_overall: dict[tuple[str, str], int] = defaultdict(int)  # (direction, unit)
 
     def add(self, round_number: int, client: int, direction: str, by_part: Mapping[str, int]) -> None:
         with self._lock:
@@ -68,11 +70,13 @@ class ByteLedger:
                         self._parts.append(part)
                     self._logical_by_round[(round_number, direction, part)] += count
                     self._logical_by_client[(round_number, client, direction)] += count
+                    self._logical_overall[(direction, part)] += count
             for unit, count in by_unit.items():
                 if count:
                     if unit not in self._units:
                         self._units.append(unit)
                     self._logical_by_unit[(round_number, direction, unit)] += count
+                    self._logical_unit_overall[(direction, unit)] += count
 
     def add_encodings(self, direction: str, counts: Mapping[str, Mapping[str, int]]) -> None:
         """Add ``{encoding: {"wire": n, "raw": m}}`` (serialized tensor bytes, decoded bytes)."""
@@ -114,9 +118,9 @@ class ByteLedger:
 
     def logical(self, round_number: int | None = None) -> dict:
         """``{"down": n, "up": n, "by_part": {part: {"down": n, "up": n}}}`` of one round (of
-        every round this ledger counted when None: a sum over them, for the rare caller)."""
+        every round this ledger counted when None)."""
         with self._lock:
-            by_part = _split(self._logical_by_round, self._parts, round_number)
+            by_part = _split(self._logical_by_round, self._logical_overall, self._parts, round_number)
         return {**{d: sum(counts[d] for counts in by_part.values()) for d in DIRECTIONS}, "by_part": by_part}
 
     def logical_totals(self, round_number: int, client: int) -> dict[str, int]:
@@ -126,18 +130,15 @@ class ByteLedger:
 
     def by_unit(self, round_number: int | None = None) -> dict[str, dict[str, int]]:
         """``{unit: {"down": n, "up": n}}``: logical tensor bytes by schedule unit, in the model's
-        order, of one round (of every round this ledger counted when None: a sum over them)."""
+        order, of one round (of every round this ledger counted when None)."""
         with self._lock:
-            return _split(self._logical_by_unit, self._units, round_number)
+            return _split(self._logical_by_unit, self._logical_unit_overall, self._units, round_number)
 
 
-def _split(counts: Mapping[tuple[int, str, str], int], keys: Sequence[str],
+def _split(counts: Mapping[tuple[int, str, str], int], overall: Mapping[tuple[str, str], int], keys: Sequence[str],
            round_number: int | None) -> dict[str, dict[str, int]]:
-    """``{key: {"down": n, "up": n}}`` from counts by (round, direction, key): one round's by
-    lookup, or (``round_number`` None) the sum over every round."""
+    """``{key: {"down": n, "up": n}}`` from counts by (round, direction, key), of one round, or
+    (``round_number`` None) from ``overall``, the running sum over every round by (direction, key)."""
     if round_number is not None:
         return {k: {d: counts.get((round_number, d, k), 0) for d in DIRECTIONS} for k in keys}
-    split = {k: {d: 0 for d in DIRECTIONS} for k in keys}
-    for (_, direction, key), count in counts.items():
-        split[key][direction] += count
-    return split
+    return {k: {d: overall.get((d, k), 0) for d in DIRECTIONS} for k in keys}

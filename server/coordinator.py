@@ -60,6 +60,7 @@ from fedpart.server.sampling import round_target, sample_clients
 from fedpart.server.task_board import Task, TaskBoard
 from fedpart.server.transfers import result_chunk_bytes
 from fedpart.server.validation import all_finite, check_result
+from fedpart.server.virtual_clock import VirtualClock
 
 
 class Coordinator:
@@ -90,7 +91,8 @@ class Coordinator:
         self._draining = False                   # the round loop waits for the folds under way
         self._task_ids = itertools.count(1)
         self._round = 0
-        self.recorder = RunRecorder(config, self.ledger, self.board, self.aggregation)
+        self.clock = VirtualClock(config, self.round_plan) if config.heterogeneity.clock == "virtual" else None
+        self.recorder = RunRecorder(config, self.ledger, self.board, self.aggregation, self.clock)
         self._results: RoundResults | None = None
         self._secure: SecureRound | None = None   # the current round's secure aggregation, if on
         self.evaluation = FinalEvaluation(config, self.registry, self.board, self._cond, log, self._evaluation_task)
@@ -148,14 +150,20 @@ class Coordinator:
         aggregation: it works on the update the client kept)."""
         if task.kind == TaskKind.SECAGG:
             return [], []
-        names = [n for n in self.shared_names if held.get(n, -1) < self.versions[n]]
-        if task.personal_init:
-            names += [n for n in self.personal_names
-                      if tensor_part(n) in task.personal_init and held.get(n, -1) < self.versions[n]]
         with self._cond:
-            state = {n: self.global_state[n] for n in names}
-            specs = named_specs(state, self.versions)
+            global_state, versions = self._model_for(task)
+            names = [n for n in self.shared_names if held.get(n, -1) != versions[n]]
+            if task.personal_init:
+                names += [n for n in self.personal_names
+                          if tensor_part(n) in task.personal_init and held.get(n, -1) != versions[n]]
+            state = {n: global_state[n] for n in names}
+            specs = named_specs(state, versions)
         return specs, list(state.values())
+
+    def _model_for(self, task: Task) -> tuple[Mapping[str, torch.Tensor], Mapping[str, int]]:
+        """The global tensors ``task`` trains on, and their versions (holds the lock): the
+        current ones."""
+        return self.global_state, self.versions
 
     def named_versions(self, task: Task) -> tuple[tuple[str, int], ...]:
         """Names and versions of every global tensor ``task`` names, whatever its process holds
@@ -165,8 +173,9 @@ class Coordinator:
         names = self.shared_names
         if task.personal_init:
             names = names + [n for n in self.personal_names if tensor_part(n) in task.personal_init]
-        versions = self.versions
-        return tuple((n, versions[n]) for n in names)
+        with self._cond:
+            versions = self._model_for(task)[1]
+            return tuple((n, versions[n]) for n in names)
 
     def expected_uploads(self, task: Task) -> list[TensorSpec]:
         """Specs (names, dtypes, shapes) of the tensors a result of ``task`` must carry: under
@@ -206,10 +215,24 @@ class Coordinator:
         if task.secagg is not None:
             self._accept_secure(task, result, tensors, commit)
             return
+        self._accept_training(task, result, tensors, commit)
+
+    def _accept_training(self, task: Task, result: ResultInfo, tensors: dict[str, torch.Tensor],
+                         commit: Callable[[], None]) -> None:
+        """Screen a training result and fold it into the round (see :meth:`accept`)."""
+        screened = self._screen(task, result, {n: tensors[n] for n in task.train.upload_deltas})
         values = {n: tensors[n] for n in task.train.upload_values}
+        self._fold(task, lambda results: self._fold_training(results, task, screened, values),
+                   lambda results: self._record_training(results, task.client_id, dict(result.metrics), screened,
+                                                         int(result.num_samples)), commit)
+        for note in screened.notes:
+            self.log(f"warning: round {task.round} client {task.client_id}: {note}")
+
+    def _screen(self, task: Task, result: ResultInfo, deltas: dict[str, torch.Tensor]) -> Screened:
+        """The policy's screening of a training result with ``deltas``; :class:`Rejected` (counted
+        in the round's results while the task is outstanding) for one it refuses."""
         try:
-            screened = self.aggregation.screen(task.client_id, {n: tensors[n] for n in task.train.upload_deltas},
-                                               int(result.num_samples))
+            return self.aggregation.screen(task.client_id, deltas, int(result.num_samples))
         except ResultRefused as error:
             with self._cond:
                 if self._results is not None and self.board.is_outstanding(task):
@@ -217,19 +240,14 @@ class Coordinator:
                     self._results.deltas.refused(task.client_id, error.observation)
             raise Rejected(str(error)) from error
 
-        def fold(results: RoundResults) -> None:
-            if screened.deltas:
-                results.deltas.add(screened.deltas, screened.weight, task.client_id)
-            if values:
-                self.heads.store(task.client_id, values, screened.weight)
-
-        def record(results: RoundResults) -> None:
-            self._record_training(results, task.client_id, metrics, screened, int(result.num_samples))
-            results.robust.clipped += screened.clipped
-
-        self._fold(task, fold, record, commit)
-        for note in screened.notes:
-            self.log(f"warning: round {task.round} client {task.client_id}: {note}")
+    def _fold_training(self, results: RoundResults, task: Task, screened: Screened,
+                       values: Mapping[str, torch.Tensor]) -> None:
+        """Fold a screened training result's deltas into ``results``, its values (FedHA's heads)
+        into the head dictionary."""
+        if screened.deltas:
+            results.deltas.add(screened.deltas, screened.weight, task.client_id)
+        if values:
+            self.heads.store(task.client_id, values, screened.weight)
 
     def _accept_secure(self, task: Task, result: ResultInfo, tensors: dict[str, torch.Tensor],
                        commit: Callable[[], None]) -> None:
@@ -284,10 +302,12 @@ class Coordinator:
 
     def _record_training(self, results: RoundResults, client: int, metrics: dict[str, float], screened: Screened,
                          reported_samples: int) -> None:
-        """What a training result says: its metrics, its counted samples (holds the lock)."""
+        """What a training result says: its metrics, its counted samples, whether it was clipped
+        (holds the lock)."""
         results.metrics[client] = metrics
         results.samples[client] = screened.samples
         results.robust.samples_capped += screened.samples_capped
+        results.robust.clipped += screened.clipped
         self._train_samples[client] = reported_samples
 
     def _secure_steps(self, round_number: int, chunk_bytes: int) -> str | None:
@@ -399,6 +419,20 @@ class Coordinator:
             results = self._results
             self._results = None
             self._secure = None
+        self._step_global(round_number, results, secure, failed)
+        completed = sorted(results.metrics)
+        seconds = time.monotonic() - started
+        with self._cond:
+            self.recorder.end_round(round_number, seconds)
+        processes = {c: host.name for c, host in hosts.items()}
+        return self.recorder.record(round_number, sampled, completed, results, processes, seconds)
+
+    def _step_global(self, round_number: int, results: RoundResults, secure: SecureRound | None,
+                     failed: str | None) -> None:
+        """Move the global model by the round's folded ``results`` (the server optimizer's step,
+        FedHA's heads), unless secure aggregation ``failed``; install what came out finite and bump
+        the versions of the tensors that changed to ``round_number``. Under secure aggregation
+        only the clients whose masked update is in the sum count as completed."""
         refusals = []
         if secure is not None:
             results.metrics = {c: m for c, m in results.metrics.items() if c in secure.masked}
@@ -423,12 +457,6 @@ class Coordinator:
                 if not torch.equal(tensor, self.global_state[name]):
                     self.versions[name] = round_number
                 self.global_state[name] = tensor
-        completed = sorted(results.metrics)
-        seconds = time.monotonic() - started
-        with self._cond:
-            self.recorder.end_round(round_number, seconds)
-        processes = {c: host.name for c, host in hosts.items()}
-        return self.recorder.record(round_number, sampled, completed, results, processes, seconds)
 
     def evaluate_all(self) -> dict[int, dict[str, float]]:
         """Every client evaluates and personalises the final model on its own data
@@ -495,6 +523,7 @@ class Coordinator:
             bytes_by_client={c: self.ledger.by_part(client=c) for c in [PROCESS, *range(self.config.clients)]},
             seconds=seconds, config=self.config.to_dict(),
             server_optimizer=self.aggregation.optimizer_state(), security=security,
+            engine={"virtual_seconds": self.clock.now} if self.clock is not None else {},
         )
 
     def restore(self, state: RunState) -> None:
@@ -513,6 +542,8 @@ class Coordinator:
             self._task_ids = itertools.count(state.next_task_id)
             self._personal = {c: set(parts) for c, parts in state.personal.items()}
             self._failures = list(state.failures)
+        if self.clock is not None:
+            self.clock.now = state.engine.get("virtual_seconds", 0.0)
         for client, (tensors, weight) in sorted(state.heads.items()):
             self.heads.store(client, tensors, weight)
         self.aggregation.restore_optimizer(state.server_optimizer)

@@ -38,6 +38,7 @@ from fedpart.common.records import RoundRecord, RunSummary
 from fedpart.common.client_ids import format_id_ranges
 from fedpart.common.security import Principal, SecurityError, ServerSecurity
 from fedpart.server.auth import CallGuard, Credentials, TokenGate, fingerprint
+from fedpart.server.buffered import BufferedCoordinator
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.global_eval import GlobalEvaluator
 from fedpart.server.health import RunHealth
@@ -307,7 +308,8 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
     if not resume:
         check_new_run_dir(out_dir, overwrite)
     display = Display(logger="fedpart.server")
-    coordinator = Coordinator(config, log=display.log)  # builds model and algorithm: bad settings fail here
+    engine = BufferedCoordinator if config.server.engine == "buffered" else Coordinator
+    coordinator = engine(config, log=display.log)  # builds model and algorithm: bad settings fail here
     if progress == "auto":
         display.view = lambda: render_run(coordinator.progress())
     evaluator = None

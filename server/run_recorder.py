@@ -1,7 +1,8 @@
 """What the round engine records of the run (:class:`~fedpart.server.coordinator.Coordinator`):
 each round's line of ``metrics.jsonl`` (:class:`~fedpart.common.records.RoundRecord`) from what the
-round collected (:class:`RoundResults`), the byte ledger and the task board, and the durations of
-the rounds this server ran, from which the live display's ETA comes.
+round collected (:class:`RoundResults`), the byte ledger and the task board (or, for a version of
+the buffered engine, what :class:`VersionNotes` says), the virtual clock where the run has one, and
+the durations of the rounds this server ran, from which the live display's ETA comes.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fedpart.common.algorithms import learning_rate
 from fedpart.common.config import RunConfig
@@ -16,7 +18,34 @@ from fedpart.common.records import RoundRecord
 from fedpart.server.accounting import ByteLedger
 from fedpart.server.policy import RoundAggregate, ServerPolicy
 from fedpart.server.robust import RobustCounts
-from fedpart.server.task_board import TaskBoard
+from fedpart.server.task_board import DeliveryCounts, TaskBoard
+from fedpart.server.virtual_clock import VirtualClock
+
+
+class Traffic(Protocol):
+    """Bytes of a round, as :class:`~fedpart.server.accounting.ByteLedger` answers them."""
+
+    def totals(self, round_number: int | None = None, client: int | None = None) -> dict[str, int]: ...
+
+    def by_part(self, round_number: int | None = None) -> dict[str, dict[str, int]]: ...
+
+    def logical(self, round_number: int | None = None) -> dict: ...
+
+    def logical_totals(self, round_number: int, client: int) -> dict[str, int]: ...
+
+    def by_unit(self, round_number: int | None = None) -> dict[str, dict[str, int]]: ...
+
+
+@dataclass
+class VersionNotes:
+    """What a server version of the buffered engine records beyond a round's: its bytes
+    (``traffic``), what it had to send again, the virtual clock (time and device seconds of the
+    tasks it folded; None on the wall clock) and the ``buffered`` section of its record."""
+
+    traffic: Traffic
+    delivery: DeliveryCounts
+    virtual: tuple[float, float] | None
+    buffered: dict
 
 
 @dataclass
@@ -33,11 +62,13 @@ class RunRecorder:
     """The records of the run's rounds and their durations (the round engine holds its lock
     while it calls :meth:`start_round`, :meth:`end_round` and :meth:`eta`)."""
 
-    def __init__(self, config: RunConfig, ledger: ByteLedger, board: TaskBoard, policy: ServerPolicy) -> None:
+    def __init__(self, config: RunConfig, ledger: ByteLedger, board: TaskBoard, policy: ServerPolicy,
+                 clock: VirtualClock | None = None) -> None:
         self.config = config
         self.ledger = ledger
         self.board = board
         self.policy = policy
+        self.clock = clock
         self.completed_rounds = 0             # rounds completed in this run (a resumed one included)
         self.round_seconds: list[float] = []  # durations of the rounds this server ran (for the ETA)
         self.round_started = 0.0
@@ -65,9 +96,16 @@ class RunRecorder:
         return max(0.0, mean * (self.config.rounds - self.completed_rounds) - elapsed)
 
     def record(self, round_number: int, sampled: list[int], completed: list[int], results: RoundResults,
-               processes: Mapping[int, str], seconds: float) -> dict:
+               processes: Mapping[int, str], seconds: float, version: VersionNotes | None = None) -> dict:
         """The round's line of metrics.jsonl (:class:`~fedpart.common.records.RoundRecord`, as
-        JSON); ``processes`` names the process each client's task went to."""
+        JSON); ``processes`` names the process each client's task went to. A synchronous round
+        moves the virtual clock (where the run has one) past its folded clients."""
+        ledger = version.traffic if version is not None else self.ledger
+        delivery = version.delivery if version is not None else self.board.delivery_counts(round_number)
+        if version is not None:
+            virtual = version.virtual
+        else:
+            virtual = self.clock.sync_round(round_number, completed) if self.clock is not None else None
         metrics = results.metrics
         samples = results.samples
         total = sum(samples.values())
@@ -80,7 +118,7 @@ class RunRecorder:
         def summed(key: str) -> float:
             return sum(metrics[c].get(key, 0.0) for c in completed)
 
-        totals = self.ledger.totals(round_number)
+        totals = ledger.totals(round_number)
         gpu_peak: dict[str, int] = {}  # per client process: its highest peak over this round's tasks
         for c in completed:
             if "gpu_peak_bytes" in metrics[c]:
@@ -100,19 +138,22 @@ class RunRecorder:
             train_flops=summed("train_flops"),
             bytes_down=totals["down"],
             bytes_up=totals["up"],
-            bytes_by_part=self.ledger.by_part(round_number),
-            logical=self.ledger.logical(round_number),
-            bytes_by_unit=self.ledger.by_unit(round_number),
-            clients={str(c): {**self.ledger.totals(round_number, c),
-                              **{f"logical_{d}": n for d, n in self.ledger.logical_totals(round_number, c).items()},
+            bytes_by_part=ledger.by_part(round_number),
+            logical=ledger.logical(round_number),
+            bytes_by_unit=ledger.by_unit(round_number),
+            clients={str(c): {**ledger.totals(round_number, c),
+                              **{f"logical_{d}": n for d, n in ledger.logical_totals(round_number, c).items()},
                               "compute_seconds": metrics.get(c, {}).get("compute_seconds"),
                               # privacy.dp_sgd: the client's own epsilon over the rounds it trained, delta, steps
                               **{k: v for k, v in metrics.get(c, {}).items() if k.startswith("dp_sgd_")}}
                      for c in sampled},
             robust=results.robust.as_dict(),
             insiders=results.deltas.insiders,
-            delivery=self.board.delivery_counts(round_number).as_dict(),
+            delivery=delivery.as_dict(),
             server_step=self.policy.step_report(),
             gpu_peak_bytes=gpu_peak or None,
             privacy=privacy.round_record(round_number) if privacy is not None else None,
+            virtual_seconds=round(virtual[0], 6) if virtual is not None else None,
+            virtual_busy=round(virtual[1], 6) if virtual is not None else None,
+            buffered=version.buffered if version is not None else None,
         ).to_json()

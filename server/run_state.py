@@ -2,12 +2,14 @@
 crash with identical results (docs/architecture.md, Trust; ``fedpart server --resume RUN_DIR``).
 
 Layout in the run directory: ``server_state/round_NNNN.safetensors`` holds the global tensors,
-FedHA's head dictionary and the server optimizer's state (``fedpart.server.optimizers``: FedAvgM's
-momentum, FedAdam's moments, FedDyn's ``h``); ``server_state/state.json`` names that file and
-holds the rest (run id, last completed round, tensor versions, task-id counter, failures, which
-clients hold which personal parts, byte totals per client, the config the run started with, and
-how the server was served: its transport, the fingerprint of its credentials file and the exact
-command that resumes it, :func:`check_resume_security`). The tensors are
+FedHA's head dictionary, the server optimizer's state (``fedpart.server.optimizers``: FedAvgM's
+momentum, FedAdam's moments, FedDyn's ``h``) and the round engine's tensors (the buffered engine's
+earlier global versions that tasks in flight train on); ``server_state/state.json`` names that
+file and holds the rest (run id, last completed round, tensor versions, task-id counter, failures,
+which clients hold which personal parts, byte totals per client, the config the run started with,
+the round engine's state (the virtual clock, the buffered engine's tasks in flight), and how the
+server was served: its transport, the fingerprint of its credentials file and the exact command
+that resumes it, :func:`check_resume_security`). The tensors are
 written first and ``state.json`` is replaced atomically after them, so the state on disk is
 always that of one whole round. Never pickle.
 
@@ -37,6 +39,7 @@ EARLIER_ROUNDS = -1
 _GLOBAL = "global/"
 _HEADS = "heads/"
 _OPTIMIZER = "server_optimizer/"
+_ENGINE = "engine/"
 
 ByPart = dict[str, dict[str, int]]  # {part: {"down": n, "up": n}}
 
@@ -64,6 +67,8 @@ class RunState:
     finished: bool = False                      # the final evaluation and summary are written
     operational_changes: list[str] = field(default_factory=list)  # "key: old -> new" a resume changed
     security: dict[str, Any] = field(default_factory=dict)  # transport, credentials_sha256, command
+    engine: dict[str, Any] = field(default_factory=dict)    # the round engine's own state (virtual clock, buffer)
+    engine_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # its named tensors
 
 
 def _state_dir(run_dir: str | Path) -> Path:
@@ -84,6 +89,7 @@ def write_run_state(run_dir: str | Path, state: RunState) -> None:
     for client, (head, _) in state.heads.items():
         tensors.update({f"{_HEADS}{client}/{name}": tensor for name, tensor in head.items()})
     tensors.update({_OPTIMIZER + name: tensor for name, tensor in state.server_optimizer.items()})
+    tensors.update({_ENGINE + name: tensor for name, tensor in state.engine_tensors.items()})
     save_tensors(directory / tensor_file, tensors)
     _write_json(directory / STATE_FILE, {
         "format": FORMAT,
@@ -100,6 +106,7 @@ def write_run_state(run_dir: str | Path, state: RunState) -> None:
         "seconds": state.seconds,
         "config": state.config,
         "security": state.security,
+        "engine": state.engine,
     })
     for old in directory.glob("round_*.safetensors"):
         if old.name != tensor_file:
@@ -164,6 +171,8 @@ def read_run_state(run_dir: str | Path, config: dict[str, Any]) -> RunState:
         operational_changes=[f"{key}: {_value(content['config'], key)} -> {_value(config, key)}" for key in changed],
         server_optimizer={k[len(_OPTIMIZER):]: v for k, v in tensors.items() if k.startswith(_OPTIMIZER)},
         security=content.get("security", {}),
+        engine=content.get("engine", {}),
+        engine_tensors={k[len(_ENGINE):]: v for k, v in tensors.items() if k.startswith(_ENGINE)},
     )
 
 
@@ -196,8 +205,8 @@ def is_operational(key: str) -> bool:
     """Whether a resumed run may change the dotted config ``key``: the server's timeouts and limits
     (how long it waits, how it moves and folds bytes; the fold's sum does not depend on how many
     workers make it) change when a run ends, never what it computes. The straggler deadline
-    decides which results a round folds, so it is not one of them."""
-    return key.startswith("server.") and key != "server.round_deadline_factor"
+    decides which results a round folds, and the engine how rounds run: they are not among them."""
+    return key.startswith("server.") and key not in ("server.round_deadline_factor", "server.engine")
 
 
 def _value(config: dict[str, Any], key: str) -> Any:

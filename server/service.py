@@ -117,7 +117,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         server = coordinator.config.server
         # the message size a training task names to a process connected alone (logical bytes)
         self.logical_result_chunk_bytes = result_chunk_bytes(server.result_chunk_bytes, server.waiting_upload_bytes, 1)
-        self._logical_tasks: dict[int, set[int]] = {}  # by round: tasks whose logical bytes are counted
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         async with self.guard.admit(context, UNARY_CALL_SECONDS) as principal:
@@ -228,16 +227,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             yield chunk
         self.ledger.add_encodings("down", encodings)
 
-    def _first_stream(self, task: Task) -> bool:
-        """Whether this is the first stream of ``task`` to send its chunks (rounds before the
-        previous one are forgotten: their tasks are closed)."""
-        counted = self._logical_tasks.setdefault(task.round, set())
-        if task.task_id in counted:
-            return False
-        counted.add(task.task_id)
-        for old in [r for r in self._logical_tasks if r < task.round - 1]:
-            del self._logical_tasks[old]
-        return True
+    @staticmethod
+    def _first_stream(task: Task) -> bool:
+        """Whether this is the first stream of ``task`` to send its chunks."""
+        first, task.logical_counted = not task.logical_counted, True
+        return first
 
     def _count_logical_task(self, task: Task, request: pb.TaskRequest, header: pb.TaskHeader,
                             sent_specs: list[pb.TensorSpec]) -> None:

@@ -53,6 +53,7 @@ class Task(TaskInfo):
     closed: bool = field(default=False, kw_only=True)  # answered, dropped or closed with its round
     sent: int = field(default=0, kw_only=True)     # times it was given to its process
     streams: int = field(default=0, kw_only=True)  # result streams taken for it
+    logical_counted: bool = field(default=False, kw_only=True)  # its logical bytes are in the ledger
 
 
 class DuplicateResult(Exception):
@@ -183,9 +184,9 @@ class TaskBoard:
         """Queue tasks at their hosting processes and await them; returns their ids."""
         with self._cond:
             tasks = list(tasks)
-            if tasks:  # copies of results are recognised for the round before the newest
-                newest = max(task.round for task in tasks)
-                self._answered = {i: t for i, t in self._answered.items() if t.round >= newest - 1}
+            if tasks:  # copies of results are recognised for the round before the oldest still open
+                oldest = min(task.round for task in [*tasks, *self._open.values()])
+                self._answered = {i: t for i, t in self._answered.items() if t.round >= oldest - 1}
             ids = set()
             for task in tasks:
                 mailbox = self._mailbox(self.registry.process(task.session))
@@ -254,7 +255,8 @@ class TaskBoard:
         hosts = "; ".join(f"{format_id_ranges(ids)} on {where}" for where, ids in by_process.items())
         self.log(f"warning: round {open_tasks[0].round} has waited {waited:.0f} s for {len(open_tasks)} of "
                  f"{len(task_ids)} clients: {hosts}; it closes in at most {left:.0f} s (server.round_timeout; "
-                 "remedies: sampling.over_selection, server.round_deadline_factor, docs/operating-a-run.md)")
+                 "remedies: sampling.over_selection, server.round_deadline_factor, server.engine: buffered, "
+                 "docs/operating-a-run.md)")
 
     def close(self, task_ids: set[int]) -> set[int]:
         """Close those of ``task_ids`` still queued or outstanding (a late result is refused);
@@ -326,10 +328,16 @@ class TaskBoard:
                 return
         self.log(f"round {task.round} client {task.client_id}: {printable(reason, 200)}; it is sent again")
 
-    def delivery_counts(self, round_number: int) -> DeliveryCounts:
-        """What round ``round_number`` had to send again so far."""
+    def delivery_counts(self, round_number: int | None = None) -> DeliveryCounts:
+        """What the tasks of round ``round_number`` had to send again so far (of every round when None)."""
         with self._cond:
-            return dataclasses.replace(self._delivery.get(round_number, DeliveryCounts()))
+            if round_number is not None:
+                return dataclasses.replace(self._delivery.get(round_number, DeliveryCounts()))
+            total = DeliveryCounts()
+            for counts in self._delivery.values():
+                for key, value in counts.as_dict().items():
+                    setattr(total, key, getattr(total, key) + value)
+            return total
 
     def is_outstanding(self, task: Task) -> bool:
         with self._cond:

@@ -40,19 +40,28 @@ class Outcome:
     client_logs: list[str]
 
 
-def _quickstart(tmp_path: Path) -> Path:
+# The quickstart asynchronous: FedBuff on the virtual clock, devices heavy-tailed and intermittent
+BUFFERED = {"server": {"engine": "buffered"}, "buffered": {"concurrency": 6, "buffer_size": 3, "staleness": "polynomial"},
+            "heterogeneity": {"speed": "lognormal", "offline_share": 0.2, "offline_period": 5.0, "clock": "virtual"}}
+
+
+def _quickstart(tmp_path: Path, overrides: dict | None = None) -> Path:
     config = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
     config["rounds"] = ROUNDS
-    config["server"] = {"round_timeout": 600, "join_timeout": 120, "heartbeat_timeout": 60}
+    overrides = overrides or {}
+    config["server"] = {"round_timeout": 600, "join_timeout": 120, "heartbeat_timeout": 60,
+                        **overrides.get("server", {})}
+    config.update({key: value for key, value in overrides.items() if key != "server"})
     return write_config(tmp_path / "quickstart.yaml", config)
 
 
 def _run(processes, tmp_path: Path, name: str, plan: FaultPlan | None = None,
-         kill_during_upload: int | None = None) -> Outcome:
-    """The quickstart with TLS and per-process tokens; with ``plan`` the clients connect through
-    a relay; with ``kill_during_upload`` the first client process is SIGKILLed once it trained
-    its first client in that round (its upload is under way), and started again."""
-    config = _quickstart(tmp_path)
+         kill_during_upload: int | None = None, overrides: dict | None = None) -> Outcome:
+    """The quickstart with TLS and per-process tokens (its settings replaced by ``overrides``);
+    with ``plan`` the clients connect through a relay; with ``kill_during_upload`` the first
+    client process is SIGKILLed once it trained its first client in that round (its upload is
+    under way), and started again."""
+    config = _quickstart(tmp_path, overrides)
     secrets = tmp_path / f"{name}-secrets"
     write_run_credentials(secrets, ["127.0.0.1"], clients=10, processes=2)
     out = tmp_path / name
@@ -161,3 +170,33 @@ def test_a_client_process_killed_during_an_upload_and_restarted(processes, tmp_p
     assert re.search(r"round 3: trained", faulted.client_logs[0])
     _assert_same_result(faulted, clean)
     assert sum(r["delivery"]["tasks_sent_again"] for r in read_metrics(faulted.out)) >= 1
+
+
+@pytest.fixture(scope="module")
+def clean_buffered(tmp_path_factory):
+    from conftest import Processes
+
+    made = Processes()
+    try:
+        yield _run(made, tmp_path_factory.mktemp("clean-buffered"), "clean-buffered", overrides=BUFFERED)
+    finally:
+        made.stop_all()
+
+
+def test_an_asynchronous_run_on_the_virtual_clock_through_resets_ends_bit_identical(processes, tmp_path,
+                                                                                     clean_buffered) -> None:
+    """FedBuff on the virtual clock through the relay that resets connections: results arrive
+    late, again or out of order, and every version still folds the tasks that finish first in
+    virtual time: the same versions, the same final model, only later."""
+    faulted = _run(processes, tmp_path, "resets-buffered", FaultPlan(reset_bytes=(100_000, 1_000_000), cuts=9, seed=1),
+                   overrides=BUFFERED)
+    assert faulted.counts.resets == 9, faulted.counts
+    records, clean_records = read_metrics(faulted.out), read_metrics(clean_buffered.out)
+    keys = ("sampled", "completed", "virtual_seconds")
+    assert [[r[k] for k in keys] for r in records] == [[r[k] for k in keys] for r in clean_records]
+    assert all(len(r["completed"]) == 3 for r in records)
+    assert read_summary(faulted.out)["failures"] == []
+    assert read_summary(faulted.out)["accuracy"] == read_summary(clean_buffered.out)["accuracy"]
+    assert _final_checkpoint(faulted.out) == _final_checkpoint(clean_buffered.out)
+    assert sum(r["delivery"]["streams_cut"] + r["delivery"]["tasks_sent_again"] for r in records) >= 1
+    assert faulted.seconds <= clean_buffered.seconds + RESET_BOUND_SECONDS, (faulted.seconds, clean_buffered.seconds)

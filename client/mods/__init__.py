@@ -11,13 +11,15 @@ with a ``build(context) -> Mod | None`` and its place in :data:`MODS`.
 
 The order of :data:`MODS`, outermost first, is the order a reply passes them backwards:
 training's reply is first given its DP-SGD spending, then clipped (user-level DP), then held back
-by secure aggregation (which answers its keys instead, and the steps that follow), and last
-encoded by the upload codec (compression with error feedback), which is what goes on the wire.
+by secure aggregation (which answers its keys instead, and the steps that follow), then
+encoded by the upload codec (compression with error feedback), which is what goes on the wire;
+last, an emulated slower device (heterogeneity) holds the whole task for its device's time.
 """
 
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -62,15 +64,16 @@ class Mod(Protocol):
 @dataclass
 class WorkerContext:
     """What a mod may need of its process: the run's config, the clients' store on disk, the run
-    id and the process's log."""
+    id, the process's log and its wait (which a stop of the process ends early)."""
 
     config: RunConfig
     store: ClientStore
     run_id: str
     log: Callable[[str], None]
+    wait: Callable[[float], None] = time.sleep
 
 
-MODS = ("compression", "secure_aggregation", "dp_clip", "dp_sgd_ledger")
+MODS = ("heterogeneity", "compression", "secure_aggregation", "dp_clip", "dp_sgd_ledger")
 """The registered mods, outermost first: modules of this package, each with a
 ``build(context) -> Mod | None``."""
 

@@ -39,18 +39,21 @@ class _Kept:
 class SecureUpdates:
     """The parties and kept updates of the clients a process hosts, for the round in progress.
     Delivery is at least once: a step that arrives again gets the answer it got the first time.
-    ``log`` gets a warning line for every neighbour whose shares do not hold."""
+    ``log`` gets a warning line for every neighbour whose shares do not hold. ``buffered``: the
+    run's engine is the buffered one, whose clients keep their updates for a later version."""
 
-    def __init__(self, run_id: str, log: Callable[[str], None] = print) -> None:
+    def __init__(self, run_id: str, log: Callable[[str], None] = print, buffered: bool = False) -> None:
         self.run_id = run_id
         self.log = log
+        self.buffered = buffered
         self._kept: dict[tuple[int, int], _Kept] = {}
 
     def advertise(self, client: int, round_number: int, update: Mapping[str, torch.Tensor]) -> SecAggAnswer:
         """Keep ``update`` (the deltas the plan uploads) and answer the client's public keys and
-        seed commitment.
-        Parties of earlier rounds are dropped: a round's steps end before the next round starts."""
-        for key in [k for k in self._kept if k[1] < round_number]:
+        seed commitment. Parties of earlier rounds are dropped: of every client in a synchronous
+        run (a round's steps end before the next round starts), of this client in a buffered one
+        (the others' may wait for a later version)."""
+        for key in [k for k in self._kept if k[1] < round_number and (k[0] == client or not self.buffered)]:
             del self._kept[key]
         if (client, round_number) in self._kept:
             return self._kept[(client, round_number)].answers[SecAggStage.ADVERTISE]
@@ -61,6 +64,18 @@ class SecureUpdates:
         answer = SecAggAnswer(cipher_key=cipher_key, mask_key=mask_key, seed_commitment=party.seed_commitment())
         self._kept[(client, round_number)].answers[SecAggStage.ADVERTISE] = answer
         return answer
+
+    def readvertise(self, client: int, round_number: int) -> SecAggAnswer:
+        """A buffered version's ADVERTISE step: the update the client kept when it trained joins
+        round ``round_number``'s sum under keys bound to that round (the keys it answered when it
+        trained, if that was in the same round)."""
+        if (client, round_number) in self._kept:
+            return self._kept[(client, round_number)].answers[SecAggStage.ADVERTISE]
+        earlier = [k for k in self._kept if k[0] == client and k[1] < round_number]
+        if not earlier:
+            raise SecureStepError(f"client {client} round {round_number}: no kept update to advertise (this process "
+                                  "did not train it, or restarted since)")
+        return self.advertise(client, round_number, self._kept[max(earlier)].update)
 
     def answer(self, client: int, round_number: int, step: SecAggStep) -> SecAggAnswer:
         """The answer to a SHARE, CHECK or UNMASK step."""
@@ -122,7 +137,8 @@ class SecureUpdates:
 def build(context: WorkerContext) -> SecureAggregation | None:
     if not context.config.privacy.secure_aggregation:
         return None
-    return SecureAggregation(SecureUpdates(context.run_id, context.log), context.log)
+    return SecureAggregation(SecureUpdates(context.run_id, context.log, context.config.server.engine == "buffered"),
+                             context.log)
 
 
 class SecureAggregation:
@@ -150,6 +166,8 @@ class SecureAggregation:
     def _step(self, task: TaskInfo) -> Reply:
         client, step = task.client_id, task.secagg
         try:
+            if step.stage == SecAggStage.ADVERTISE:
+                return Reply(step_answer=self.updates.readvertise(client, task.round))
             if step.stage != SecAggStage.MASK:
                 return Reply(step_answer=self.updates.answer(client, task.round, step))
             return Reply(uploads=self.updates.mask(client, task.round, step))
