@@ -347,14 +347,14 @@ def _insider_run(tmp_path: Path, processes: Processes, name: str, config: dict, 
     output, its exit code, and the metrics scraped once the monitor named the insider."""
     out = tmp_path / name
     args = ["server", str(write_config(tmp_path / f"{name}.yaml", config)), "--address", "127.0.0.1:0",
-            "--out", str(out), "--progress", "plain"]
+            "--out", str(out), "--progress", "plain", "--insecure"]
     server = processes.start(fedpart_command(*args, *(["--metrics-port", "0"] if metrics else [])),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     reader = LineReader(server)
     address = reader.wait_for(r"listening on (\S+:\d+)", timeout=WAIT).group(1)
     metrics_url = reader.wait_for(r"Prometheus metrics on (\S+)", timeout=WAIT).group(1) if metrics else None
     honest = "0-9" if attack is None and report is None else "0-8"
-    processes.start(fedpart_command("client", "--server", address, "--clients", honest, "--threads", "1",
+    processes.start(fedpart_command("client", "--insecure", "--server", address, "--clients", honest, "--threads", "1",
                                     "--state-dir", str(tmp_path / f"{name}-state")),
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if honest == "0-8":
