@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from fedpart.common.config import RunConfig
 from fedpart.common.heterogeneity import Devices
 from fedpart.common.plans import TrainPlan
-from fedpart.server.robust import partition_train_sizes
+from fedpart.server.robust import partition_sizes
 
 
 class VirtualClockError(ValueError):
@@ -30,7 +30,7 @@ class VirtualClock:
 
     def __init__(self, config: RunConfig, plan_of: Callable[[int, int], TrainPlan]) -> None:
         try:
-            self.sizes = partition_train_sizes(config)
+            self.sizes = partition_sizes(config).train
         except (OSError, ValueError, ImportError) as error:
             raise VirtualClockError(f"heterogeneity.clock: virtual needs each client's training samples, from the "
                                     f"partition the server computes, and it cannot ({error}): give the server "
