@@ -314,9 +314,9 @@ def run_once(config: dict[str, Any], attack: str, work: Path, timeout: float) ->
     processes: list[subprocess.Popen] = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
-        server = subprocess.Popen([*cli, "server", str(config_path), "--address", "127.0.0.1:0", "--out", str(out),
-                                   "--progress", "plain", "--insecure"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env=env, cwd=work)
+        server = subprocess.Popen([*cli, "server", "--insecure", str(config_path), "--address", "127.0.0.1:0", "--out",
+                                   str(out), "--progress", "plain"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=env, cwd=work)
         processes.append(server)
         address = _Lines(server, work / "server.log").wait_for(_LISTENING, timeout).group(1)
         honest = "0-9" if attack == "none" else f"0-{INSIDER - 1}"

@@ -221,11 +221,10 @@ class RobustConfig:
     max_samples: int = 0           # cap on a result's self-reported sample count (0 = none)
     partition_sizes: bool = True   # also cap at the client's partition size where the server can compute it
     adaptive_bound: float = 5.0    # refuse a result whose delta's L2 norm is over this many times the median
-                                   # of the latest round's deltas of the same tensors (0 = off; honest results
-                                   # measured up to 3.05 x, docs/security.md)
+                                   # of the latest round's deltas of the same tensors (0 = off; the honest
+                                   # and hostile norms it was chosen between: docs/security.md, Insiders)
     first_round_bound: float = 3.0   # before any such round: over this many times those tensors' L2 norm in
-                                     # the initial global model (0 = no bound until a round has been folded;
-                                     # honest round-1 deltas measured 0.07-0.45 x, attacks 1e6 x and more)
+                                     # the initial global model (0 = no bound until a round has been folded)
     monitor_rounds: int = 3        # warn of a client whose last this many results were outliers (0 = monitor off)
     monitor_norm_ratio: float = 3.0   # an outlier: delta norm over this many times the round's median ...
     monitor_cosine: float = -0.3      # ... or cosine to the round's robust centre below this

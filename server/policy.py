@@ -122,8 +122,8 @@ class RoundAggregate:
                 self._folded[client] = observation
 
     def refused(self, client: int, observation: Observation | None) -> None:
-        """Screening refused ``client``'s result for its norm: the monitor judges it with the
-        round's others (``observation`` None: nothing to judge)."""
+        """Screening refused ``client``'s result (over a norm bound, or its client is named): the
+        monitor judges it with the round's others (``observation`` None: nothing to judge)."""
         if self.monitor is not None and observation is not None:
             with self._lock:
                 self._refused[client] = observation

@@ -31,7 +31,7 @@ from fedpart.server.insiders import Observation
 
 class ResultRefused(ValueError):
     """A result the server's policy will not fold in; the message says why. ``observation``: what
-    the insider monitor keeps of a result refused for its norm (None: not observed)."""
+    the insider monitor keeps of it (None: not observed)."""
 
     def __init__(self, message: str, observation: Observation | None = None) -> None:
         super().__init__(message)

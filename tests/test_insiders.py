@@ -133,6 +133,28 @@ def test_the_revealed_sum_is_watched_under_secure_aggregation():
     assert "no client can be named" in lines[0] and monitor.streaks() == {}
 
 
+def test_under_secure_aggregation_the_policy_gives_the_monitor_the_revealed_sum():
+    from fedpart.common.experiment import build_run_model
+    from fedpart.server.aggregation import WeightedMean
+    from fedpart.server.policy import RoundAggregate
+
+    config = config_from_dict(small_config(clients=4, privacy={"secure_aggregation": True}))
+    lines: list[str] = []
+    policy = ServerPolicy(config, log=lines.append)
+    assert policy.monitor is not None and not policy.quarantine and policy.adaptive_bound is None
+    state = build_run_model(config).state_dict()
+    name = next(iter(state))
+    entries = []
+    for round_number, value in enumerate([1e-3, 1e-3, 1.0, 1.0], start=1):
+        deltas = RoundAggregate(WeightedMean(), False, round_number=round_number)  # the round's revealed sum
+        deltas.add({name: torch.full_like(state[name], value)}, 1.0, client=0)
+        policy.new_global(state, deltas, None)
+        entries.append(deltas.insiders)
+    assert entries[0] is None and entries[1]["sum"]["streak"] == 0
+    assert [entry["sum"]["streak"] for entry in entries[2:]] == [1, 2]
+    assert lines == [] and policy.monitor.streaks() == {}, "three rounds in a row name it; no client is judged"
+
+
 def test_a_resumed_server_keeps_the_monitors_history(tmp_path):
     config = config_from_dict(small_config(clients=10))
     coordinator = Coordinator(config, log=lambda line: None)
@@ -346,8 +368,8 @@ def _insider_run(tmp_path: Path, processes: Processes, name: str, config: dict, 
     (``attack`` None: client 9 honest in the client process). Returns the summary, the server's
     output, its exit code, and the metrics scraped once the monitor named the insider."""
     out = tmp_path / name
-    args = ["server", str(write_config(tmp_path / f"{name}.yaml", config)), "--address", "127.0.0.1:0",
-            "--out", str(out), "--progress", "plain", "--insecure"]
+    args = ["server", "--insecure", str(write_config(tmp_path / f"{name}.yaml", config)), "--address", "127.0.0.1:0",
+            "--out", str(out), "--progress", "plain"]
     server = processes.start(fedpart_command(*args, *(["--metrics-port", "0"] if metrics else [])),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     reader = LineReader(server)
