@@ -49,18 +49,16 @@ import torch
 
 from fedpart.common.algorithms import learning_rate
 from fedpart.common.config import BufferedConfig, RunConfig
-from fedpart.common.plans import ResultInfo, SecAggStage, SecAggStep, TaskKind
+from fedpart.common.plans import ResultInfo, TaskKind
 from fedpart.common.protocol import Rejected
 from fedpart.server.accounting import DIRECTIONS, ByteLedger
-from fedpart.server.coordinator import Coordinator
+from fedpart.server.coordinator import Coordinator, EngineSteps, TaskFolding
 from fedpart.server.policy import Screened
 from fedpart.server.registry import REAP_INTERVAL_SECONDS
 from fedpart.server.robust import ResultRefused, scaled
 from fedpart.server.run_recorder import RoundResults, VersionNotes
 from fedpart.server.run_state import RunState
-from fedpart.server.secure_aggregation import SecureRound
 from fedpart.server.task_board import DeliveryCounts, Task
-from fedpart.server.transfers import result_chunk_bytes
 from fedpart.server.virtual_clock import VirtualClock
 
 
@@ -237,6 +235,19 @@ def _delivery_minus(now: DeliveryCounts, since: DeliveryCounts) -> DeliveryCount
     return DeliveryCounts(**{key: value - getattr(since, key) for key, value in now.as_dict().items()})
 
 
+class HeldFolding(TaskFolding):
+    """Folds a held result (its task answered when it was held) into its version's ``results``."""
+
+    def __init__(self, engine: Coordinator, task: Task, results: RoundResults) -> None:
+        super().__init__(engine, task, lambda: None)
+        self.results = results
+
+    def fold(self, fold: Callable[[RoundResults], None], record: Callable[[RoundResults], None]) -> None:
+        fold(self.results)
+        with self.engine._cond:
+            record(self.results)
+
+
 class BufferedCoordinator(Coordinator):
     """The FedBuff round engine: one :meth:`run_round` per server version (see the module)."""
 
@@ -249,15 +260,8 @@ class BufferedCoordinator(Coordinator):
         self._held: dict[int, Held] = {}            # by client
         self._models: dict[int, tuple[dict[str, torch.Tensor], dict[str, int]]] = {}  # version -> (tensors, versions)
         self._buffer: Buffer | None = None
-        self._key_weights: dict[int, int] = {}      # secure aggregation: the weight of each buffered client
         self._traffic_since = LedgerTotals.of(self.ledger)
         self._delivery_since = DeliveryCounts()
-        if config.privacy.secure_aggregation:
-            uploads = {self.round_plan(r, 0).upload_deltas for r in range(1, config.rounds + 1)}
-            if len(uploads) > 1:
-                raise ValueError(f"privacy.secure_aggregation with server.engine buffered masks one set of tensors "
-                                 f"per buffer, and algorithm {config.algorithm.name}'s schedule uploads different "
-                                 "tensors in different rounds: use server.engine sync")
 
     # ------------------------------------------------------------------ what tasks train on
 
@@ -284,12 +288,7 @@ class BufferedCoordinator(Coordinator):
             self._hold(task, result, tensors, commit)
             return
         try:
-            if task.secagg is None:
-                super()._accept_training(task, result, tensors, commit)
-            else:
-                screened = self._screen(task, result, {})
-                self._fold(task, lambda results: None,
-                           lambda results: self._record_keyed(results, task, result, screened), commit)
+            super()._accept_training(task, result, tensors, commit)
         except BaseException as error:
             with self._cond:
                 buffer.admitted.discard(client)
@@ -309,35 +308,11 @@ class BufferedCoordinator(Coordinator):
             commit()
             self._finish(task)
 
-    def _accept_secure(self, task: Task, result: ResultInfo, tensors: dict[str, torch.Tensor],
-                       commit: Callable[[], None]) -> None:
-        """Under secure aggregation a training result (its client keeps its update) enters a
-        buffer like any other; a version's ADVERTISE step answers the keys its update is masked
-        with in that version (:meth:`_secure_version`); the later steps are the synchronous ones."""
-        if task.kind == TaskKind.TRAIN:
-            self._accept_training(task, result, tensors, commit)
-            return
-        if task.secagg.stage != SecAggStage.ADVERTISE:
-            super()._accept_secure(task, result, tensors, commit)
-            return
-        secure = self._secure
-        if secure is None or secure.round_number != task.round:
-            raise Rejected(f"task {task.task_id} belongs to a secure aggregation that is over")
-        secure.take_keys(task.client_id, result, self._key_weights[task.client_id])
-        self._fold(task, lambda results: None, lambda results: None, commit)
-
-    def _record_keyed(self, results: RoundResults, task: Task, result: ResultInfo, screened: Screened) -> None:
-        """A training result under secure aggregation: its metrics, and its weight for the mask
-        (holds the lock)."""
-        self._record_training(results, task.client_id, dict(result.metrics), screened, int(result.num_samples))
-        self._key_weights[task.client_id] = int(screened.weight)
-
     def _fold_held(self, buffer: Buffer, held: Held) -> None:
         """Screen and fold a held result into ``buffer`` (admitted to it already)."""
         task, client = held.task, held.task.client_id
-        deltas = {n: held.tensors[n] for n in task.train.upload_deltas} if task.secagg is None else {}
         try:
-            screened = self._screen(task, held.result, deltas)
+            self._take_training(task, held.result, held.tensors, HeldFolding(self, task, buffer.results))
         except Rejected as error:
             line = f"round {task.round} client {client}: result refused when its version {buffer.version} opened: {error}"
             with self._cond:
@@ -349,28 +324,19 @@ class BufferedCoordinator(Coordinator):
                 self._failures.append(line)
             self.log(f"warning: {line}")
             return
-        if task.secagg is None:
-            self._fold_training(buffer.results, task, screened, {n: held.tensors[n] for n in task.train.upload_values})
         with self._cond:
-            if task.secagg is None:
-                self._record_training(buffer.results, client, dict(held.result.metrics), screened,
-                                      int(held.result.num_samples))
-            else:
-                self._record_keyed(buffer.results, task, held.result, screened)
             self._folded(buffer, task)
-        for note in screened.notes:
-            self.log(f"warning: round {task.round} client {client}: {note}")
 
     def _screen(self, task: Task, result: ResultInfo, deltas: dict[str, torch.Tensor]) -> Screened:
         """Screen a result as if it had trained with the current version's learning rate: one
         that trained before a decay of ``train.lr`` (``train.lr_milestones``) moved by that much
         more, which the adaptive bound would take for an attack (the bound, clipping and the
         norms the bound keeps then measure every result on one scale); the screened deltas are
-        scaled back. Under ``privacy.dp`` the clip is absolute: screened as it came."""
+        scaled back. Where the policy clips to an absolute norm, screened as it came."""
         train, rounds = self.config.train, self.config.rounds
         trained, now = (learning_rate(train.lr, r - 1, rounds, train.lr_milestones, train.lr_gamma)
                         for r in (task.round, self.current_round))
-        if not deltas or trained == now or not trained or not now or self.aggregation.privacy is not None:
+        if not deltas or trained == now or not trained or not now or not self.policy.relative_bounds():
             return super()._screen(task, result, deltas)
         screened = super()._screen(task, result, stale_scaled(deltas, now / trained))
         return replace(screened, deltas=stale_scaled(screened.deltas, trained / now))
@@ -400,15 +366,10 @@ class BufferedCoordinator(Coordinator):
             dispatched = self._dispatch(round_number)
             uploads = {n for f in self._flights.values() for n in self.round_plan(f.round, f.client).upload_deltas}
             reference = {n: self.global_state[n] for n in self.global_state if n in uploads}
-            secure = None
-            if self.config.privacy.secure_aggregation:
-                secure = SecureRound(self.config, self.run_id, round_number, reference, self.log, self._blame)
-            buffer = Buffer(round_number, RoundResults(self.aggregation.new_aggregator(round_number, reference, secure)),
+            buffer = Buffer(round_number, RoundResults(self.policy.open_round(round_number, reference)),
                             self.schedule.members() if self.clock is not None else None)
             self._buffer = buffer
             self._results = buffer.results
-            self._secure = secure
-            self._key_weights = {}
             ready = []
             for client in list(self._held):  # in the order they arrived
                 if client in buffer.members if buffer.members is not None else len(ready) < self.buffer_size:
@@ -417,40 +378,21 @@ class BufferedCoordinator(Coordinator):
         for held in ready:
             self._fold_held(buffer, held)
         self._fill(buffer, started)
-        failed = self._secure_version(buffer) if secure is not None else None
+        with self._cond:
+            steps = EngineSteps(self, round_number)
+        failed = self.policy.close_round(steps)
         with self._cond:
             self._results = None
-            self._secure = None
-        self._step_global(round_number, buffer.results, secure, failed)
+        self._step_global(round_number, buffer.results, failed)
         with self._cond:
             record = self._close(buffer, dispatched, time.monotonic() - started)
         return record
-
-    def _secure_version(self, buffer: Buffer) -> str | None:
-        """The secure aggregation of a version's buffer: its clients answer the ADVERTISE step
-        with keys bound to this version (each masks the update it kept when it trained), then
-        SHARE, CHECK, MASK and UNMASK as in a synchronous round; returns why the sum cannot be
-        unmasked (None: it can)."""
-        server = self.config.server
-        with self._cond:
-            chunk_bytes = result_chunk_bytes(server.result_chunk_bytes, server.waiting_upload_bytes,
-                                             self.registry.live_processes)
-            tasks = [Task(TaskKind.SECAGG, next(self._task_ids), buffer.version, c,
-                          secagg=SecAggStep(SecAggStage.ADVERTISE), session=host.session,
-                          result_chunk_bytes=chunk_bytes)
-                     for c in sorted(buffer.folded) if (host := self.registry.host(c)) is not None]
-            dispatched = self.board.dispatch(tasks)
-        self._await(dispatched, server.round_timeout)
-        return self._secure_steps(buffer.version, chunk_bytes)
 
     def _dispatch(self, round_number: int) -> list[int]:
         """Tasks for the flights restored from a run state and for newly chosen idle clients
         (holds the lock); returns the clients that got one."""
         self.schedule.start(round_number, self.last_round)
-        server = self.config.server
-        chunk_bytes = result_chunk_bytes(server.result_chunk_bytes, server.waiting_upload_bytes,
-                                         self.registry.live_processes)
-        advertise = SecAggStep(SecAggStage.ADVERTISE) if self.config.privacy.secure_aggregation else None
+        chunk_bytes = self.chunk_bytes()
         tasks = []
         for client, flight in sorted(self._flights.items()):
             if flight.task is not None:
@@ -462,7 +404,7 @@ class BufferedCoordinator(Coordinator):
             self._models.setdefault(flight.round - 1, (dict(self.global_state), dict(self.versions)))
             flight.task = Task(TaskKind.TRAIN, next(self._task_ids), flight.round, client,
                                train=self.round_plan(flight.round, client), personal_init=self._personal_init(client),
-                               session=host.session, result_chunk_bytes=chunk_bytes, secagg=advertise)
+                               session=host.session, result_chunk_bytes=chunk_bytes, **self.policy.task_fields())
             tasks.append(flight.task)
         self.board.dispatch(tasks)
         return [task.client_id for task in tasks]

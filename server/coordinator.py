@@ -9,10 +9,10 @@ A :class:`Coordinator` composes the three parts of the server's state machine:
 - the :class:`~fedpart.server.task_board.TaskBoard` (tasks queued per process, long polls,
   the wait for dispatched tasks),
 - and itself: the global model, sampling, plans, the fold, snapshot and restore; with
-  the server's policy (:mod:`fedpart.server.policy`: screen, combine, step), the run's records
-  (:mod:`fedpart.server.run_recorder`), the final evaluation
-  (:mod:`fedpart.server.final_evaluation`) and secure aggregation's steps
-  (:mod:`fedpart.server.secure_aggregation`) in modules of their own.
+  the server's policy (:mod:`fedpart.server.policy`: screen, combine, step, in the layers the
+  config turns on, which the engine does not know), the run's records
+  (:mod:`fedpart.server.run_recorder`) and the final evaluation
+  (:mod:`fedpart.server.final_evaluation`) in modules of their own.
 
 They share one condition variable: one lock over the whole state machine, only ever held for
 bookkeeping (never while sending, receiving or folding), re-entrant so that the engine can make
@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -42,7 +42,7 @@ from fedpart.common.config import RunConfig
 from fedpart.common.console import RunProgress
 from fedpart.common.exit_codes import StoppableCondition, Stopped
 from fedpart.common.experiment import build_run_model, run_algorithm
-from fedpart.common.plans import EvalPlan, JoinInfo, ResultInfo, RunOutcome, SecAggStage, TaskKind, TrainPlan
+from fedpart.common.plans import EvalPlan, JoinInfo, ResultInfo, RunOutcome, TaskKind, TrainPlan
 from fedpart.common.protocol import Rejected
 from fedpart.common.security import Principal
 from fedpart.common.split_model import SplitModel, tensor_part
@@ -51,16 +51,18 @@ from fedpart.server.accounting import DIRECTIONS, PROCESS, ByteLedger
 from fedpart.server.aggregation import HeadDictionary
 from fedpart.server.final_evaluation import FinalEvaluation
 from fedpart.server.registry import REAP_INTERVAL_SECONDS, ProcessRegistry
-from fedpart.server.policy import Screened, ServerPolicy
+from fedpart.server.policy import Folding, Policy, RoundFailed, Screened, build_policy
 from fedpart.server.robust import ResultRefused
 from fedpart.server.run_recorder import RoundResults, RunRecorder
 from fedpart.server.run_state import EARLIER_ROUNDS, ResumeError, RunState
-from fedpart.server.secure_aggregation import SecureRound, SecureRoundFailed
 from fedpart.server.sampling import round_target, sample_clients
 from fedpart.server.task_board import Task, TaskBoard
 from fedpart.server.transfers import result_chunk_bytes
 from fedpart.server.validation import all_finite, check_result
 from fedpart.server.virtual_clock import VirtualClock
+
+MODEL_TASKS = (TaskKind.TRAIN, TaskKind.EVALUATE)
+"""The tasks that carry global tensors (a policy layer's own steps carry none)."""
 
 
 class Coordinator:
@@ -79,7 +81,8 @@ class Coordinator:
         self.run_id = uuid.uuid4().hex[:12]
         self.ledger = ByteLedger(self.model.schedule_units)  # the service records into it; rounds and resume read it
         self.heads = HeadDictionary()
-        self.aggregation = ServerPolicy(config, log)
+        self.policy: Policy = build_policy(config, log, run_id=lambda: self.run_id, blame=self._blame,
+                                           round_uploads=lambda r: self.round_plan(r, 0).upload_deltas)
 
         # the lock of the whole state machine; the round loop waits on it, and a stop ends its waits
         self._cond = StoppableCondition()
@@ -92,9 +95,8 @@ class Coordinator:
         self._task_ids = itertools.count(1)
         self._round = 0
         self.clock = VirtualClock(config, self.round_plan) if config.heterogeneity.clock == "virtual" else None
-        self.recorder = RunRecorder(config, self.ledger, self.board, self.aggregation, self.clock)
+        self.recorder = RunRecorder(config, self.ledger, self.board, self.policy, self.clock)
         self._results: RoundResults | None = None
-        self._secure: SecureRound | None = None   # the current round's secure aggregation, if on
         self.evaluation = FinalEvaluation(config, self.registry, self.board, self._cond, log, self._evaluation_task)
         self._failures: list[str] = []
         self._train_samples: dict[int, int] = {}  # last training sample count each client reported
@@ -111,15 +113,13 @@ class Coordinator:
 
     @property
     def last_round(self) -> int:
-        """The last round the run trains: ``rounds``, or fewer where ``privacy.dp.target_epsilon``
-        would be exceeded by a later round (docs/privacy.md)."""
-        privacy = self.aggregation.privacy
-        return privacy.rounds if privacy is not None else self.config.rounds
+        """The last round the run trains: ``rounds``, or fewer where a layer of the policy ends it
+        early (a privacy budget, docs/privacy.md)."""
+        return self.policy.last_round(self.config.rounds)
 
     def stop_note(self) -> str | None:
         """Why the run trains fewer than ``rounds`` rounds (None: it trains them all)."""
-        privacy = self.aggregation.privacy
-        return privacy.stop_note() if privacy is not None else None
+        return self.policy.stop_note()
 
     def join(self, request: JoinInfo, principal: Principal | None = None, peer: str = "") -> str:
         """Register a client process with the registry (see :meth:`ProcessRegistry.join`) and
@@ -146,9 +146,9 @@ class Coordinator:
 
     def task_tensors(self, task: Task, held: Mapping[str, int]) -> tuple[list[TensorSpec], list[torch.Tensor]]:
         """Global tensors a task carries: shared ones newer than what the process holds, plus
-        the parts the client initialises its personal copy from (none with a step of secure
-        aggregation: it works on the update the client kept)."""
-        if task.kind == TaskKind.SECAGG:
+        the parts the client initialises its personal copy from (none with a step of a policy
+        layer's own: it works on what the client kept)."""
+        if task.kind not in MODEL_TASKS:
             return [], []
         with self._cond:
             global_state, versions = self._model_for(task)
@@ -168,7 +168,7 @@ class Coordinator:
     def named_versions(self, task: Task) -> tuple[tuple[str, int], ...]:
         """Names and versions of every global tensor ``task`` names, whatever its process holds
         (what its logical bytes count), in the order of :meth:`task_tensors`."""
-        if task.kind == TaskKind.SECAGG:
+        if task.kind not in MODEL_TASKS:
             return ()
         names = self.shared_names
         if task.personal_init:
@@ -178,11 +178,12 @@ class Coordinator:
             return tuple((n, versions[n]) for n in names)
 
     def expected_uploads(self, task: Task) -> list[TensorSpec]:
-        """Specs (names, dtypes, shapes) of the tensors a result of ``task`` must carry: under
-        secure aggregation the MASK step's masked update, int32 in the tensors' shapes."""
-        if task.secagg is not None and task.secagg.stage == SecAggStage.MASK:
-            return named_specs({n: torch.empty(shape, dtype=torch.int32) for n, shape in self._secure.shapes.items()})
-        return named_specs({n: self.global_state[n] for n in task.uploads()})
+        """Specs (names, dtypes, shapes) of the tensors a result of ``task`` must carry: those a
+        layer of the policy decides for its own steps, else the task's uploads of the global model."""
+        tensors = self.policy.expected_uploads(task)
+        if tensors is None:
+            tensors = {n: self.global_state[n] for n in task.uploads()}
+        return named_specs(tensors)
 
     def accept(self, task: Task, result: ResultInfo, tensors: dict[str, torch.Tensor],
                commit: Callable[[], None] = lambda: None) -> None:
@@ -203,7 +204,7 @@ class Coordinator:
                 trained_samples = self._train_samples.get(task.client_id)
         check_result(task, result, tensors, trained_samples)
         if task.kind == TaskKind.EVALUATE:
-            counted, notes = self.aggregation.screen_evaluation(task.client_id, metrics)
+            counted, notes = self.policy.screen_evaluation(task.client_id, metrics)
             with self._cond:
                 self.board.claim(task)
                 self.evaluation.reports[task.client_id] = counted
@@ -212,19 +213,27 @@ class Coordinator:
             for note in notes:
                 self.log(f"warning: client {task.client_id}: {note}")
             return
-        if task.secagg is not None:
-            self._accept_secure(task, result, tensors, commit)
-            return
-        self._accept_training(task, result, tensors, commit)
+        if task.kind == TaskKind.TRAIN:
+            self._accept_training(task, result, tensors, commit)
+        else:  # a step of a policy layer's own
+            self.policy.accept(task, result, tensors, TaskFolding(self, task, commit))
 
     def _accept_training(self, task: Task, result: ResultInfo, tensors: dict[str, torch.Tensor],
                          commit: Callable[[], None]) -> None:
-        """Screen a training result and fold it into the round (see :meth:`accept`)."""
+        """Take a training result into the round (see :meth:`accept`)."""
+        self._take_training(task, result, tensors, TaskFolding(self, task, commit))
+
+    def _take_training(self, task: Task, result: ResultInfo, tensors: Mapping[str, torch.Tensor],
+                       folding: Folding) -> None:
+        """Screen a training result and fold it through ``folding``, unless a layer of the policy
+        takes it."""
+        if self.policy.owns(task):
+            self.policy.accept(task, result, tensors, folding)
+            return
         screened = self._screen(task, result, {n: tensors[n] for n in task.train.upload_deltas})
         values = {n: tensors[n] for n in task.train.upload_values}
-        self._fold(task, lambda results: self._fold_training(results, task, screened, values),
-                   lambda results: self._record_training(results, task.client_id, dict(result.metrics), screened,
-                                                         int(result.num_samples)), commit)
+        folding.fold(lambda results: self._fold_training(results, task, screened, values),
+                     lambda results: folding.record_training(results, result, screened))
         for note in screened.notes:
             self.log(f"warning: round {task.round} client {task.client_id}: {note}")
 
@@ -232,7 +241,7 @@ class Coordinator:
         """The policy's screening of a training result with ``deltas``; :class:`Rejected` (counted
         in the round's results while the task is outstanding) for one it refuses."""
         try:
-            return self.aggregation.screen(task.client_id, deltas, int(result.num_samples))
+            return self.policy.screen(task.client_id, deltas, int(result.num_samples))
         except ResultRefused as error:
             with self._cond:
                 if self._results is not None and self.board.is_outstanding(task):
@@ -248,37 +257,6 @@ class Coordinator:
             results.deltas.add(screened.deltas, screened.weight, task.client_id)
         if values:
             self.heads.store(task.client_id, values, screened.weight)
-
-    def _accept_secure(self, task: Task, result: ResultInfo, tensors: dict[str, torch.Tensor],
-                       commit: Callable[[], None]) -> None:
-        """A result of a securely aggregated round (``fedpart.server.secure_aggregation``): a
-        training result's keys, metrics and samples, or a later step's answer; the masked update
-        is folded into the round's modular sum."""
-        secure = self._secure
-        stage = task.secagg.stage
-        if secure is None or secure.round_number != task.round:
-            raise Rejected(f"task {task.task_id} belongs to a secure aggregation that is over")
-        screened = None
-        if stage == SecAggStage.ADVERTISE:
-            try:
-                screened = self.aggregation.screen(task.client_id, {}, int(result.num_samples))
-            except ResultRefused as error:
-                raise Rejected(str(error)) from error
-            secure.take_keys(task.client_id, result, int(screened.weight))
-        elif stage != SecAggStage.MASK:
-            secure.take(task.client_id, stage, result)
-
-        def fold(results: RoundResults) -> None:
-            if stage == SecAggStage.MASK:
-                results.deltas.add(tensors, 1.0)
-                secure.take_masked(task.client_id)
-
-        def record(results: RoundResults) -> None:
-            if screened is not None:
-                self._record_training(results, task.client_id, dict(result.metrics), screened,
-                                      int(result.num_samples))
-
-        self._fold(task, fold, record, commit)
 
     def _fold(self, task: Task, fold: Callable[[RoundResults], None], record: Callable[[RoundResults], None],
               commit: Callable[[], None]) -> None:
@@ -310,27 +288,6 @@ class Coordinator:
         results.robust.clipped += screened.clipped
         self._train_samples[client] = reported_samples
 
-    def _secure_steps(self, round_number: int, chunk_bytes: int) -> str | None:
-        """SHARE, CHECK, MASK and UNMASK of a securely aggregated round, each dispatched to the
-        clients the previous step left and awaited like the training; returns why the round's sum
-        cannot be unmasked (None: it can)."""
-        secure = self._secure
-        server = self.config.server
-        steps = (secure.sharing_steps, secure.checking_steps,
-                 lambda: secure.masking_steps(self.aggregation.privacy is not None), secure.unmasking_steps)
-        for make_steps in steps:
-            try:
-                asks = make_steps()
-            except SecureRoundFailed as error:
-                return str(error)
-            with self._cond:
-                tasks = [Task(TaskKind.SECAGG, next(self._task_ids), round_number, c, secagg=step,
-                              session=host.session, result_chunk_bytes=chunk_bytes)
-                         for c, step in asks.items() if (host := self.registry.host(c)) is not None]
-                dispatched = self.board.dispatch(tasks)
-            self._await(dispatched, server.round_timeout, None, server.round_deadline_factor)
-        return None
-
     # ------------------------------------------------------------------ helpers
 
     def _record_failure(self, line: str) -> None:
@@ -338,7 +295,7 @@ class Coordinator:
             self._failures.append(line)
 
     def _blame(self, line: str) -> None:
-        """A client named for what it sent (secure aggregation's checks): a failure of the run."""
+        """A client named for what it sent (a policy layer's checks): a failure of the run."""
         self._record_failure(line)
         self.log(f"warning: {line}")
 
@@ -392,59 +349,57 @@ class Coordinator:
         sampled = sample_clients(self.config.clients, round_number, self.config.sampling_seed,
                                  sampling.fraction, sampling.probability, sampling.over_selection, sampling.scheme)
         uploads = self.round_plan(round_number, 0).upload_deltas  # every client's plan of a round uploads the same
-        reference = {n: self.global_state[n] for n in uploads}
-        secure = None
-        if self.config.privacy.secure_aggregation:
-            secure = SecureRound(self.config, self.run_id, round_number, reference, self.log, self._blame)
         with self._cond:
             self._round = round_number
             self.recorder.start_round(started, len(sampled))
-            self._secure = secure
-            self._results = RoundResults(self.aggregation.new_aggregator(round_number, reference, secure))
+            self._results = RoundResults(self.policy.open_round(round_number, {n: self.global_state[n] for n in uploads}))
             hosts = {c: host for c in sampled if (host := self.registry.host(c)) is not None}
-            server = self.config.server
-            chunk_bytes = result_chunk_bytes(server.result_chunk_bytes, server.waiting_upload_bytes,
-                                             self.registry.live_processes)
-            advertise = secure.advertise() if secure is not None else None
-            tasks = [Task(TaskKind.TRAIN, next(self._task_ids), round_number, c, train=self.round_plan(round_number, c),
-                          personal_init=self._personal_init(c), session=host.session, result_chunk_bytes=chunk_bytes,
-                          secagg=advertise)
-                     for c, host in hosts.items()]
-            dispatched = self.board.dispatch(tasks)
+            steps = EngineSteps(self, round_number)
+            dispatched = self.board.dispatch([self._train_task(round_number, c, host.session, steps.chunk_bytes)
+                                              for c, host in hosts.items()])
         # over-selection closes the round once the clients it needs have answered
         enough = round_target(self.config.clients, sampling.fraction) if sampling.over_selection else None
         self._await(dispatched, self.config.server.round_timeout, enough, self.config.server.round_deadline_factor)
-        failed = self._secure_steps(round_number, chunk_bytes) if secure is not None else None
+        failed = self.policy.close_round(steps)
         with self._cond:
-            results = self._results
-            self._results = None
-            self._secure = None
-        self._step_global(round_number, results, secure, failed)
-        completed = sorted(results.metrics)
+            results, self._results = self._results, None
+        self._step_global(round_number, results, failed)
         seconds = time.monotonic() - started
         with self._cond:
             self.recorder.end_round(round_number, seconds)
         processes = {c: host.name for c, host in hosts.items()}
-        return self.recorder.record(round_number, sampled, completed, results, processes, seconds)
+        return self.recorder.record(round_number, sampled, sorted(results.metrics), results, processes, seconds)
 
-    def _step_global(self, round_number: int, results: RoundResults, secure: SecureRound | None,
-                     failed: str | None) -> None:
-        """Move the global model by the round's folded ``results`` (the server optimizer's step,
-        FedHA's heads), unless secure aggregation ``failed``; install what came out finite and bump
-        the versions of the tensors that changed to ``round_number``. Under secure aggregation
-        only the clients whose masked update is in the sum count as completed."""
+    def _train_task(self, round_number: int, client: int, session: str, chunk_bytes: int) -> Task:
+        """A client's training task of a round, with what every training task of the round carries
+        for the policy's layers."""
+        return Task(TaskKind.TRAIN, next(self._task_ids), round_number, client,
+                    train=self.round_plan(round_number, client), personal_init=self._personal_init(client),
+                    session=session, result_chunk_bytes=chunk_bytes, **self.policy.task_fields())
+
+    def chunk_bytes(self) -> int:
+        """The largest message a result may come in, the connected processes sharing the bytes
+        waiting uploads may hold (holds the lock)."""
+        server = self.config.server
+        return result_chunk_bytes(server.result_chunk_bytes, server.waiting_upload_bytes, self.registry.live_processes)
+
+    def _step_global(self, round_number: int, results: RoundResults, failed: str | None) -> None:
+        """Move the global model by the round's folded ``results`` (the policy's step, FedHA's
+        heads), unless the round ``failed``; install what came out finite and bump the versions of
+        the tensors that changed to ``round_number``. Only the clients the round's aggregate holds
+        count as completed."""
         refusals = []
-        if secure is not None:
-            results.metrics = {c: m for c, m in results.metrics.items() if c in secure.masked}
-            results.samples = {c: n for c, n in results.samples.items() if c in secure.masked}
+        counted = self.policy.counted(results.metrics)
+        results.metrics = {c: m for c, m in results.metrics.items() if c in counted}
+        results.samples = {c: n for c, n in results.samples.items() if c in counted}
         heads = self.heads if self.algorithm.head is Role.COLLECTED else None
         try:
-            updated = self.aggregation.new_global(self.global_state, results.deltas, heads) if failed is None else {}
-        except SecureRoundFailed as error:
+            updated = self.policy.new_global(self.global_state, results.deltas, heads) if failed is None else {}
+        except RoundFailed as error:
             failed, updated = str(error), {}
         if failed is not None:
             results.metrics = {}
-            refusals.append(f"round {round_number}: secure aggregation failed, the global model is kept: {failed}")
+            refusals.append(f"round {round_number}: {failed}; the global model is kept")
             self.log(f"error: {refusals[-1]}")
         results.robust.non_finite = sorted(name for name, tensor in updated.items() if not all_finite(tensor))
         for name in results.robust.non_finite:  # never installed: the previous value stays
@@ -522,7 +477,7 @@ class Coordinator:
             failures=failures,
             bytes_by_client={c: self.ledger.by_part(client=c) for c in [PROCESS, *range(self.config.clients)]},
             seconds=seconds, config=self.config.to_dict(),
-            server_optimizer=self.aggregation.optimizer_state(), security=security,
+            server_optimizer=self.policy.state(), security=security,
             engine={"virtual_seconds": self.clock.now} if self.clock is not None else {},
         )
 
@@ -546,7 +501,10 @@ class Coordinator:
             self.clock.now = state.engine.get("virtual_seconds", 0.0)
         for client, (tensors, weight) in sorted(state.heads.items()):
             self.heads.store(client, tensors, weight)
-        self.aggregation.restore_optimizer(state.server_optimizer)
+        try:
+            self.policy.load_state(state.server_optimizer)
+        except ValueError as error:
+            raise ResumeError(f"the saved server optimizer state does not fit the config: {error}") from error
         for client, by_part in state.bytes_by_client.items():
             for direction in DIRECTIONS:
                 self.ledger.add(EARLIER_ROUNDS, client, direction, {p: n[direction] for p, n in by_part.items()})
@@ -556,3 +514,39 @@ class Coordinator:
         with self._cond:
             return self._failures + self.registry.left
 
+
+class TaskFolding:
+    """How a policy layer folds the result of one task it takes (:class:`~fedpart.server.policy.Folding`):
+    through the engine's fold, which claims the task, counts its bytes (``commit``) and answers it."""
+
+    def __init__(self, engine: Coordinator, task: Task, commit: Callable[[], None]) -> None:
+        self.engine = engine
+        self.task = task
+        self.commit = commit
+
+    def fold(self, fold: Callable[[RoundResults], None], record: Callable[[RoundResults], None]) -> None:
+        self.engine._fold(self.task, fold, record, self.commit)
+
+    def record_training(self, results: RoundResults, result: ResultInfo, screened: Screened) -> None:
+        self.engine._record_training(results, self.task.client_id, dict(result.metrics), screened,
+                                     int(result.num_samples))
+
+
+class EngineSteps:
+    """The round's tasks of a policy layer's own (:class:`~fedpart.server.policy.RoundSteps`):
+    dispatched to the clients' processes and awaited like the round's training (``chunk_bytes``:
+    the largest message their results may come in, the round's)."""
+
+    def __init__(self, engine: Coordinator, round_number: int) -> None:
+        self.engine = engine
+        self.round_number = round_number
+        self.chunk_bytes = engine.chunk_bytes()
+
+    def run(self, make: Callable[[int, int, str, int], Task], clients: Iterable[int]) -> None:
+        engine = self.engine
+        with engine._cond:
+            tasks = [make(client, next(engine._task_ids), host.session, self.chunk_bytes)
+                     for client in clients if (host := engine.registry.host(client)) is not None]
+            dispatched = engine.board.dispatch(tasks)
+        server = engine.config.server
+        engine._await(dispatched, server.round_timeout, None, server.round_deadline_factor)

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from fedpart.common.records import RoundRecord
+from fedpart.server.policy.screening import RobustScreening
 from fedpart.server.report import delivery_totals
 from fedpart.server.robust import ACTIONS
 
@@ -118,7 +119,8 @@ class RunCollector:
         for action in ACTIONS:
             robust.add_metric([action], sum((r.robust or {}).get(action, 0) for r in records))
         yield robust
-        monitor = coordinator.aggregation.monitor
+        screening = coordinator.policy.find(RobustScreening)
+        monitor = screening.monitor if screening is not None else None
         if monitor is not None:
             streaks = monitor.streaks()
             streak = GaugeMetricFamily("fedpart_insider_outlier_streak", "Clients whose latest results were outliers "

@@ -16,7 +16,7 @@ from fedpart.common.algorithms import learning_rate
 from fedpart.common.config import RunConfig
 from fedpart.common.records import RoundRecord
 from fedpart.server.accounting import ByteLedger
-from fedpart.server.policy import RoundAggregate, ServerPolicy
+from fedpart.server.policy import Policy, RoundAggregate
 from fedpart.server.robust import RobustCounts
 from fedpart.server.task_board import DeliveryCounts, TaskBoard
 from fedpart.server.virtual_clock import VirtualClock
@@ -62,7 +62,7 @@ class RunRecorder:
     """The records of the run's rounds and their durations (the round engine holds its lock
     while it calls :meth:`start_round`, :meth:`end_round` and :meth:`eta`)."""
 
-    def __init__(self, config: RunConfig, ledger: ByteLedger, board: TaskBoard, policy: ServerPolicy,
+    def __init__(self, config: RunConfig, ledger: ByteLedger, board: TaskBoard, policy: Policy,
                  clock: VirtualClock | None = None) -> None:
         self.config = config
         self.ledger = ledger
@@ -123,7 +123,7 @@ class RunRecorder:
         for c in completed:
             if "gpu_peak_bytes" in metrics[c]:
                 gpu_peak[processes[c]] = max(gpu_peak.get(processes[c], 0), int(metrics[c]["gpu_peak_bytes"]))
-        privacy = self.policy.privacy
+        policy = self.policy.round_record(round_number)
         return RoundRecord(
             round=round_number,
             sampled=sampled,
@@ -150,9 +150,9 @@ class RunRecorder:
             robust=results.robust.as_dict(),
             insiders=results.deltas.insiders,
             delivery=delivery.as_dict(),
-            server_step=self.policy.step_report(),
+            server_step=policy.get("server_step"),
             gpu_peak_bytes=gpu_peak or None,
-            privacy=privacy.round_record(round_number) if privacy is not None else None,
+            privacy=policy.get("privacy"),
             virtual_seconds=round(virtual[0], 6) if virtual is not None else None,
             virtual_busy=round(virtual[1], 6) if virtual is not None else None,
             buffered=version.buffered if version is not None else None,

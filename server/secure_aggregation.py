@@ -47,6 +47,7 @@ import torch
 from fedpart.common.config import RunConfig
 from fedpart.common.plans import ResultInfo, SecAggAnswer, SecAggStage, SecAggStep
 from fedpart.common.protocol import InvalidResult
+from fedpart.server.policy.base import RoundFailed
 from fedpart.common.secagg import (
     Commitments,
     MaskGraph,
@@ -66,7 +67,7 @@ MAX_SHARE_BYTES = 256      # one revealed share
 MIN_SURVIVORS = 2          # a sum of one masked update would be that client's update
 
 
-class SecureRoundFailed(RuntimeError):
+class SecureRoundFailed(RoundFailed):
     """Too few clients got through a step for the round's sum to be unmasked; says which step."""
 
 
@@ -141,10 +142,10 @@ class SecureRound:
                                       commitments={v: self.dealt[v][c] for v in routed})
             return steps
 
-    def masking_steps(self, dp_weight: bool) -> dict[int, SecAggStep]:
+    def masking_steps(self) -> dict[int, SecAggStep]:
         """MASK for each client left in the round's graph once the disputes are in: the peers it
-        masks with, the bound, the quantization step and its weight (1 under DP-FedAvg,
-        ``dp_weight``)."""
+        masks with, the bound, the quantization step and its weight (what screening counted it
+        for: 1 under DP-FedAvg)."""
         with self._lock:
             graph = mask_graph(self.graph, self.sealed, self.disputes, self.disputes, self.threshold)
             self.mask_graph = graph.neighbours
@@ -155,7 +156,7 @@ class SecureRound:
                 named = f" (named: clients {list(graph.named)})" if graph.named else ""
                 raise SecureRoundFailed(f"{len(maskers)} client(s) left to mask once the shares were checked: a sum "
                                         f"needs {MIN_SURVIVORS}{named}")
-            weights = {c: 1 if dp_weight else self.weights[c] for c in maskers}
+            weights = {c: self.weights[c] for c in maskers}
             self.step = quantization_step(self.bound, sum(weights.values()))
             return {c: SecAggStep(SecAggStage.MASK, mask_with=self.mask_graph[c], bound=self.bound, step=self.step,
                                   weight=weights[c]) for c in maskers}

@@ -17,7 +17,8 @@ from fedpart.common.privacy import joint_norm
 from fedpart.server.privacy import AdaptiveClip, ClippedDeltas, DifferentialPrivacy, NoisedSum, PrivacyBudget
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.insiders import InsiderMonitor
-from fedpart.server.policy import ServerPolicy
+from fedpart.server.policy import build_policy
+from fedpart.server.policy.dp import DPFedAvg
 from fedpart.server.run_state import read_run_state, write_run_state
 from fedpart.server.sampling import expected_clients
 from test_robust import InProcessServer, RawClient
@@ -183,14 +184,17 @@ def test_lossy_upload_codecs_are_accepted(up):
 # ------------------------------------------------------------------------------------ the server's step
 
 
-def _step(dp: dict, **overrides) -> tuple[ServerPolicy, dict[str, torch.Tensor]]:
+def _step(dp: dict, **overrides) -> tuple[DPFedAvg, dict[str, torch.Tensor]]:
+    """The server's policy under ``dp`` (its outermost layer DP-FedAvg's) and the initial model."""
     config = config_from_dict(_adaptive(dp, **overrides))
-    return ServerPolicy(config, **QUIET), dict(build_run_model(config).state_dict())
+    policy = build_policy(config, **QUIET)
+    assert isinstance(policy, DPFedAvg)
+    return policy, dict(build_run_model(config).state_dict())
 
 
-def _round(step: ServerPolicy, round_number: int, state: dict[str, torch.Tensor], norms: list[float]) -> dict:
+def _round(step: DPFedAvg, round_number: int, state: dict[str, torch.Tensor], norms: list[float]) -> dict:
     """One round of ``norms`` folded through screening and the noised sum; returns the new global state."""
-    deltas = step.new_aggregator(round_number, state)
+    deltas = step.open_round(round_number, state)
     for norm in norms:
         sent = _deltas(state, norm)
         screened = step.screen(0, sent, 10)
@@ -216,7 +220,7 @@ def test_the_server_clips_with_the_rounds_clip_and_steps_it_when_the_round_close
 def test_the_noise_of_the_deltas_is_z_delta_times_the_rounds_clip():
     step, state = _step({"clip_norm": 2.0, "noise_multiplier": 1.0, "count_stddev": 1.0}, clients=4)
     z_delta = (1 - 0.25) ** -0.5
-    combiner = step.new_aggregator(1, state).combiner
+    combiner = step.open_round(1, state).combiner
     assert isinstance(combiner, NoisedSum) and combiner.std == pytest.approx(2.0 * z_delta)
     assert combiner.clip_norm == 2.0
 
@@ -242,10 +246,10 @@ def test_a_resumed_step_continues_with_the_same_clip_and_noise():
     first, resumed_state = _step(dp, clients=4)
     for round_number in (1, 2):
         resumed_state = _round(first, round_number, resumed_state, norms[round_number])
-    saved = first.optimizer_state()
+    saved = first.state()
     assert {key for key in saved if not key.startswith(InsiderMonitor.STATE_PREFIX)} == {AdaptiveClip.STATE_KEY}
     resumed, _ = _step(dp, clients=4)
-    resumed.restore_optimizer(saved)
+    resumed.load_state(saved)
     assert resumed.privacy.clip_norm == first.privacy.clip_norm != dp["clip_norm"]
     for round_number in (3, 4):
         resumed_state = _round(resumed, round_number, resumed_state, norms[round_number])
@@ -281,7 +285,7 @@ def test_the_clip_settles_at_the_median_norm_of_the_clients_updates(tmp_path):
         write_run_state(tmp_path, server.coordinator.snapshot(rounds, 1.0))
         resumed = Coordinator(server.config, log=lambda _: None)
         resumed.restore(read_run_state(tmp_path, server.config.to_dict()))
-        assert resumed.aggregation.privacy.clip_norm == server.coordinator.aggregation.privacy.clip_norm
+        assert resumed.policy.find(DPFedAvg).privacy.clip_norm == server.coordinator.policy.find(DPFedAvg).privacy.clip_norm
     finally:
         client.close()
         server.close()

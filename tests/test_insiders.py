@@ -40,7 +40,9 @@ from fedpart.common.wire import decode_chunks
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.insiders import MIN_RESULTS, SKETCH_BUCKETS, CountSketch, InsiderMonitor, Observation
-from fedpart.server.policy import ServerPolicy
+from fedpart.server.policy import build_policy
+from fedpart.server.policy.combine import Combine
+from fedpart.server.policy.screening import RobustScreening
 from fedpart.server.report import format_table
 from fedpart.server.robust import ResultRefused, partition_sizes
 from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
@@ -140,7 +142,7 @@ def test_under_secure_aggregation_the_policy_gives_the_monitor_the_revealed_sum(
 
     config = config_from_dict(small_config(clients=4, privacy={"secure_aggregation": True}))
     lines: list[str] = []
-    policy = ServerPolicy(config, log=lines.append)
+    policy = RobustScreening(Combine(config), config, lines.append)  # the layer inside secure aggregation's
     assert policy.monitor is not None and not policy.quarantine and policy.adaptive_bound is None
     state = build_run_model(config).state_dict()
     name = next(iter(state))
@@ -158,14 +160,14 @@ def test_under_secure_aggregation_the_policy_gives_the_monitor_the_revealed_sum(
 def test_a_resumed_server_keeps_the_monitors_history(tmp_path):
     config = config_from_dict(small_config(clients=10))
     coordinator = Coordinator(config, log=lambda line: None)
-    monitor = coordinator.aggregation.monitor
+    monitor = coordinator.policy.find(RobustScreening).monitor
     for round_number in (1, 2):
         monitor.close_round(round_number, _observations(monitor.sketches, 10, round_number, {4: (8.0, 1.0)}), {})
     write_run_state(tmp_path, coordinator.snapshot(2, 1.0))
     lines: list[str] = []
     restored = Coordinator(config, log=lines.append)
     restored.restore(read_run_state(tmp_path, config.to_dict()))
-    again = restored.aggregation.monitor
+    again = restored.policy.find(RobustScreening).monitor
     assert again.streaks() == {4: 2}
     again.close_round(3, _observations(again.sketches, 10, 3, {4: (8.0, 1.0)}), {})
     assert again.named(4) == 3 and any("client 4 is an outlier in its last 3 results (rounds 1-3)" in line
@@ -179,11 +181,14 @@ def test_a_resumed_server_keeps_the_monitors_history(tmp_path):
 # ------------------------------------------------------------------------------------ the quarantine
 
 
-def _policy(**robust) -> ServerPolicy:
-    return ServerPolicy(config_from_dict(small_config(clients=10, robust=robust)), log=lambda line: None)
+def _policy(**robust) -> RobustScreening:
+    """The server's policy for ten clients with ``robust`` settings: its outermost layer is screening."""
+    policy = build_policy(config_from_dict(small_config(clients=10, robust=robust)), log=lambda line: None)
+    assert isinstance(policy, RobustScreening)
+    return policy
 
 
-def _name(policy: ServerPolicy, client: int) -> None:
+def _name(policy: RobustScreening, client: int) -> None:
     monitor = policy.monitor
     for round_number in range(1, monitor.rounds + 1):
         monitor.close_round(round_number, _observations(monitor.sketches, 10, round_number, {client: (9.0, -1.0)}), {})
@@ -212,7 +217,7 @@ def test_the_quarantine_is_off_where_it_cannot_apply():
     (the adaptive bound is off there too); under secure aggregation there is no single result."""
     dp = config_from_dict(small_config(clients=10, train={"weighting": "uniform"},
                                        privacy={"dp": {"enabled": True, "noise_multiplier": 0.0}}))
-    private = ServerPolicy(dp, log=lambda line: None)
+    private = build_policy(dp, log=lambda line: None).find(RobustScreening)
     assert private.monitor is not None and not private.quarantine and private.adaptive_bound is None
     off = _policy(monitor_rounds=0)
     assert off.monitor is None and not off.quarantine

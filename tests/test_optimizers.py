@@ -24,7 +24,8 @@ from fedpart.server.optimizers import (
     Plain,
     RoundDelta,
 )
-from fedpart.server.policy import RoundAggregate, ServerPolicy
+from fedpart.server.policy import RoundAggregate, build_policy
+from fedpart.server.policy.combine import Combine
 from fedpart.server.run_state import read_run_state, write_run_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,8 +45,9 @@ def _two_rounds(optimizer, first: list[float], second: list[float]) -> tuple[tor
     return one, two - one
 
 
-def _step(**sections) -> ServerPolicy:
-    return ServerPolicy(config_from_dict(small_config(**sections)), log=lambda line: None)
+def _step(**sections) -> Combine:
+    """The core of the server's policy for a small config with ``sections``."""
+    return build_policy(config_from_dict(small_config(**sections)), log=lambda line: None).find(Combine)
 
 
 # ------------------------------------------------------------------------------------- the steps
@@ -144,8 +146,8 @@ def test_fedexp_step_size_by_hand():
 
 
 def test_only_fedexp_records_result_norms():
-    assert _step(server_optimizer={"name": "fedexp"}).new_aggregator().record_norms
-    plain = _step().new_aggregator()
+    assert _step(server_optimizer={"name": "fedexp"}).open_round(1, {}).record_norms
+    plain = _step().open_round(1, {})
     assert not plain.record_norms
     plain.add({"w": torch.ones(3)}, 1.0)
     assert plain.round_delta().second_moment is None
@@ -207,7 +209,7 @@ def test_a_plug_in_server_optimizer_is_one_module(monkeypatch):
 def test_defaults_reproduce_the_plain_step():
     step = _step()
     assert type(step.optimizer) is Plain and step.optimizer.lr == 1.0
-    assert step.step_report() == {} and step.optimizer.state() == {}
+    assert step.round_record(1) == {"server_step": {}} and step.optimizer.state() == {}
 
 
 def test_server_optimizer_options_reach_the_optimizer():
@@ -251,13 +253,13 @@ def test_the_optimizer_state_is_part_of_the_run_state(tmp_path):
                                            robust={"adaptive_bound": 0, "monitor_rounds": 0}))
     coordinator = Coordinator(config, log=lambda line: None)
     name = next(iter(coordinator.global_state))
-    deltas = coordinator.aggregation.new_aggregator()
+    deltas = coordinator.policy.open_round(1, {name: coordinator.global_state[name]})
     deltas.add({name: torch.full_like(coordinator.global_state[name], 0.5)}, 3.0)
-    coordinator.global_state.update(coordinator.aggregation.new_global(coordinator.global_state, deltas, None))
+    coordinator.global_state.update(coordinator.policy.new_global(coordinator.global_state, deltas, None))
     write_run_state(tmp_path, coordinator.snapshot(1, 1.0))
 
     restored = Coordinator(config, log=lambda line: None)
     restored.restore(read_run_state(tmp_path, config.to_dict()))
-    saved, loaded = coordinator.aggregation.optimizer_state(), restored.aggregation.optimizer_state()
+    saved, loaded = coordinator.policy.state(), restored.policy.state()
     assert set(saved) == {f"m/{name}", f"v/{name}"} == set(loaded)
     assert all(torch.equal(saved[k], loaded[k]) and loaded[k].dtype == F64 for k in saved)

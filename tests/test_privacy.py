@@ -16,7 +16,8 @@ from fedpart.common.checkpoint import load_tensors
 from fedpart.common.config import ConfigError, check_dp_accounting, config_from_dict
 from fedpart.common.privacy import clip_deltas, joint_norm
 from fedpart.server.privacy import DifferentialPrivacy, NoisedSum, PrivacyBudget
-from fedpart.server.policy import ServerPolicy
+from fedpart.server.policy import build_policy
+from fedpart.server.policy.screening import RobustScreening
 from fedpart.server.sampling import expected_clients, sample_clients
 from test_robust import InProcessServer, RawClient, _filled
 
@@ -81,8 +82,8 @@ def test_a_non_finite_update_cannot_be_clipped():
 
 
 def test_the_server_clips_a_result_that_ignored_the_clip():
-    step = ServerPolicy(config_from_dict(_dp_config({"clip_norm": 2.0, "noise_multiplier": 0.0})), log=lambda _: None)
-    assert step.adaptive_bound is None  # the clip is the bound under DP
+    step = build_policy(config_from_dict(_dp_config({"clip_norm": 2.0, "noise_multiplier": 0.0})), log=lambda _: None)
+    assert step.find(RobustScreening).adaptive_bound is None  # the clip is the bound under DP
     hostile = {"body.0.weight": torch.full((32, 64), 1e6)}
     screened = step.screen(0, hostile, 10)
     assert screened.clipped and screened.weight == 1.0

@@ -13,7 +13,7 @@ import math
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import grpc
@@ -35,7 +35,7 @@ from conftest import (
 )
 from fedpart.client.local_data import load_client_data
 from fedpart.common.checkpoint import load_tensors
-from fedpart.common.config import ConfigError, config_from_dict
+from fedpart.common.config import ConfigError, RunConfig, config_from_dict
 from fedpart.common.experiment import build_run_model
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.aggregation import CoordinateMedian, CoordinateTrimmedMean, WeightedMean
@@ -49,20 +49,27 @@ from fedpart.server.robust import (
     screening_norm,
     upload_key,
 )
-from fedpart.server.policy import ServerPolicy
+from fedpart.server.policy import build_policy
+from fedpart.server.policy.screening import RobustScreening
 from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
 
 BOUND = 60.0  # seconds: every wait in these tests is bounded
 HUGE_SAMPLES = 2**62
 
 
-def _step(clients: int = 10, train: dict | None = None, **robust) -> ServerPolicy:
-    """An aggregation step of the small config; the adaptive bound is off unless ``robust`` sets
+def _screening(config: RunConfig, log: Callable[[str], None] = lambda line: None) -> RobustScreening:
+    """The server's policy for ``config``, whose outermost layer is screening (no privacy)."""
+    policy = build_policy(config, log)
+    assert isinstance(policy, RobustScreening)
+    return policy
+
+
+def _step(clients: int = 10, train: dict | None = None, **robust) -> RobustScreening:
+    """The server's policy of the small config; the adaptive bound is off unless ``robust`` sets
     it (most cases here screen made-up tensors that the model does not have)."""
     robust.setdefault("adaptive_bound", 0.0)
     overrides = {"train": train} if train else {}
-    return ServerPolicy(config_from_dict(small_config(clients=clients, robust=robust, **overrides)),
-                           log=lambda line: None)
+    return _screening(config_from_dict(small_config(clients=clients, robust=robust, **overrides)))
 
 
 # ------------------------------------------------------------------------------------ unit cases
@@ -147,7 +154,7 @@ def test_without_the_dataset_the_server_says_so_and_falls_back_to_the_configured
     raw = small_config(data={"dataset": "mnist", "root": str(tmp_path), "partition": {"scheme": "iid"}},
                        robust={"max_samples": 600})
     lines: list[str] = []
-    step = ServerPolicy(config_from_dict(raw), log=lines.append)
+    step = _screening(config_from_dict(raw), lines.append)
     assert step.partition_sizes is None
     assert len(lines) == 1 and "cannot compute the partition" in lines[0] and "robust.max_samples (600)" in lines[0]
     assert step.screen(0, {}, HUGE_SAMPLES).samples == 600
@@ -156,7 +163,7 @@ def test_without_the_dataset_the_server_says_so_and_falls_back_to_the_configured
 @pytest.mark.parametrize("name, kind", [("mean", WeightedMean), ("median", CoordinateMedian),
                                         ("trimmed_mean", CoordinateTrimmedMean)])
 def test_the_aggregator_is_chosen_from_config(name, kind):
-    aggregator = _step(aggregator=name, trim_fraction=0.2).new_aggregator()
+    aggregator = _step(aggregator=name, trim_fraction=0.2).open_round(1, {})
     assert type(aggregator.combiner) is kind
 
 
@@ -229,7 +236,7 @@ def test_a_plug_in_aggregators_options_are_the_robust_keys_checked_at_config_tim
         config_from_dict(small_config(robust={"aggregator": "aggregator_plugins:capped", "norm_bound": 500.0}))
     assert str(error.value) == "robust.norm_bound must be at most 100 (robust.aggregator 'aggregator_plugins:capped')"
     step = _step(aggregator="aggregator_plugins:capped", norm_bound=2)
-    deltas = step.new_aggregator()
+    deltas = step.open_round(1, {})
     assert (type(deltas.combiner).__name__, deltas.combiner.cap) == ("CappedMean", 2.0)
     deltas.add({"w": torch.tensor([5.0, -1.0])}, 1.0)
     deltas.add({"w": torch.tensor([1.0, -9.0])}, 7.0)
@@ -239,11 +246,11 @@ def test_a_plug_in_aggregators_options_are_the_robust_keys_checked_at_config_tim
 # ---------------------------------------------------------------------- the default adaptive bound
 
 
-def _default_step() -> tuple[ServerPolicy, dict[str, torch.Tensor]]:
-    """An aggregation step of the small config with the default robust section, and the initial
+def _default_step() -> tuple[RobustScreening, dict[str, torch.Tensor]]:
+    """The server's policy of the small config with the default robust section, and the initial
     global model."""
     config = config_from_dict(small_config(clients=10))
-    return ServerPolicy(config, log=lambda line: None), build_run_model(config).state_dict()
+    return _screening(config), build_run_model(config).state_dict()
 
 
 def _of_norm(shapes: Mapping[str, torch.Tensor], norm: float) -> dict[str, torch.Tensor]:
@@ -252,10 +259,10 @@ def _of_norm(shapes: Mapping[str, torch.Tensor], norm: float) -> dict[str, torch
     return {name: torch.full_like(tensor, norm / math.sqrt(count)) for name, tensor in shapes.items()}
 
 
-def _fold_round(step: ServerPolicy, global_state: dict[str, torch.Tensor], norms: list[float]) -> None:
+def _fold_round(step: RobustScreening, global_state: dict[str, torch.Tensor], norms: list[float]) -> None:
     """Screen and fold one result of each delta norm in ``norms`` (of all of ``global_state``'s
     tensors) and close the round, as the coordinator does."""
-    deltas = step.new_aggregator()
+    deltas = step.open_round(1, {})
     for client, norm in enumerate(norms):
         screened = step.screen(client, _of_norm(global_state, norm), 100)
         deltas.add(screened.deltas, screened.weight)
@@ -290,7 +297,7 @@ def test_only_folded_results_move_the_bound():
     with pytest.raises(ResultRefused):
         step.screen(0, _of_norm(state, 1e30), 100)
     step.screen(1, _of_norm(state, 0.99), 100)
-    step.new_global(state, step.new_aggregator(), None)
+    step.new_global(state, step.open_round(1, {}), None)
     assert step.adaptive_bound.limit(names) == bound
     reordered, reordered_state = _default_step()
     _fold_round(reordered, reordered_state, [0.3, 0.1, 0.2])
@@ -327,24 +334,24 @@ def test_a_resumed_server_applies_the_same_bounds(tmp_path):
     is refused."""
     config = config_from_dict(small_config(clients=10))
     coordinator = Coordinator(config, log=lambda line: None)
-    _fold_round(coordinator.aggregation, coordinator.global_state, [0.1, 0.2, 0.3])
+    _fold_round(coordinator.policy, coordinator.global_state, [0.1, 0.2, 0.3])
     write_run_state(tmp_path, coordinator.snapshot(1, 1.0))
     names = list(coordinator.global_state)
-    saved = coordinator.aggregation.adaptive_bound.limit(names)
+    saved = coordinator.policy.adaptive_bound.limit(names)
     assert "robust.adaptive_bound 5 x the median delta norm 0.2 " in saved[1]
 
     restored = Coordinator(config, log=lambda line: None)
     restored.restore(read_run_state(tmp_path, config.to_dict()))
-    assert restored.aggregation.adaptive_bound.limit(names) == saved
+    assert restored.policy.adaptive_bound.limit(names) == saved
     refused = _of_norm(coordinator.global_state, 1.01)
     messages = []
     for each in (coordinator, restored):
         with pytest.raises(ResultRefused) as error:
-            each.aggregation.screen(0, refused, 100)
+            each.policy.screen(0, refused, 100)
         messages.append(str(error.value))
     assert messages[0] == messages[1]
     fresh = Coordinator(config, log=lambda line: None)
-    assert "robust.first_round_bound" in fresh.aggregation.adaptive_bound.limit(names)[1]
+    assert "robust.first_round_bound" in fresh.policy.adaptive_bound.limit(names)[1]
 
     state = read_run_state(tmp_path, config.to_dict())
     (key,) = [key for key in state.server_optimizer if key.startswith(AdaptiveBound.STATE_PREFIX)]

@@ -1,0 +1,43 @@
+"""The server's policy for a round's results: screen each result, combine the round's results,
+step the global model (Flower's strategy), kept out of the round engines
+(:mod:`fedpart.server.coordinator`, :mod:`fedpart.server.buffered`), which call only the methods
+of :class:`~fedpart.server.policy.base.Policy`.
+
+A pure core (:mod:`~fedpart.server.policy.combine`: the configured aggregator and server
+optimizer) is wrapped in layers, each a policy around a policy, as Flower wraps a strategy in a DP
+strategy: robust screening (:mod:`~fedpart.server.policy.screening`: sample caps, norm bounds, the
+insider monitor), DP-FedAvg (:mod:`~fedpart.server.policy.dp`) and secure aggregation
+(:mod:`~fedpart.server.policy.secure_aggregation`), each on where the config turns it on. A new
+mechanism of this kind is one module with ``applies(config)`` (whether the config turns it on)
+and ``wrap(inner, config, log, **engine)`` (its layer around ``inner``), and its name in
+:data:`LAYERS` (a module of this package by its name, any other by its dotted path).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+
+from fedpart.common.config import RunConfig
+from fedpart.server.policy.base import Folding, Policy, RoundFailed, RoundSteps
+from fedpart.server.policy.combine import Combine, RoundAggregate, Screened
+
+LAYERS = ("screening", "dp", "secure_aggregation")
+"""The layers, innermost first: modules, each with ``applies`` and ``wrap``."""
+
+__all__ = ["Folding", "Policy", "RoundAggregate", "RoundFailed", "RoundSteps", "Screened", "build_policy", "LAYERS"]
+
+
+def build_policy(config: RunConfig, log: Callable[[str], None], **engine: object) -> Policy:
+    """The run's policy: the core in the layers the config turns on. ``engine`` holds what a
+    layer may need of the round engine (``run_id``: a function giving the run's id; ``blame``:
+    records a client named for what it sent; ``round_uploads``: the tensors a round's results
+    upload deltas of); each layer's ``wrap`` takes the ones it names."""
+    policy: Policy = Combine(config)
+    for name in LAYERS:
+        layer = importlib.import_module(name if "." in name else f"{__name__}.{name}")
+        if layer.applies(config):
+            wanted = {key: value for key, value in engine.items() if key in inspect.signature(layer.wrap).parameters}
+            policy = layer.wrap(policy, config, log, **wanted)
+    return policy
