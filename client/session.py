@@ -71,6 +71,7 @@ LEAVE_SECONDS = 5.0        # deadline of the goodbye of a process that stops
 FIRST_RETRY_SECONDS = 0.5  # while the server is unreachable, attempts are this far apart at first,
 MAX_RETRY_SECONDS = 5.0    # doubling up to this (the channel's own reconnect backoff is the same)
 HEARTBEAT_SECONDS = 5.0    # at most; shorter when server.heartbeat_timeout is short
+HEARTBEAT_REPLY_SECONDS = 5.0  # a held heartbeat's deadline, past the time it asks to be held
 CHANNEL_OPTIONS: list[tuple[str, object]] = [
     # pings find a dead connection while a call waits on it, and keep NAT mappings alive while
     # the process trains for minutes
@@ -229,6 +230,7 @@ class Session:
         self._held: set[int] = set()  # tasks received and not yet answered
         self._outage: Backoff | None = None  # set while the server is unreachable
         self._poll_waiting = False  # a long poll waits unanswered: the server counts it as a sign of life
+        self._poll_answered = asyncio.Event()  # a waiting poll ended: heartbeats take over at once
         self._rejoining = asyncio.Lock()  # one join again at a time
         self._heartbeats: asyncio.Task | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -343,19 +345,32 @@ class Session:
             self.events.call_failed("Leave", error)
 
     async def _beat(self, interval: float, first_after: float) -> None:
-        """A sign of life every ``interval`` while no long poll waits: the server counts a waiting
-        poll as one, so thousands of idle processes do not send thousands of heartbeats."""
+        """A sign of life while no long poll waits: a heartbeat the server holds open for
+        ``interval``, then the next, so that a call of this process is open nearly always; the
+        server counts a waiting poll as one, so thousands of idle processes do not send thousands
+        of heartbeats. An open call is how the server tells a live process from a killed one: a
+        process killed and started again takes its clients back at once, a second process with
+        the same credential is refused (``server/registry.py``)."""
+        loop = asyncio.get_running_loop()
         await asyncio.sleep(first_after)
         while True:
+            started = loop.time()
             if not self._poll_waiting:
                 try:
-                    reply = await self._heartbeat_call(pb.HeartbeatRequest(session=self.session),
-                                                       timeout=max(interval, 1.0))
+                    reply = await self._heartbeat_call(pb.HeartbeatRequest(session=self.session, hold_seconds=interval),
+                                                       timeout=interval + HEARTBEAT_REPLY_SECONDS)
                 except grpc.aio.AioRpcError as error:
                     self.events.call_failed("Heartbeat", error)
                 else:
                     self.events.heartbeat(reply.known)
-            await asyncio.sleep(interval)
+            # the next at the interval, or as soon as a waiting poll is answered (asyncio.wait, not
+            # wait_for: Python 3.11's wait_for may swallow the cancellation that stops this loop)
+            answered = asyncio.ensure_future(self._poll_answered.wait())
+            try:
+                await asyncio.wait((answered,), timeout=max(0.0, interval - (loop.time() - started)))
+            finally:
+                answered.cancel()
+            self._poll_answered.clear()
 
     # ------------------------------------------------------------------ tasks
 
@@ -406,11 +421,14 @@ class Session:
         self._poll_waiting = True
         try:
             async for chunk in call:
-                self._poll_waiting = False  # from the first chunk on: heartbeats while the rest arrives
+                if self._poll_waiting:  # from the first chunk on: heartbeats while the rest arrives
+                    self._poll_waiting = False
+                    self._poll_answered.set()
                 header, tensors = self._take_chunk(chunk, header, tensors, reader)
                 received += sum(len(data) for _, data in chunk.pieces)
         finally:
             self._poll_waiting = False
+            self._poll_answered.set()
         if header is None:
             raise SessionError("the server answered a task request with an empty stream")
         info = _task(header)

@@ -93,6 +93,7 @@ class GrpcServer:
         self.health_address: str | None = None
         self.credentials: Credentials | None = None
         self.guard: CallGuard | None = None  # admits the Coordinator calls (how many are open: guard.calls)
+        self.service: CoordinatorService | None = None
         self._watcher: asyncio.Task | None = None
         start = self._start(coordinator, address, security, upload_slots, server_config.download_slots, health_port)
         try:
@@ -116,8 +117,8 @@ class GrpcServer:
             options=[
                 ("grpc.so_reuseport", 0),
                 # calls that arrived and wait for the event loop to take them (one a turn): past
-                # gRPC's default backlog some are cancelled, CANCELLED at the client (1,600-3,900
-                # result uploads a run at 2,000 processes)
+                # gRPC's default backlog some are cancelled, CANCELLED at the client, when
+                # thousands of processes call at once
                 ("grpc.server.max_pending_requests", backlog),
                 ("grpc.server.max_pending_requests_hard_limit", backlog),
                 # clients ping every KEEPALIVE_SECONDS (NAT mappings stay, dead connections are
@@ -136,6 +137,7 @@ class GrpcServer:
         self.guard = CallGuard(credentials, mutual_tls, most_calls, admission)
         service = CoordinatorService(coordinator, coordinator.ledger, self.guard, self._fold_pool, upload_slots,
                                      download_slots)
+        self.service = service
         add_to_server(service, server)
         server.add_generic_rpc_handlers((self.health.handler(),))
         host, _, _ = address.rpartition(":")
@@ -171,6 +173,7 @@ class GrpcServer:
 
     def run_ended(self) -> None:
         """Report the run NOT_SERVING (the server still answers while its clients hear it)."""
+        self._loop.call_soon_threadsafe(self.service.run_over.set)
         asyncio.run_coroutine_threadsafe(self.health.run_serving(False), self._loop).result()
 
     def stop(self, grace: float | None = None) -> None:

@@ -7,9 +7,9 @@ exactly the ids its credential names. One live process per credential (on an ope
 client id): a join for a credential that another process holds is
 
 - refused (:class:`~fedpart.common.protocol.Held`, the client exits with code 2) while the holder
-  is connected: a long poll of it waits, as one always does while a process works;
+  is connected: a long poll of it waits, or while it trains a heartbeat the server holds open;
 - taken (a *take-over*: the holder is gone, its tasks move to the new process) once the holder's
-  connection closed with its poll cancelled and nothing was heard from it since (a process
+  connection closed with such a call cancelled and nothing was heard from it since (a process
   killed and started again), or once it was silent for ``server.heartbeat_timeout`` and reaped;
 - told to try again (:class:`~fedpart.common.protocol.NotYet`) in between: the holder is silent
   but not gone yet (it may be loading its data, or stopped).
@@ -20,9 +20,9 @@ logged at warning with the peer's address, counted, and alerted on when it repea
 (:class:`~fedpart.server.admission.AdmissionLog`). A process is *ready* once it loaded its data and
 asked for work; the number of ready clients is a running count.
 
-Liveness: a process is alive while a long poll of it waits, and for ``server.heartbeat_timeout``
-after it was last heard from (a heartbeat, a poll). A silent process is *reaped*: looked for when
-another process joins for its clients, and by a scan at most every
+Liveness: a process is alive while a call of it is open (a long poll, or a heartbeat the server
+holds), and for ``server.heartbeat_timeout`` after it was last heard from. A silent process is
+*reaped*: looked for when another process joins for its clients, and by a scan at most every
 :data:`REAP_INTERVAL_SECONDS` while the round loop waits. A process that leaves, is reaped or is
 taken over is reported to the task board (:class:`ProcessEvents`), which closes its tasks. At the
 end every live process is *released* (told the run is over).
@@ -68,9 +68,14 @@ class ProcessState:
     joined: float = 0.0
     alive: bool = True
     ready: bool = False     # has loaded its data and asked for work
-    polling: bool = False   # a long poll of it is waiting: it is alive however long that takes
-    disconnected: bool = False  # its poll was cancelled (its connection closed) and nothing came since
+    open_calls: int = 0     # its long polls and held heartbeats now open: it is connected
+    disconnected: bool = False  # such a call was cancelled (its connection closed) and nothing came since
     released: bool = False  # has been told the run is over
+
+    @property
+    def connected(self) -> bool:
+        """A long poll or a held heartbeat of it is open: alive, however long that takes."""
+        return self.open_calls > 0
 
     @property
     def holds(self) -> str:
@@ -181,7 +186,7 @@ class ProcessRegistry:
             return
         what = f"{holder.holds} {'is' if holder.principal is not None else 'are'}"
         heard = now - holder.last_seen
-        if holder.polling:
+        if holder.connected:
             raise Held(f"{what} held by a live process, {holder.name} at {holder.peer or 'an unknown address'} "
                        f"(joined {now - holder.joined:.0f} s ago, connected now): one live process per "
                        f"{'credential' if holder.principal is not None else 'client id'}; stop that process first "
@@ -238,14 +243,30 @@ class ProcessRegistry:
 
     @staticmethod
     def waiting(process: ProcessState, waiting: bool, cancelled: bool = False) -> None:
-        """A long poll of ``process`` starts or stops waiting; its end is a sign of life, unless it
-        was ``cancelled``: its connection closed (the process died, or its link broke and it will
-        poll again), and a join with its credential may take over until it calls again (holds the
-        lock)."""
-        process.polling = waiting
-        if not waiting:
-            process.last_seen = time.monotonic()
-            process.disconnected = cancelled
+        """A call that shows ``process`` connected (a long poll, a held heartbeat) starts or ends;
+        its end is a sign of life, unless it was ``cancelled``: its connection closed (the process
+        died, or its link broke and it will call again), and a join with its credential may take
+        over until it calls again (holds the lock)."""
+        if waiting:
+            process.open_calls += 1
+            return
+        process.open_calls -= 1
+        process.last_seen = time.monotonic()
+        process.disconnected = cancelled
+
+    def hold(self, session: str, principal: Principal | None) -> ProcessState | None:
+        """A heartbeat of ``session`` that the server holds open starts (see :meth:`waiting`);
+        None when the caller does not hold the session."""
+        with self._cond:
+            process = self.session(session, principal)
+            if process is not None:
+                self.waiting(process, True)
+            return process
+
+    def unhold(self, process: ProcessState, cancelled: bool) -> None:
+        """A held heartbeat ended: its time was up, or it was ``cancelled`` (see :meth:`waiting`)."""
+        with self._cond:
+            self.waiting(process, False, cancelled)
 
     # ------------------------------------------------------------------ lookups (hold the lock)
 
@@ -369,6 +390,6 @@ class ProcessRegistry:
         self.release(process)
 
     def _reap_if_silent(self, process: ProcessState, now: float) -> None:
-        if process.alive and not process.polling and now - process.last_seen > self.heartbeat_timeout:
+        if process.alive and not process.connected and now - process.last_seen > self.heartbeat_timeout:
             self._gone(process)
             self.log(f"warning: process {process.name} went silent; its clients are unavailable")

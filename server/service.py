@@ -9,8 +9,9 @@ Every handler runs on one event loop, so a waiting client costs a coroutine, not
 poll registers a waiter on the task board and sleeps until its own process has work. A result is
 validated and folded on the event loop itself (or on ``server.fold_workers`` threads): each torch
 op of the validation and each block of a fold releases the GIL, and a fold thread then waits to
-take it back from the busy loop, a context switch each time; inline, 1,000 cnn2 results a round
-cost the server less CPU (4.9 against 5.7 CPU s with one fold thread, one run each).
+take it back from the busy loop, a context switch each time; inline, a round's results cost the
+server less CPU than on a fold thread (``benchmarks/server_scale.py --set server.fold_workers=1``
+compares them; docs/benchmarks.md, "Server at scale").
 
 Every call is admitted by :class:`~fedpart.server.auth.CallGuard` (caller, bounded deadline,
 per-caller concurrency) before it does anything. A result stream is read against what its task
@@ -55,6 +56,9 @@ from fedpart.server.validation import check_first_chunk, check_header, check_lat
 UNARY_CALL_SECONDS = 120.0
 # Longest a single long poll waits for work before answering IDLE.
 MAX_POLL_SECONDS = 60.0
+# Longest the server holds a heartbeat that asks to be held (client/session.py holds one for
+# its heartbeat interval, at most 5 s).
+MAX_HOLD_SECONDS = 30.0
 # The answer to a copy of a result the server took already (at-least-once delivery).
 DUPLICATE = pb.SubmitReply(accepted=True, duplicate=True)
 
@@ -109,6 +113,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.guard = guard
         self.fold_pool = fold_pool
         self.uploads = UploadSlots(upload_slots)
+        self.run_over = asyncio.Event()  # set when the run ends: held heartbeats answer at once
         self.downloads = asyncio.Semaphore(download_slots)
         down = coordinator.config.compression.down
         self.payloads = TaskPayloads(coordinator.config.server.chunk_bytes, codec=build_codec(down.codec, down.options),
@@ -133,9 +138,30 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
         async with self.guard.admit(context, UNARY_CALL_SECONDS) as principal:
-            reply = pb.HeartbeatReply(known=self.registry.heartbeat(request.session, principal))
+            known = self.registry.heartbeat(request.session, principal)
+            if known and request.hold_seconds > 0:
+                await self._hold(request.session, principal, min(request.hold_seconds, MAX_HOLD_SECONDS))
+            reply = pb.HeartbeatReply(known=known)
             self._count_process_call(request, reply)
             return reply
+
+    async def _hold(self, session: str, principal, seconds: float) -> None:
+        """Keep a heartbeat open for ``seconds`` or until the run is over: while it is, its process
+        counts as connected; cancelled by its connection closing, it frees the process's
+        credential for the process that replaces it (``server/registry.py``)."""
+        process = self.registry.hold(session, principal)
+        if process is None:
+            return
+        cancelled = False
+        over = asyncio.ensure_future(self.run_over.wait())
+        try:  # asyncio.wait, not wait_for: Python 3.11's wait_for may swallow a cancellation
+            await asyncio.wait((over,), timeout=seconds)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            over.cancel()
+            self.registry.unhold(process, cancelled)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
         async with self.guard.admit(context, UNARY_CALL_SECONDS) as principal:

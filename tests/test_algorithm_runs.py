@@ -7,6 +7,7 @@ the tensor sizes below plus framing.
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -217,7 +218,7 @@ def test_personal_parts_survive_a_client_process_restart(tmp_path: Path, process
     log = second.communicate(timeout=WAIT)[0]
     assert second.returncode == 0, log
     assert "restored personal parts of clients [0, 1]" in log
-    assert "was restarted as" in output
+    assert re.search(r"took over client ids 0-1 from \S+ at \S+, whose connection had closed", output), output
     metrics = read_metrics(out)
     assert all(_tensor_bytes(r, "head", "down") == 0 for r in metrics[1:]), "heads came from disk, not the server"
     assert len(read_summary(out)["per_client"]) == 2

@@ -191,7 +191,7 @@ def _waiting_poll(harness: SecureHarness, stub: pb_grpc.CoordinatorStub, session
     """A long poll of ``session`` that waits on the server (returned as its call, to cancel)."""
     call = stub.GetTask(pb.TaskRequest(session=session, wait_seconds=50), timeout=BOUND)
     deadline = time.monotonic() + BOUND
-    while not harness.coordinator.registry.process(session).polling:
+    while not harness.coordinator.registry.process(session).connected:
         assert time.monotonic() < deadline, "the poll never arrived"
         time.sleep(0.02)
     return call
@@ -408,7 +408,7 @@ def test_a_newer_poll_releases_the_older_one(secure) -> None:
                                                                timeout=BOUND)))
         deadline = time.monotonic() + BOUND
         processes = harness.coordinator.registry._processes
-        while not any(p.polling for p in processes.values()) and time.monotonic() < deadline:
+        while not any(p.connected for p in processes.values()) and time.monotonic() < deadline:
             futures.wait([older], timeout=0.05)
         started = time.monotonic()
         newer = pool.submit(lambda: decode_chunks(stub.GetTask(pb.TaskRequest(session=session, wait_seconds=1),
