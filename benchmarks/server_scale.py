@@ -351,7 +351,7 @@ def run_row(row: Row, args: argparse.Namespace, work: Path, model_bytes: int) ->
         generators = []
         for index, (ids, processes) in enumerate(_generator_slices(row, args.generators)):
             generator = subprocess.Popen(
-                [sys.executable, "-m", "fedpart.client.virtual", "--server", address, "--clients", ids,
+                [sys.executable, "-m", "fedpart.client.virtual", "--insecure", "--server", address, "--clients", ids,
                  "--processes", str(processes), "--reconnect-timeout", str(RECONNECT_SECONDS), "--hold",
                  "--stats", str(work / f"load_{index}.json")],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -6,7 +6,6 @@ to it (``SCHED_BATCH``) in client processes and in ``fedpart run``'s server."""
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import threading

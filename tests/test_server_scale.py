@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, WAIT, LineReader, Processes, load_script, read_metrics, read_summary, small_config,
+from conftest import (WAIT, LineReader, Processes, read_metrics, read_summary, small_config,
                       start_server, write_config)
 from fedpart.client.virtual import Payloads, evaluation_metrics, slice_clients, train_sample_count
 from fedpart.common.config import config_from_dict
@@ -90,7 +90,7 @@ def test_rounds_complete_with_more_client_processes_than_the_old_thread_limit(pr
     out = tmp_path / "run"
     server, server_output, address = start_server(processes, write_config(tmp_path / "scale.yaml", scale_config()), out)
     stats_path = tmp_path / "load.json"
-    load = processes.start([sys.executable, "-m", "fedpart.client.virtual", "--server", address,
+    load = processes.start([sys.executable, "-m", "fedpart.client.virtual", "--insecure", "--server", address,
                             "--clients", f"0-{CLIENTS - 1}", "--processes", str(VIRTUAL_PROCESSES),
                             "--reconnect-timeout", str(RECONNECT_SECONDS), "--stats", str(stats_path)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

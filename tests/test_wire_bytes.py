@@ -5,7 +5,6 @@ within a stated bound."""
 
 from __future__ import annotations
 
-import pytest
 
 from conftest import REPO, load_script
 
