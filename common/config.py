@@ -32,10 +32,10 @@ from fedpart.common.registry import (
 # when a config is validated, not with this module: ``fedpart --help`` loads no torch.
 
 DEFAULT_CHUNK_BYTES = 256 << 10
-"""Largest gRPC message of a task stream (tensor bytes and their framing). At 10,000 clients in
-2,000 processes, 1 MiB task messages left the server's peak RSS at 1.13 GB instead of 0.94 GB,
-and saved no CPU (8.00 against 8.01 CPU s a round at 100 processes). Results come in messages of
-``server.result_chunk_bytes`` or less."""
+"""Largest gRPC message of a task stream (tensor bytes and their framing). Larger task messages
+raise the server's peak memory at thousands of processes and save no CPU
+(``benchmarks/server_scale.py --set server.chunk_bytes=...``; docs/benchmarks.md, "Server at
+scale"). Results come in messages of ``server.result_chunk_bytes`` or less."""
 
 GRPC_LARGEST_MESSAGE = 4 << 20
 """gRPC's default limit on the size of a received message, which fedpart's server and clients
@@ -182,8 +182,7 @@ class ServerConfig:
     heartbeat_timeout: float = 60.0  # a process silent this long is considered gone
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     result_chunk_bytes: int = 1 << 20  # largest message of a result stream (fewer, larger messages
-                                    # cost the server less CPU: 7.1 against 8.0 CPU s a round for
-                                    # 1,000 cnn2 results at 100 processes, 1 MiB against 256 KiB)
+                                    # cost the server less CPU)
     waiting_upload_bytes: int = 512 << 20  # what result streams waiting for an upload slot may hold
                                     # in gRPC's buffers together: results come in messages of at most
                                     # this / connected processes, within [64 KiB, result_chunk_bytes]

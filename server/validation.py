@@ -130,8 +130,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """No NaN or infinity in ``tensor``.
 
     A sum in the tensor's own dtype is finite only if every element is (a NaN or infinity never
-    leaves a sum), so a finite sum settles it: 0.09 ms for a cnn2 result against 0.47 ms for the
-    float64 sum. Only a non-finite sum, which finite elements may also reach by overflowing, is
+    leaves a sum), so a finite sum settles it, without the cost of a float64 sum. Only a non-finite sum, which finite elements may also reach by overflowing, is
     checked again: for 32-bit and narrower floats by a float64 sum, which cannot overflow and so is
     non-finite exactly when an element is, and for float64 element by element."""
     if math.isfinite(torch.sum(tensor).item()):
