@@ -34,10 +34,13 @@ from fedpart.common.algorithms import (
     Role,
     RoundContext,
     Schedule,
+    UnitSchedule,
     all_then_head,
     build_algorithm,
+    every_unit,
     expand_layers,
     gradual_unfreeze,
+    gradual_unfreezing,
     head_then_body,
     train_body,
     train_everything,
@@ -88,7 +91,7 @@ __all__ = [
     # algorithms
     "Algorithm", "Role", "RoundContext", "Phase", "Schedule", "PartFactory", "ALGORITHMS", "build_algorithm",
     "train_everything", "train_body", "gradual_unfreeze", "expand_layers", "head_then_body", "all_then_head",
-    "with_parts",
+    "with_parts", "UnitSchedule", "every_unit", "gradual_unfreezing",
     # objective terms and step rules
     "Term", "StepRule", "ObjectiveContext", "ObjectiveSpec", "TERMS", "STEP_RULES",
     # robust aggregators

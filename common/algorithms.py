@@ -3,20 +3,22 @@
 An :class:`Algorithm` maps each model part (``body``, ``head``, and extra parts such as FedRoD's
 personal head, added to the model from the declaration) to a role (sharing), says which schedule
 units train in each local phase of a round (schedule), and which client objective terms and step
-rule the local training uses (``fedpart.common.objectives``). Upload and aggregation follow from
-the roles: trainable ``GLOBAL`` tensors go back as deltas and are averaged; ``COLLECTED`` tensors
-go back whole into a per-client dictionary whose mean is the global copy (FedHA); ``FIXED`` and
+rule the local training uses (``fedpart.common.objectives``), and which of a phase's units train
+at each local step (its :data:`UnitSchedule`, the schedule's primitive on the client, reading the
+numbers the phase carries in ``Phase.params``). Upload and aggregation follow from the roles:
+trainable ``GLOBAL`` tensors go back as deltas and are averaged; ``COLLECTED`` tensors go back
+whole into a per-client dictionary whose mean is the global copy (FedHA); ``FIXED`` and
 ``PERSONAL`` tensors never go back. Adding an algorithm means adding a small factory to
-:data:`ALGORITHMS`; the round engine and the training loop stay the same.
+:data:`ALGORITHMS`; the round engine, the wire and the training loop stay the same.
 """
 
 from __future__ import annotations
 
 import math
-from fractions import Fraction
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from fractions import Fraction
 from typing import Any
 
 from torch import nn
@@ -48,6 +50,17 @@ class RoundContext:
 
 Schedule = Callable[[RoundContext], tuple[Phase, ...]]
 PartFactory = Callable[[SplitModel], nn.Module]  # builds an extra part for a given model
+UnitSchedule = Callable[[Sequence[tuple[str, ...]], Mapping[str, float], int, int], tuple[str, ...]]
+"""Which of a phase's units train at local step ``step`` (1-based) of ``total``:
+``unit_schedule(steps, params, step, total)``, given the phase's unfreezing steps (groups of its
+units, input to output; :meth:`SplitModel.unfreeze_steps`) and the numbers the phase carries
+(``Phase.params``). The client runs it; the server's schedule only sets the numbers."""
+
+
+def every_unit(steps: Sequence[tuple[str, ...]], params: Mapping[str, float], step: int,
+               total: int) -> tuple[str, ...]:
+    """Every unit of the phase from its first step (the default unit schedule)."""
+    return tuple(unit for group in steps for unit in group)
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ class Algorithm:
     schedule: Schedule
     extra_parts: Mapping[str, PartFactory] = field(default_factory=dict)
     objective: ObjectiveSpec = ObjectiveSpec()
+    unit_schedule: UnitSchedule = every_unit  # which of a phase's units train at each local step
 
     @property
     def body(self) -> Role:
@@ -137,14 +151,26 @@ def train_body(ctx: RoundContext) -> tuple[Phase, ...]:
     return (Phase(ctx.epochs, ctx.units),)
 
 
+UNFREEZE_FRACTION = "unfreeze_fraction"
+"""The phase parameter :func:`gradual_unfreezing` reads."""
+
+
 def gradual_unfreeze(ratio: float) -> Schedule:
     """FedBug (Kao & Wang 2023): over the first ``ratio`` of the local iterations the units,
-    head last, unfreeze bottom-up; afterwards everything trains."""
+    head last, unfreeze bottom-up (:func:`gradual_unfreezing`, the algorithm's unit schedule);
+    afterwards everything trains."""
 
     def schedule(ctx: RoundContext) -> tuple[Phase, ...]:
-        return (Phase(ctx.epochs, ctx.units + (HEAD,), unfreeze_fraction=ratio),)
+        return (Phase(ctx.epochs, ctx.units + (HEAD,), {UNFREEZE_FRACTION: ratio}),)
 
     return schedule
+
+
+def gradual_unfreezing(steps: Sequence[tuple[str, ...]], params: Mapping[str, float], step: int,
+                       total: int) -> tuple[str, ...]:
+    """FedBug's unit schedule: the groups of :func:`unfrozen_units` over the phase's
+    ``unfreeze_fraction`` of its steps (0 or absent: every unit from the first step)."""
+    return unfrozen_units(list(steps), params.get(UNFREEZE_FRACTION, 0.0), step, total)
 
 
 def expand_layers(unfreeze_rounds: list[int], order: str) -> Schedule:
@@ -187,8 +213,7 @@ def with_parts(schedule: Schedule, parts: tuple[str, ...]) -> Schedule:
     """``schedule`` with the extra ``parts`` training whenever the head does."""
 
     def extended(ctx: RoundContext) -> tuple[Phase, ...]:
-        return tuple(Phase(p.epochs, p.trainable + parts, p.unfreeze_fraction) if HEAD in p.trainable else p
-                     for p in schedule(ctx))
+        return tuple(replace(p, trainable=p.trainable + parts) if HEAD in p.trainable else p for p in schedule(ctx))
 
     return extended
 
@@ -247,7 +272,7 @@ def _fedbug(o: Options) -> Algorithm:
     if not 0 < ratio <= 1:
         raise ValueError("algorithm.gu_ratio must be in (0, 1]")
     return Algorithm("fedbug", _roles(Role.GLOBAL, Role.GLOBAL), gradual_unfreeze(ratio),
-                     objective=_proximal(o.get("mu", 0.0)))
+                     objective=_proximal(o.get("mu", 0.0)), unit_schedule=gradual_unfreezing)
 
 
 def _layer_expansion(order: str) -> Callable[[Options], Algorithm]:

@@ -145,10 +145,10 @@ def test_fedprox_mu():
 
 def test_fedbug_schedule_and_uploads():
     algorithm = build_algorithm("fedbug", {"gu_ratio": 0.4})
-    assert algorithm.schedule(ctx(epochs=5)) == (Phase(5, UNITS + (HEAD,), unfreeze_fraction=0.4),)
+    assert algorithm.schedule(ctx(epochs=5)) == (Phase(5, UNITS + (HEAD,), {"unfreeze_fraction": 0.4}),)
     assert proximal_mu(algorithm) == 0.0
     assert uploads("fedbug") == (NAMES, [])
-    assert build_algorithm("fedbug").schedule(ctx())[0].unfreeze_fraction == 0.2
+    assert build_algorithm("fedbug").schedule(ctx())[0].params == {"unfreeze_fraction": 0.2}
 
 
 @pytest.mark.parametrize("round_number, expected", [
