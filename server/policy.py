@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedpart.common.config import RunConfig
+from fedpart.common.config import RunConfig, robust_aggregator_options
 from fedpart.common.experiment import build_run_model, run_algorithm
 from fedpart.common.registry import ROBUST_AGGREGATORS
 from fedpart.server.aggregation import Aggregator, HeadDictionary
@@ -212,9 +212,7 @@ class ServerPolicy:
 
     def combiner(self) -> Aggregator:
         """A fresh aggregator of the configured kind, its options read from the ``robust`` section."""
-        component = ROBUST_AGGREGATORS[self.robust.aggregator]  # its options checked by the config's validation
-        return component(**{option.name: option.take(getattr(self.robust, option.name), f"robust.{option.name}")
-                            for option in component.options})
+        return ROBUST_AGGREGATORS[self.robust.aggregator](**robust_aggregator_options(self.robust))
 
     def sample_cap(self, client_id: int, split: str = "train") -> int | None:
         """The most samples of ``split`` (``train`` or ``test``) client ``client_id`` can have, if
