@@ -9,7 +9,8 @@ numbers the phase carries in ``Phase.params``). Upload and aggregation follow fr
 trainable ``GLOBAL`` tensors go back as deltas and are averaged; ``COLLECTED`` tensors go back
 whole into a per-client dictionary whose mean is the global copy (FedHA); ``FIXED`` and
 ``PERSONAL`` tensors never go back. Adding an algorithm means adding a small factory with its
-declared options to :data:`ALGORITHMS`; the round engine, the wire and the training loop stay
+declared options to :data:`ALGORITHMS` (or one module outside fedpart that a run config names by
+``package.module:name``, docs/plugins.md); the round engine, the wire and the training loop stay
 the same.
 """
 
@@ -355,9 +356,13 @@ def _ditto(**options: float) -> Algorithm:
 
 def build_algorithm(name: str, options: Mapping[str, Any] | None = None,
                     objective: Mapping[str, Mapping[str, Any] | None] | None = None) -> Algorithm:
-    """The algorithm ``name`` with its ``options`` read by its declaration, plus the objective
-    terms ``objective`` (``algorithm.objective`` of the run config)."""
-    algorithm = ALGORITHMS.build(name, ALGORITHMS.read(name, options or {}, "algorithm.", "algorithm.name"))
+    """The algorithm ``name`` (a built-in name, or a ``package.module:name`` path to a plug-in's
+    :class:`~fedpart.common.registry.Component`) with its ``options`` read by its declaration,
+    plus the objective terms ``objective`` (``algorithm.objective`` of the run config)."""
+    typed = ALGORITHMS.read(name, options or {}, "algorithm.", "algorithm.name")
+    algorithm = ALGORITHMS.build(name, typed)
+    if not isinstance(algorithm, Algorithm):
+        raise ValueError(f"algorithm.name {name!r} built {type(algorithm).__name__}, not an Algorithm")
     spec = algorithm.objective.with_terms(objective) if objective else checked(algorithm.objective)
     return replace(algorithm, objective=spec)
 

@@ -8,13 +8,13 @@ builder that takes options from elsewhere (an algorithm's, a dataset's, a model'
 A component's capabilities (:attr:`Component.capabilities`, from its kind's vocabulary,
 :attr:`Registry.capabilities`) are what other checks ask of it, never its name. What a run
 config may name depends on the kind (:attr:`Registry.paths`): a component's name for every
-kind; for codecs, server optimizers and robust aggregators (:data:`BY_COMPONENT`) also a
-``package.module:name`` path to a :class:`Component` of a module outside fedpart, made
+kind; for codecs, server optimizers, robust aggregators and algorithms (:data:`BY_COMPONENT`)
+also a ``package.module:name`` path to a :class:`Component` of a module outside fedpart, made
 by that kind's :meth:`Registry.component`, which is then registered under its own name (so that,
 for example, a plug-in codec's encoding is known to the receiver that configured it); for
 datasets and models (:data:`BY_FUNCTION`) a path to a plain function, which their own loaders
-call (the registry lists the built-in ones only); partition schemes, algorithms, objective terms
-and step rules take built-in names only.
+call (the registry lists the built-in ones only); partition schemes, objective terms and step
+rules take built-in names only.
 
 Each kind's registry is declared here with the module that registers its built-in components
 (its *home*), imported by name at the first lookup; every home is in ``fedpart.common``. The
@@ -391,7 +391,7 @@ class Registry(Mapping[str, Component]):
 
 
 ALGORITHMS = Registry("algorithm", "fedpart.common.algorithms",
-                      "What is federated, trained and kept: `algorithm.name` and its options.")
+                      "What is federated, trained and kept: `algorithm.name` and its options.", BY_COMPONENT)
 TERMS = Registry("objective term", "fedpart.common.objectives",
                  "A piece of the local loss, added to any algorithm by `algorithm.objective: {term: {options}}`.")
 STEP_RULES = Registry("step rule", "fedpart.common.objectives",

@@ -306,11 +306,12 @@ def test_an_unknown_algorithm_is_refused_with_the_known_names():
     known = ", ".join(ALGORITHMS.selectable())
     with pytest.raises(ConfigError) as error:
         config_from_dict({"algorithm": {"name": "fedsgd"}})
-    assert str(error.value) == f"algorithm.name: unknown algorithm 'fedsgd'; known: {known}"
-    with pytest.raises(ConfigError) as error:  # algorithms are built-in names only: a path is not imported
+    assert str(error.value) == f"algorithm.name: unknown algorithm 'fedsgd'; known: {known}, or a " \
+                               "'package.module:name' path"
+    with pytest.raises(ConfigError) as error:  # a path names a plug-in's Component, imported
         config_from_dict({"algorithm": {"name": "no_such_package.algorithms:mine"}})
-    assert str(error.value) == (f"algorithm.name: unknown algorithm 'no_such_package.algorithms:mine'; known: "
-                                f"{known} (built-in names only: no 'package.module:name' path)")
+    assert str(error.value).startswith("algorithm.name 'no_such_package.algorithms:mine': cannot import "
+                                       "'no_such_package.algorithms'")
     assert config_from_dict({"algorithm": {"name": "fedbabu"}}).algorithm.name == "fedbabu"
 
 

@@ -124,9 +124,9 @@ def test_what_the_components_page_says_each_kind_takes_is_what_a_run_config_take
     assert "A `package.module:name` path to a\n`fedpart.api.Component` selects a component" not in page
     plugins = {"codec": "plugin_codec:fixed_point", "server optimizer": "plugin_optimizer:signed",
                "robust aggregator": "docs_robust_plugin:mean_again", "model": "custom_components:regression_model",
-               "dataset": "custom_components:regression_dataset"}
-    expected = {BY_COMPONENT: {"codec", "server optimizer", "robust aggregator"}, BY_FUNCTION: {"model", "dataset"},
-                BY_NAME: {"algorithm", "objective term", "step rule", "partition scheme"}}
+               "dataset": "custom_components:regression_dataset", "algorithm": "plugin_algorithm:head_warmup"}
+    expected = {BY_COMPONENT: {"codec", "server optimizer", "robust aggregator", "algorithm"},
+                BY_FUNCTION: {"model", "dataset"}, BY_NAME: {"objective term", "step rule", "partition scheme"}}
     for paths, kinds in expected.items():
         assert {kind for kind, registry in KINDS.items() if registry.paths == paths} == kinds
     for kind, registry in KINDS.items():
