@@ -10,16 +10,17 @@ names and gives a deprecation period when one changes. ``docs/plugins.md`` docum
 - **model** (``model.name: package.module:function``): ``function(num_classes=...,
   input_shape=..., **model.options)`` returns a :class:`SplitModel`.
 - **loss** (``train.loss: package.module:function``): ``function()`` returns a :data:`LossFn`.
-- **codec**, **server optimizer**, **robust aggregator** (``compression.up.codec``,
-  ``server_optimizer.name``, ``robust.aggregator``: a name or ``package.module:name``): a
-  :class:`Component` with its :class:`Option` s made by the kind's registry
-  (``CODECS.component(...)``), building a :class:`Codec` (every option with a default: the
-  receiver decodes with the defaults), a :class:`ServerOptimizer` or an :class:`Aggregator`
-  (its options are keys of the ``robust`` section) (tests/fixtures/plugin_codec.py is one such
-  module).
-- **algorithm**, **objective term**, **step rule**, **partition scheme**: the types below
-  describe the first three; they are chosen by built-in name from fedpart's own registries,
-  which a run config cannot extend yet (``docs/plugins.md`` says what exists).
+- **codec**, **server optimizer**, **robust aggregator**, **algorithm** (``compression.up.codec``,
+  ``server_optimizer.name``, ``robust.aggregator``, ``algorithm.name``: a name or
+  ``package.module:name``): a :class:`Component` with its :class:`Option` s (and capabilities)
+  made by the kind's registry (``CODECS.component(...)``), building a :class:`Codec` (every
+  option with a default: the receiver decodes with the defaults), a :class:`ServerOptimizer`, an
+  :class:`Aggregator` (its options are keys of the ``robust`` section) or an :class:`Algorithm`
+  (whose :data:`UnitSchedule` reads the numbers its phases carry, ``Phase.params``)
+  (tests/fixtures/plugin_codec.py and tests/fixtures/plugin_algorithm.py are such modules).
+- **objective term**, **step rule**, **partition scheme**: the types below describe the first
+  two; they are chosen by built-in name from fedpart's own registries (``docs/plugins.md`` says
+  what exists).
 - Every kind's registry (:data:`CODECS`, :data:`SERVER_OPTIMIZERS`, :data:`ROBUST_AGGREGATORS`,
   :data:`DATASETS`, :data:`MODELS`, :data:`PARTITIONS`, :data:`ALGORITHMS`, :data:`TERMS`,
   :data:`STEP_RULES`) lists fedpart's own components (docs/components.md).
@@ -34,10 +35,13 @@ from fedpart.common.algorithms import (
     Role,
     RoundContext,
     Schedule,
+    UnitSchedule,
     all_then_head,
     build_algorithm,
+    every_unit,
     expand_layers,
     gradual_unfreeze,
+    gradual_unfreezing,
     head_then_body,
     train_body,
     train_everything,
@@ -88,7 +92,7 @@ __all__ = [
     # algorithms
     "Algorithm", "Role", "RoundContext", "Phase", "Schedule", "PartFactory", "ALGORITHMS", "build_algorithm",
     "train_everything", "train_body", "gradual_unfreeze", "expand_layers", "head_then_body", "all_then_head",
-    "with_parts",
+    "with_parts", "UnitSchedule", "every_unit", "gradual_unfreezing",
     # objective terms and step rules
     "Term", "StepRule", "ObjectiveContext", "ObjectiveSpec", "TERMS", "STEP_RULES",
     # robust aggregators

@@ -298,8 +298,8 @@ def _configs(args: argparse.Namespace) -> int:
 def _algorithms(args: argparse.Namespace) -> int:
     from fedpart.common.algorithms import ALGORITHMS
 
-    for name, factory in ALGORITHMS.items():
-        print(f"{name:<26} {first_sentence(factory.__doc__ or '')}".rstrip())
+    for name, component in ALGORITHMS.builtin().items():
+        print(f"{name:<26} {first_sentence(component.description)}".rstrip())
     return 0
 
 

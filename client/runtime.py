@@ -318,7 +318,8 @@ class ClientProcess:
         self.activity.task(f"client {client} round {task.round}: training")
         outcome = train_local(self.model, data, plan, self.loss_fn, reference, self.unit_flops, objective, state,
                               build_augment(self.config.train.augment, plan.seed), self.speed,
-                              on_steps=self._trained, **self.train_options)
+                              on_steps=self._trained, unit_schedule=self.algorithm.unit_schedule,
+                              **self.train_options)
         self.log(f"client {client} round {task.round}: trained {outcome.steps} steps in "
                  f"{outcome.compute_seconds:.2f} s, loss {outcome.loss:.4f}")
         trained = {k: v.detach() for k, v in self.model.state_dict().items()}

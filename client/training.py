@@ -2,8 +2,10 @@
 
 Freezing is exact: a frozen parameter has ``requires_grad=False``, so its gradient stays ``None``
 and the optimizer skips it entirely (no momentum, no weight decay). One optimizer covers every
-unit the plan ever trains in the round; the longest frozen prefix of body units runs under
-``torch.no_grad()``, so its backward pass is never built. The loss and the update come from the
+unit the plan ever trains in the round; the algorithm's unit schedule says which of a phase's
+units train at each local step (FedBug's gradual unfreezing, from the phase's ``params``), and
+the longest frozen prefix of body units runs under ``torch.no_grad()``, so its backward pass is
+never built. The loss and the update come from the
 :class:`~fedpart.common.objectives.Objective` (terms and a step rule); the loop has no branch
 for any algorithm. The loop never waits for the device: the loss is summed on the device and
 read once at the end, batches are index slices of on-device tensors, and the speed options
@@ -24,7 +26,7 @@ import torch
 from fedpart.client import dp_sgd as dpsgd
 from fedpart.client.local_data import ClientData
 from fedpart.client.speed import TrainingSpeed
-from fedpart.common.algorithms import unfrozen_units
+from fedpart.common.algorithms import UnitSchedule, every_unit
 from fedpart.common.config import DPSGDConfig
 from fedpart.common.objectives import Objective, ObjectiveContext, ObjectiveSpec
 from fedpart.common.plans import TrainPlan
@@ -75,11 +77,13 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
                 reference: Mapping[str, torch.Tensor], unit_flops: Mapping[str, int],
                 objective: Objective | None = None, state: dict[str, torch.Tensor] | None = None,
                 augment: Augment | None = None, speed: TrainingSpeed | None = None,
-                on_steps: StepsDone | None = None, dp_sgd: DPSGDConfig | None = None) -> TrainOutcome:
+                on_steps: StepsDone | None = None, dp_sgd: DPSGDConfig | None = None,
+                unit_schedule: UnitSchedule = every_unit) -> TrainOutcome:
     """Train ``model`` in place following ``plan``; ``reference`` holds the global values of the
     shared tensors (the anchors of objective terms), ``state`` the client's objective state
     (updated in place), ``augment`` a transform of each training batch's inputs, ``speed`` the
-    speed options (configured for this ``model``; default plain float32). ``on_steps`` is told the
+    speed options (configured for this ``model``; default plain float32), ``unit_schedule`` the
+    algorithm's choice of a phase's units at each local step (``Algorithm.unit_schedule``). ``on_steps`` is told the
     local step count every :data:`PROGRESS_STEPS` steps (a count: no device sync). ``dp_sgd``
     (enabled): DP-SGD steps on Poisson batches (:mod:`fedpart.client.dp_sgd`; raises DPSGDError
     where Opacus is missing or the model cannot have per-example gradients)."""
@@ -142,7 +146,6 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
         steps_of_unfreezing = model.unfreeze_steps(list(phase.trainable))
         steps_per_epoch = math.ceil(n / plan.batch_size)
         total = phase.epochs * steps_per_epoch
-        gradual = phase.unfreeze_fraction > 0  # else every unit of the phase trains from its first step
         current: tuple[str, ...] | None = None
         step = 0
         for _ in range(phase.epochs):
@@ -150,14 +153,13 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
                      else batches(n, plan.batch_size, generator, device))
             for index in epoch:
                 step += 1
-                if gradual or current is None:
-                    wanted = unfrozen_units(steps_of_unfreezing, phase.unfreeze_fraction, step, total)
-                    if wanted != current:
-                        model.set_trainable(wanted)
-                        current = wanted
-                        if private is not None:
-                            private.attach()  # Opacus' hooks on the units that train now
-                        sample_flops = step_flops(unit_flops, order, set(wanted), 1)
+                wanted = unit_schedule(steps_of_unfreezing, phase.params, step, total)
+                if wanted != current:
+                    model.set_trainable(wanted)
+                    current = wanted
+                    if private is not None:
+                        private.attach()  # Opacus' hooks on the units that train now
+                    sample_flops = step_flops(unit_flops, order, set(wanted), 1)
                 x, y = data.x_train[index], data.y_train[index]
                 loss = objective.step_rule.step(ctx, augment(x) if augment else x, y, gradients, scaled or optimizer)
                 size = index.shape[0]

@@ -3,27 +3,31 @@
 An :class:`Algorithm` maps each model part (``body``, ``head``, and extra parts such as FedRoD's
 personal head, added to the model from the declaration) to a role (sharing), says which schedule
 units train in each local phase of a round (schedule), and which client objective terms and step
-rule the local training uses (``fedpart.common.objectives``). Upload and aggregation follow from
-the roles: trainable ``GLOBAL`` tensors go back as deltas and are averaged; ``COLLECTED`` tensors
-go back whole into a per-client dictionary whose mean is the global copy (FedHA); ``FIXED`` and
-``PERSONAL`` tensors never go back. Adding an algorithm means adding a small factory to
-:data:`ALGORITHMS`; the round engine and the training loop stay the same.
+rule the local training uses (``fedpart.common.objectives``), and which of a phase's units train
+at each local step (its :data:`UnitSchedule`, the schedule's primitive on the client, reading the
+numbers the phase carries in ``Phase.params``). Upload and aggregation follow from the roles:
+trainable ``GLOBAL`` tensors go back as deltas and are averaged; ``COLLECTED`` tensors go back
+whole into a per-client dictionary whose mean is the global copy (FedHA); ``FIXED`` and
+``PERSONAL`` tensors never go back. Adding an algorithm means adding a small factory with its
+declared options to :data:`ALGORITHMS` (or one module outside fedpart that a run config names by
+``package.module:name``, docs/plugins.md); the round engine, the wire and the training loop stay
+the same.
 """
 
 from __future__ import annotations
 
 import math
-from fractions import Fraction
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from fractions import Fraction
 from typing import Any
 
 from torch import nn
 
-from fedpart.common.objectives import ObjectiveSpec, checked
+from fedpart.common.objectives import DITTO_LAMBDA, MU, PERFEDAVG_OPTIONS, ObjectiveSpec, checked
 from fedpart.common.plans import Phase
-from fedpart.common.registry import ALGORITHMS, Options, describe
+from fedpart.common.registry import ALGORITHMS, Option, non_negative
 from fedpart.common.split_model import HEAD, SplitModel, tensor_part, tensor_unit
 
 
@@ -48,6 +52,17 @@ class RoundContext:
 
 Schedule = Callable[[RoundContext], tuple[Phase, ...]]
 PartFactory = Callable[[SplitModel], nn.Module]  # builds an extra part for a given model
+UnitSchedule = Callable[[Sequence[tuple[str, ...]], Mapping[str, float], int, int], tuple[str, ...]]
+"""Which of a phase's units train at local step ``step`` (1-based) of ``total``:
+``unit_schedule(steps, params, step, total)``, given the phase's unfreezing steps (groups of its
+units, input to output; :meth:`SplitModel.unfreeze_steps`) and the numbers the phase carries
+(``Phase.params``). The client runs it; the server's schedule only sets the numbers."""
+
+
+def every_unit(steps: Sequence[tuple[str, ...]], params: Mapping[str, float], step: int,
+               total: int) -> tuple[str, ...]:
+    """Every unit of the phase from its first step (the default unit schedule)."""
+    return tuple(unit for group in steps for unit in group)
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,7 @@ class Algorithm:
     schedule: Schedule
     extra_parts: Mapping[str, PartFactory] = field(default_factory=dict)
     objective: ObjectiveSpec = ObjectiveSpec()
+    unit_schedule: UnitSchedule = every_unit  # which of a phase's units train at each local step
 
     @property
     def body(self) -> Role:
@@ -137,14 +153,26 @@ def train_body(ctx: RoundContext) -> tuple[Phase, ...]:
     return (Phase(ctx.epochs, ctx.units),)
 
 
+UNFREEZE_FRACTION = "unfreeze_fraction"
+"""The phase parameter :func:`gradual_unfreezing` reads."""
+
+
 def gradual_unfreeze(ratio: float) -> Schedule:
     """FedBug (Kao & Wang 2023): over the first ``ratio`` of the local iterations the units,
-    head last, unfreeze bottom-up; afterwards everything trains."""
+    head last, unfreeze bottom-up (:func:`gradual_unfreezing`, the algorithm's unit schedule);
+    afterwards everything trains."""
 
     def schedule(ctx: RoundContext) -> tuple[Phase, ...]:
-        return (Phase(ctx.epochs, ctx.units + (HEAD,), unfreeze_fraction=ratio),)
+        return (Phase(ctx.epochs, ctx.units + (HEAD,), {UNFREEZE_FRACTION: ratio}),)
 
     return schedule
+
+
+def gradual_unfreezing(steps: Sequence[tuple[str, ...]], params: Mapping[str, float], step: int,
+                       total: int) -> tuple[str, ...]:
+    """FedBug's unit schedule: the groups of :func:`unfrozen_units` over the phase's
+    ``unfreeze_fraction`` of its steps (0 or absent: every unit from the first step)."""
+    return unfrozen_units(list(steps), params.get(UNFREEZE_FRACTION, 0.0), step, total)
 
 
 def expand_layers(unfreeze_rounds: list[int], order: str) -> Schedule:
@@ -187,8 +215,7 @@ def with_parts(schedule: Schedule, parts: tuple[str, ...]) -> Schedule:
     """``schedule`` with the extra ``parts`` training whenever the head does."""
 
     def extended(ctx: RoundContext) -> tuple[Phase, ...]:
-        return tuple(Phase(p.epochs, p.trainable + parts, p.unfreeze_fraction) if HEAD in p.trainable else p
-                     for p in schedule(ctx))
+        return tuple(replace(p, trainable=p.trainable + parts) if HEAD in p.trainable else p for p in schedule(ctx))
 
     return extended
 
@@ -219,120 +246,123 @@ def _proximal(mu: float) -> ObjectiveSpec:
     return ObjectiveSpec(terms=((PROXIMAL, {"mu": mu}),) if mu else ())
 
 
-def _fedavg(o: Options) -> Algorithm:
-    """FedAvg (McMahan et al., AISTATS 2017): the whole model federated."""
+def _epochs(name: str, help: str) -> Option:
+    return Option(name, int, help, non_negative, "must be >= 0")
+
+
+def _increasing_rounds(rounds: list[Any]) -> bool:
+    return all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rounds) and rounds == sorted(rounds)
+
+
+@ALGORITHMS.register("fedavg", "FedAvg (McMahan et al., AISTATS 2017): the whole model federated.")
+def _fedavg() -> Algorithm:
     return Algorithm("fedavg", _roles(Role.GLOBAL, Role.GLOBAL), train_everything)
 
 
-def _fedbabu(o: Options) -> Algorithm:
-    """FedBABU (Oh et al., ICLR 2022): body federated under a fixed random head."""
+@ALGORITHMS.register("fedbabu", "FedBABU (Oh et al., ICLR 2022): body federated under a fixed random head.")
+def _fedbabu() -> Algorithm:
     return Algorithm("fedbabu", _roles(Role.GLOBAL, Role.FIXED), train_body)
 
 
-def _fedprox(o: Options) -> Algorithm:
-    """FedProx (Li et al., MLSys 2020): proximal term on the shared parameters."""
-    return Algorithm("fedprox", _roles(Role.GLOBAL, Role.GLOBAL), train_everything,
-                     objective=_proximal(o.get("mu", 0.01)))
+@ALGORITHMS.register("fedprox", "FedProx (Li et al., MLSys 2020): proximal term on the shared parameters.", MU)
+def _fedprox(mu: float = 0.01) -> Algorithm:
+    return Algorithm("fedprox", _roles(Role.GLOBAL, Role.GLOBAL), train_everything, objective=_proximal(mu))
 
 
-def _fedprox_babu(o: Options) -> Algorithm:
-    """FedBABU with FedProx's proximal term on the body (``mu``)."""
-    return Algorithm("fedprox_babu", _roles(Role.GLOBAL, Role.FIXED), train_body,
-                     objective=_proximal(o.get("mu", 0.01)))
+@ALGORITHMS.register("fedprox_babu", "FedBABU with FedProx's proximal term on the body (``mu``).", MU)
+def _fedprox_babu(mu: float = 0.01) -> Algorithm:
+    return Algorithm("fedprox_babu", _roles(Role.GLOBAL, Role.FIXED), train_body, objective=_proximal(mu))
 
 
-def _fedbug(o: Options) -> Algorithm:
-    """FedBug (Kao & Wang 2023), optionally with FedProx's term (other terms: ``algorithm.objective``)."""
-    ratio = o.get("gu_ratio", 0.2)
-    if not 0 < ratio <= 1:
-        raise ValueError("algorithm.gu_ratio must be in (0, 1]")
-    return Algorithm("fedbug", _roles(Role.GLOBAL, Role.GLOBAL), gradual_unfreeze(ratio),
-                     objective=_proximal(o.get("mu", 0.0)))
+@ALGORITHMS.register(
+    "fedbug", "FedBug (Kao & Wang 2023), optionally with FedProx's term (other terms: ``algorithm.objective``).",
+    Option("gu_ratio", float, "share of the local iterations over which the units unfreeze bottom-up",
+           lambda value: 0 < value <= 1, "must be in (0, 1]"), MU)
+def _fedbug(gu_ratio: float = 0.2, mu: float = 0.0) -> Algorithm:
+    return Algorithm("fedbug", _roles(Role.GLOBAL, Role.GLOBAL), gradual_unfreeze(gu_ratio),
+                     objective=_proximal(mu), unit_schedule=gradual_unfreezing)
 
 
-def _layer_expansion(order: str) -> Callable[[Options], Algorithm]:
-    def build(o: Options) -> Algorithm:
-        """Sequential layer expansion (Jang & Choi, 2024): body units unfrozen at ``unfreeze_rounds``
-        under a fixed head, shallow first (vanilla) or deep first (anti)."""
-        rounds = o.get("unfreeze_rounds", [0, 100, 200], list)
-        if not all(isinstance(r, int) and r >= 0 for r in rounds) or rounds != sorted(rounds):
-            raise ValueError("algorithm.unfreeze_rounds must be increasing non-negative round indices")
-        return Algorithm(f"layer_expansion_{order}", _roles(Role.GLOBAL, Role.FIXED), expand_layers(rounds, order))
+def _layer_expansion(order: str) -> None:
+    @ALGORITHMS.register(
+        f"layer_expansion_{order}",
+        f"Sequential layer expansion (Jang & Choi, 2024): body units unfrozen at ``unfreeze_rounds`` under a fixed "
+        f"head, {'shallow' if order == 'vanilla' else 'deep'} first.",
+        Option("unfreeze_rounds", list, "the 0-based round at which each body unit joins training, in order",
+               _increasing_rounds, "must be increasing non-negative round indices", [0, 100, 200]))
+    def build(unfreeze_rounds: list[int]) -> Algorithm:
+        return Algorithm(f"layer_expansion_{order}", _roles(Role.GLOBAL, Role.FIXED),
+                         expand_layers(unfreeze_rounds, order))
 
-    return build
+
+_layer_expansion("vanilla")
+_layer_expansion("anti")
 
 
-def _fedper(o: Options) -> Algorithm:
-    """FedPer (Arivazhagan et al. 2019): shared body, personal head."""
+@ALGORITHMS.register("fedper", "FedPer (Arivazhagan et al. 2019): shared body, personal head.")
+def _fedper() -> Algorithm:
     return Algorithm("fedper", _roles(Role.GLOBAL, Role.PERSONAL), train_everything)
 
 
-def _fedrep(o: Options) -> Algorithm:
-    """FedRep (Collins et al., ICML 2021): shared body, personal head trained first each round."""
-    head_epochs = o.get("head_epochs", 10, int)
-    body_epochs = o.get("body_epochs", 1, int)
+@ALGORITHMS.register("fedrep",
+                     "FedRep (Collins et al., ICML 2021): shared body, personal head trained first each round.",
+                     _epochs("head_epochs", "epochs of the head alone, first"),
+                     _epochs("body_epochs", "epochs of the body alone, then"))
+def _fedrep(head_epochs: int = 10, body_epochs: int = 1) -> Algorithm:
     return Algorithm("fedrep", _roles(Role.GLOBAL, Role.PERSONAL), head_then_body(head_epochs, body_epochs))
 
 
-def _lg_fedavg(o: Options) -> Algorithm:
-    """LG-FedAvg (Liang et al. 2020): personal body, shared head."""
+@ALGORITHMS.register("lg_fedavg", "LG-FedAvg (Liang et al. 2020): personal body, shared head.")
+def _lg_fedavg() -> Algorithm:
     return Algorithm("lg_fedavg", _roles(Role.PERSONAL, Role.GLOBAL), train_everything)
 
 
-def _fedftha(o: Options) -> Algorithm:
-    """FedFTHA: fine-tuned personal heads, aggregated by the server into a global head (FedHA)."""
-    sync_epochs = o.get("tau_sync", 5, int)
-    head_epochs = o.get("tau_head", 5, int)
-    return Algorithm("fedftha", _roles(Role.GLOBAL, Role.COLLECTED), all_then_head(sync_epochs, head_epochs))
+@ALGORITHMS.register("fedftha",
+                     "FedFTHA: fine-tuned personal heads, aggregated by the server into a global head (FedHA).",
+                     _epochs("tau_sync", "epochs of body and head together, first"),
+                     _epochs("tau_head", "epochs of the head alone, then"))
+def _fedftha(tau_sync: int = 5, tau_head: int = 5) -> Algorithm:
+    return Algorithm("fedftha", _roles(Role.GLOBAL, Role.COLLECTED), all_then_head(tau_sync, tau_head))
 
 
-def _local_only(o: Options) -> Algorithm:
-    """Local-only training: every part personal, nothing shared after the start."""
+@ALGORITHMS.register("local_only", "Local-only training: every part personal, nothing shared after the start.")
+def _local_only() -> Algorithm:
     return Algorithm("local_only", _roles(Role.PERSONAL, Role.PERSONAL), train_everything)
 
 
-def _fedrod(o: Options) -> Algorithm:
-    """FedRoD (Chen & Chao, ICLR 2022): body and generic head federated (balanced softmax), a
-    personal head on the detached features kept on the client."""
+@ALGORITHMS.register("fedrod", "FedRoD (Chen & Chao, ICLR 2022): body and generic head federated (balanced softmax), "
+                               "a personal head on the detached features kept on the client.")
+def _fedrod() -> Algorithm:
     part = "personal_head"
     return Algorithm("fedrod", _roles(Role.GLOBAL, Role.GLOBAL, personal_head=Role.PERSONAL),
                      with_parts(train_everything, (part,)), extra_parts={part: zero_linear_head},
                      objective=ObjectiveSpec(terms=(("fedrod", {}),)))
 
 
-def _perfedavg(o: Options) -> Algorithm:
-    """Per-FedAvg (Fallah et al., NeurIPS 2020); ``hessian: true`` is the Hessian-free variant."""
-    options = {"alpha": o.get("alpha", 0.01), "beta": o.get("beta", 0.001), "hessian": o.get("hessian", False, bool)}
+@ALGORITHMS.register("perfedavg", "Per-FedAvg (Fallah et al., NeurIPS 2020); ``hessian: true`` is the Hessian-free "
+                                  "variant.", *PERFEDAVG_OPTIONS)
+def _perfedavg(alpha: float = 0.01, beta: float = 0.001, hessian: bool = False) -> Algorithm:
     return Algorithm("perfedavg", _roles(Role.GLOBAL, Role.GLOBAL), train_everything,
-                     objective=ObjectiveSpec(step_rule=("perfedavg", options)))
+                     objective=ObjectiveSpec(step_rule=("perfedavg", {"alpha": alpha, "beta": beta,
+                                                                      "hessian": hessian})))
 
 
-def _ditto(o: Options) -> Algorithm:
-    """Ditto (Li et al., ICML 2021): FedAvg plus a personal model kept on the client."""
+@ALGORITHMS.register("ditto", "Ditto (Li et al., ICML 2021): FedAvg plus a personal model kept on the client.",
+                     DITTO_LAMBDA)
+def _ditto(**options: float) -> Algorithm:
     return Algorithm("ditto", _roles(Role.GLOBAL, Role.GLOBAL), train_everything,
-                     objective=ObjectiveSpec(step_rule=("ditto", {"lambda": o.get("lambda", 0.1)})))
-
-
-for _name, _factory in (
-    ("fedavg", _fedavg), ("fedbabu", _fedbabu), ("fedprox", _fedprox), ("fedprox_babu", _fedprox_babu),
-    ("fedbug", _fedbug), ("layer_expansion_vanilla", _layer_expansion("vanilla")),
-    ("layer_expansion_anti", _layer_expansion("anti")), ("fedper", _fedper), ("fedrep", _fedrep),
-    ("lg_fedavg", _lg_fedavg), ("fedftha", _fedftha), ("local_only", _local_only), ("fedrod", _fedrod),
-    ("perfedavg", _perfedavg), ("ditto", _ditto),
-):
-    ALGORITHMS.add(ALGORITHMS.component(_name, describe(_factory), _factory))
+                     objective=ObjectiveSpec(step_rule=("ditto", {"lambda": options["lambda"]})))
 
 
 def build_algorithm(name: str, options: Mapping[str, Any] | None = None,
                     objective: Mapping[str, Mapping[str, Any] | None] | None = None) -> Algorithm:
-    """The algorithm ``name`` with its options validated, plus the objective terms ``objective``
-    (``algorithm.objective`` of the run config)."""
-    known = ALGORITHMS.builtin()
-    if name not in known:
-        raise ValueError(f"unknown algorithm {name!r}; known: {sorted(known)}")
-    reader = Options("algorithm.", f"algorithm {name}", options or {})
-    algorithm = known[name].build(reader)
-    reader.done()
+    """The algorithm ``name`` (a built-in name, or a ``package.module:name`` path to a plug-in's
+    :class:`~fedpart.common.registry.Component`) with its ``options`` read by its declaration,
+    plus the objective terms ``objective`` (``algorithm.objective`` of the run config)."""
+    typed = ALGORITHMS.read(name, options or {}, "algorithm.", "algorithm.name")
+    algorithm = ALGORITHMS.build(name, typed)
+    if not isinstance(algorithm, Algorithm):
+        raise ValueError(f"algorithm.name {name!r} built {type(algorithm).__name__}, not an Algorithm")
     spec = algorithm.objective.with_terms(objective) if objective else checked(algorithm.objective)
     return replace(algorithm, objective=spec)
 

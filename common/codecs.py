@@ -66,6 +66,7 @@ class Codec(Protocol):
     name: str             # the encoding on the wire: the codec's component name
     sparse: bool          # drops elements: applies to deltas only (a value would lose them)
     error_feedback: bool  # keep what was not sent and add it to the next delta
+    lossless: bool        # decodes every element exactly (optional: a codec without it is lossy, see lossless())
     wire_args: ClassVar[tuple[str, ...]]  # the integer arguments its payloads carry (0 when absent)
 
     def encode(self, tensor: torch.Tensor, generator: torch.Generator) -> Encoded: ...
@@ -99,6 +100,7 @@ class Cast:
 
     sparse = False
     error_feedback = False
+    lossless = False
     wire_args = ()
 
     def __init__(self, name: str, dtype: torch.dtype) -> None:
@@ -124,6 +126,7 @@ class Qsgd:
 
     sparse = False
     error_feedback = False
+    lossless = False
     wire_args = ("bucket",)
 
     def __init__(self, bits: int, bucket: int = DEFAULT_BUCKET) -> None:
@@ -200,6 +203,7 @@ class TopK:
 
     name = "topk"
     sparse = True
+    lossless = False
     wire_args = ("kept",)
 
     def __init__(self, fraction: float | None = None, count: int | None = None, error_feedback: bool = True) -> None:
@@ -267,6 +271,12 @@ def build_codec(name: str, options: Mapping[str, Any]) -> Codec | None:
     """The codec a (validated) ``compression.up`` / ``compression.down`` section names; None for
     ``none``."""
     return CODECS.build(name, options)
+
+
+def lossless(codec: Codec | None) -> bool:
+    """Whether tensors arrive exactly as sent under ``codec``: raw (None), or a codec that declares
+    ``lossless``."""
+    return codec is None or getattr(codec, "lossless", False) is True
 
 
 _DECODERS: dict[str, Codec] = {}

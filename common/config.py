@@ -1,8 +1,12 @@
 """Run configuration: a YAML file, validated into typed sections, with ``key=value`` overrides.
 
 Every setting has a default here; an unknown key or a value of the wrong type is an error that
-names the key. Model, partition and algorithm sections carry a name plus free options that the
-component they select validates.
+names the key. The sections that select a component (dataset, partition, model, algorithm with
+its objective terms, codecs, server optimizer, robust aggregator) carry a name plus options that
+the component declares: its registry reads them (:meth:`~fedpart.common.registry.Registry.read`),
+and the checks of what a feature refuses ask the components' capabilities, never their names.
+Validating a config imports no server module: the server's parts are declared in
+:mod:`fedpart.common.server_parts`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import yaml
 from fedpart.common.registry import (
     ALGORITHMS,
     CODECS,
+    DATASETS,
+    MODELS,
+    PARTITIONS,
     ROBUST_AGGREGATORS,
     SERVER_OPTIMIZERS,
     OptionError,
@@ -28,8 +35,8 @@ from fedpart.common.registry import (
     coerce,
 )
 
-# The registries the checks below read (algorithms, objectives, augmentations: torch) are imported
-# when a config is validated, not with this module: ``fedpart --help`` loads no torch.
+# The registries' homes the checks below read (algorithms, codecs, models, datasets: torch) are
+# imported when a config is validated, not with this module: ``fedpart --help`` loads no torch.
 
 DEFAULT_CHUNK_BYTES = 256 << 10
 """Largest gRPC message of a task stream (tensor bytes and their framing). Larger task messages
@@ -692,32 +699,31 @@ def _check_heterogeneity_values(section: HeterogeneityConfig) -> None:
 
 
 def _check_components(config: RunConfig, server_parts: bool) -> None:
-    """The checks of the components a config names (datasets, partitions, algorithms, codecs,
-    server parts) and of what each privacy mechanism refuses."""
+    """The checks of the components a config names (datasets, partitions, models, algorithms,
+    codecs, server parts), each component's options read by its registry, and of what each
+    privacy mechanism refuses. A dataset or model named by a ``package.module:function`` path
+    checks its own options when it is called."""
+    from fedpart.common.algorithms import build_algorithm
     from fedpart.common.data.augment import AUGMENTATIONS
-    from fedpart.common.data.datasets import DATASET_NAMES, check_dataset_options
-    from fedpart.common.data.partition import check_partition_options
-    from fedpart.common.objectives import check_objective
 
     if config.train.augment not in AUGMENTATIONS:
         raise ConfigError(f"train.augment must be one of {', '.join(AUGMENTATIONS)}")
-    if ":" not in config.data.dataset and config.data.dataset not in DATASET_NAMES:
-        raise ConfigError(f"data.dataset {config.data.dataset!r} is not one of {', '.join(DATASET_NAMES)} "
-                          "nor a 'package.module:function' path")
-    if ":" not in config.data.dataset:
-        try:
-            check_dataset_options(config.data.dataset, config.data.options)
-        except ValueError as error:
-            raise ConfigError(f"data.options: {error}") from error
+    data = config.data
+    if ":" not in data.dataset:
+        data.options = _read_component(DATASETS, data.dataset, data.options, "data.options.", "data.dataset")
+    partition = data.partition
+    partition.options = _read_component(PARTITIONS, partition.scheme, partition.options, "data.partition.",
+                                        "data.partition.scheme")
+    if ":" not in config.model.name:
+        config.model.options = _read_component(MODELS, config.model.name, config.model.options, "model.",
+                                               "model.name")
+    algorithm = config.algorithm
+    algorithm.options = _read_component(ALGORITHMS, algorithm.name, algorithm.options, "algorithm.",
+                                        "algorithm.name")
     try:
-        check_partition_options(config.data.partition.scheme, config.data.partition.options)
+        build_algorithm(algorithm.name, algorithm.options, algorithm.objective)  # its terms and step rule
     except ValueError as error:
-        raise ConfigError(f"data.partition: {error}") from error
-    _check_algorithm_name(config.algorithm.name)
-    try:
-        check_objective(config.algorithm.objective)
-    except ValueError as error:
-        raise ConfigError(f"algorithm.objective: {error}") from error
+        raise ConfigError(str(error)) from error
     if server_parts:
         _check_robust_aggregator(config.robust)
     _check_codec(config.compression.up, "compression.up")
@@ -779,16 +785,13 @@ def _check_privacy_values(config: RunConfig) -> None:
             raise ConfigError(message)
 
 
-DP_SGD_BATCH_TERMS = {"feddecorr": "its penalty couples the examples of a batch, so no example has a gradient of its own",
-                      "fedrod": "its balanced softmax reads the class counts of all the client's examples, which the "
-                                "per-example clip does not cover"}
-
-
 def dp_sgd_refusals(config: RunConfig) -> list[str]:
     """Why ``config`` cannot run with ``privacy.dp_sgd`` on (empty: it can). DP-SGD bounds each
     example's influence on a step by clipping its own gradient; every setting below needs the
-    whole batch's gradient, or changes it outside the clip. (Models with BatchNorm, which mixes a
-    batch's examples, are refused by the client when it first trains: Opacus' ModuleValidator.)"""
+    whole batch's gradient, or changes it outside the clip: among them each objective term and
+    step rule that says its update couples the examples (``couples_examples``). (Models with
+    BatchNorm, which mixes a batch's examples, are refused by the client when it first trains:
+    Opacus' ModuleValidator.)"""
     from fedpart.common.algorithms import build_algorithm
 
     train = config.train
@@ -806,16 +809,11 @@ def dp_sgd_refusals(config: RunConfig) -> list[str]:
         algorithm = build_algorithm(config.algorithm.name, config.algorithm.options, config.algorithm.objective)
     except ValueError:
         return refusals  # the algorithm check reports it
-    for name, _ in algorithm.objective.terms:
-        if name in DP_SGD_BATCH_TERMS:
-            refusals.append(f"the objective term {name}: {DP_SGD_BATCH_TERMS[name]}")
-    rule, options = algorithm.objective.step_rule
-    if rule == "ditto":
-        refusals.append("algorithm ditto trains its personal model with gradients of its own, outside the per-example "
-                        "clip and noise")
-    if rule == "perfedavg" and options.get("hessian", False):
-        refusals.append("algorithm perfedavg with hessian: true takes a Hessian-vector product of the batch outside the "
-                        "per-example clip and noise: set hessian: false")
+    objective = algorithm.objective.build()
+    refusals += [f"the objective term {term.name}: {term.couples_examples}"
+                 for term in objective.terms if term.couples_examples]
+    if objective.step_rule.couples_examples:
+        refusals.append(f"algorithm {config.algorithm.name} {objective.step_rule.couples_examples}")
     return refusals
 
 
@@ -830,7 +828,7 @@ def dp_refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
     if config.train.weighting != "uniform":
         refusals.append(f"train.weighting {config.train.weighting!r} weighs a result by its self-reported sample "
                         "count, which the clip does not bound: set train.weighting: uniform")
-    if robust.aggregator != "mean":
+    if server_parts and not _aggregator_is_linear(robust.aggregator):
         refusals.append(f"robust.aggregator {robust.aggregator!r} is not a sum, so the noise calibrated to the "
                         "clip does not cover one client's influence on it: set robust.aggregator: mean")
     if robust.norm_bound:
@@ -845,13 +843,17 @@ def dp_refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
         refusals.append("dp-accounting's PLD accountant has no event for fixed-size sampling without replacement: "
                         "set privacy.dp.accountant: rdp, or sampling.scheme: poisson")
     up = config.compression.up
-    if up.codec == "topk" and up.options.get("error_feedback", True):
-        refusals.append("compression.up topk with error feedback keeps what a round did not send and adds it to a "
-                        "later upload, outside the round's clip: set compression.up.error_feedback: false")
-    if server_parts and needs_result_norms(config):
+    if getattr(_uplink_codec(config), "error_feedback", False):
+        refusals.append(f"compression.up {up.codec} with error feedback keeps what a round did not send and adds it "
+                        "to a later upload, outside the round's clip: set compression.up.error_feedback: false")
+    chosen = _server_optimizer_capabilities(config) if server_parts else frozenset()
+    if "needs_result_norms" in chosen:
         refusals.append(f"server_optimizer {config.server_optimizer.name} sets its step from each result's delta "
                         "norm, which is not noised: use plain, fedavgm, fedadam or fedyogi (steps on the noised mean "
                         "are post-processing)")
+    if "needs_result_counts" in chosen:
+        refusals.append(f"server_optimizer {config.server_optimizer.name} scales its step by the number of results, "
+                        "which is not noised")
     dp = config.privacy.dp
     if dp.adaptive_clip:
         if config.privacy.secure_aggregation:
@@ -865,13 +867,14 @@ def dp_refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
             dp.delta_noise_multiplier(expected)
         except ValueError as error:
             refusals.append(f"privacy.dp.adaptive_clip: {error}")
-    if "feddyn" in config.algorithm.objective:
-        refusals.append("algorithm.objective.feddyn brings a server step scaled by the number of results, which is "
-                        "not noised: remove the feddyn term")
     try:
         algorithm = build_algorithm(config.algorithm.name, config.algorithm.options, config.algorithm.objective)
     except ValueError:
         return refusals  # the algorithm check reports it
+    for term in algorithm.objective.build().terms:
+        if term.server_step and "needs_result_counts" in SERVER_OPTIMIZERS[term.server_step[0]].capabilities:
+            refusals.append(f"algorithm.objective.{term.name} brings a server step scaled by the number of results, "
+                            f"which is not noised: remove the {term.name} term")
     collected = algorithm.collected_parts
     if collected:
         refusals.append(f"algorithm {config.algorithm.name} uploads its {', '.join(collected)} values whole into a "
@@ -900,19 +903,20 @@ def secure_aggregation_refusals(config: RunConfig, server_parts: bool = True) ->
     """Why ``config`` cannot run with ``privacy.secure_aggregation`` on (empty: it can): the server
     receives only masked updates and learns their sum, so nothing may need one client's update."""
     from fedpart.common.algorithms import build_algorithm
+    from fedpart.common.codecs import lossless
 
     robust = config.robust
     refusals = []
-    if robust.aggregator != "mean":
+    if server_parts and not _aggregator_is_linear(robust.aggregator):
         refusals.append(f"robust.aggregator {robust.aggregator!r} needs every client's update, the server learns only "
                         "their sum: set robust.aggregator: mean")
     if robust.norm_bound:
         refusals.append("robust.norm_bound needs each update's norm, which the server cannot see: set "
                         "robust.norm_bound: 0 (each client clips its elements to privacy.secure_aggregation_bound)")
-    if config.compression.up.codec != "none":
+    if not lossless(_uplink_codec(config)):
         refusals.append(f"compression.up {config.compression.up.codec!r}: the masked update is a vector of the ring "
                         "of 2**32 that no codec may round: set compression.up.codec: none")
-    if server_parts and needs_result_norms(config):
+    if server_parts and "needs_result_norms" in _server_optimizer_capabilities(config):
         refusals.append(f"server_optimizer {config.server_optimizer.name} needs each result's delta norm, which the "
                         "server cannot see")
     if config.sampling.fraction * config.clients < 2 and config.sampling.probability is None:
@@ -927,14 +931,35 @@ def secure_aggregation_refusals(config: RunConfig, server_parts: bool = True) ->
     return refusals
 
 
-def needs_result_norms(config: RunConfig) -> bool:
-    """Whether the server optimizer ``config`` selects (a name, or a plug-in's path) declares that
-    its step reads each result's delta norm: its builder's ``needs_result_norms`` (FedExP's)."""
+def _server_optimizer_capabilities(config: RunConfig) -> frozenset[str]:
+    """The capabilities of the server optimizer ``config`` selects (a name, or a plug-in's path):
+    ``needs_result_norms`` (FedExP's), ``needs_result_counts``."""
     try:
-        component = SERVER_OPTIMIZERS.resolve(config.server_optimizer.name, "server_optimizer.name")
+        return SERVER_OPTIMIZERS.resolve(config.server_optimizer.name, "server_optimizer.name").capabilities
     except OptionError:
-        return False  # the server optimizer check reports it
-    return bool(getattr(component.build, "needs_result_norms", False))
+        return frozenset()  # the server optimizer check reports it
+
+
+def _aggregator_is_linear(name: str) -> bool:
+    """Whether the robust aggregator ``name`` (a name, or a plug-in's path) has the capability
+    ``linear``: it combines the deltas as their weighted mean, as a sum does."""
+    try:
+        return "linear" in ROBUST_AGGREGATORS.resolve(name, "robust.aggregator").capabilities
+    except OptionError:
+        return True  # the robust aggregator check reports it
+
+
+def _uplink_codec(config: RunConfig) -> Any:
+    """The codec ``compression.up`` builds (None: tensors travel raw; or where the codec check
+    reports it), whose capabilities (``error_feedback``, ``sparse``, ``lossless``) depend on
+    its options."""
+    from fedpart.common.codecs import build_codec
+
+    up = config.compression.up
+    try:
+        return build_codec(up.codec, up.options)
+    except (OptionError, KeyError):
+        return None
 
 
 def check_dp_accounting(config: RunConfig) -> None:
@@ -951,7 +976,8 @@ def _check_server_optimizer(config: RunConfig) -> None:
     section = config.server_optimizer
     section.options = _read_component(SERVER_OPTIMIZERS, section.name, section.options, "server_optimizer.",
                                       "server_optimizer.name")
-    if section.name == "plain" and not section.options:
+    default = ServerOptimizerConfig().name
+    if section.name == default and not section.options:
         return
     from fedpart.common.algorithms import build_algorithm
 
@@ -963,26 +989,16 @@ def _check_server_optimizer(config: RunConfig) -> None:
     if declared is not None:
         step = declared[0]
         source = f"algorithm.objective.{step}" if step in algorithm.objective else f"algorithm.name {algorithm.name!r}"
-        chosen = f"server_optimizer.name {section.name!r}" if section.name != "plain" else \
+        chosen = f"server_optimizer.name {section.name!r}" if section.name != default else \
             f"server_optimizer.{sorted(section.options)[0]}"
         raise ConfigError(f"{chosen} cannot be combined with {source}: the {step} objective term brings its own "
                           "server step (remove the server_optimizer settings)")
 
 
-def _check_algorithm_name(name: str) -> None:
-    """Refuse an ``algorithm.name`` that is not one of fedpart's algorithms (a run config cannot
-    name one by path); its options are checked with the model (``check_experiment``)."""
-    if name not in ALGORITHMS.selectable():
-        path = " (algorithms are chosen by built-in name only, not by a 'package.module:name' path)" \
-            if ":" in name else ""
-        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; known: "
-                          f"{', '.join(ALGORITHMS.selectable())}{path}")
-
-
 def _check_robust_aggregator(robust: RobustConfig) -> None:
     """Refuse a ``robust.aggregator`` that names no robust aggregator, and one whose declared
     options are not keys of the ``robust`` section (the server passes each option the section's
-    value of the same name) or whose values there it refuses."""
+    value of the same name) or whose values there its registry refuses."""
     name = robust.aggregator
     try:
         component = ROBUST_AGGREGATORS.resolve(name, "robust.aggregator")
@@ -991,19 +1007,24 @@ def _check_robust_aggregator(robust: RobustConfig) -> None:
         raise ConfigError(str(error) if ":" in name else f"robust.aggregator must be one of {known} (or a "
                           f"'package.module:name' path), got {name!r}") from error
     keys = [f.name for f in dataclasses.fields(RobustConfig) if f.name != "aggregator"]
-    values = {}
     for option in component.options:
         if option.name not in keys:
             raise ConfigError(f"robust.aggregator {name!r} declares the option {option.name!r}, which is not a key "
                               f"of the robust section (its options take the robust keys of the same name: "
                               f"{', '.join(keys)})")
-        try:
-            values[option.name] = option.take(getattr(robust, option.name), f"robust.{option.name}")
-        except OptionError as error:
-            raise ConfigError(f"{error} (robust.aggregator {name!r})") from error
-    problem = component.check(values) if component.check else None
-    if problem:
-        raise ConfigError(f"robust: {problem}")
+    try:
+        robust_aggregator_options(robust)
+    except OptionError as error:
+        raise ConfigError(f"{error} (robust.aggregator {name!r})") from error
+
+
+def robust_aggregator_options(robust: RobustConfig) -> dict[str, Any]:
+    """The options of the robust aggregator ``robust`` selects, typed and checked by its registry:
+    the values of the ``robust`` keys its options name (its options are those keys)."""
+    name = robust.aggregator
+    declared = ROBUST_AGGREGATORS.resolve(name, "robust.aggregator").options
+    return ROBUST_AGGREGATORS.read(name, {option.name: getattr(robust, option.name) for option in declared},
+                                   "robust.", "robust.aggregator")
 
 
 def _check_codec(section: CodecConfig, key: str) -> None:
@@ -1027,8 +1048,8 @@ def _read_component(registry: Registry, name: str, options: dict[str, Any], pref
 def config_from_dict(raw: dict[str, Any], server_parts: bool = True) -> RunConfig:
     """Validated config from a plain mapping. A client process reads the server's resolved config
     with ``server_parts=False``: the server checked it whole, and the parts only the server runs
-    (its robust aggregator and server optimizer, whose modules bring the server's fold) are not
-    imported into the client."""
+    (its robust aggregator and server optimizer, which a ``package.module:name`` path may bring
+    from a module the client machines need not have) are not resolved in the client."""
     config = _build(RunConfig, raw, "")
     _validate(config, server_parts)
     return config

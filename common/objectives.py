@@ -15,8 +15,9 @@ extra personal step. Per-client state (FedDyn's gradient estimate, Ditto's perso
 in ``ctx.state`` under ``<term>.<tensor>`` keys and persists between rounds on the client.
 
 An algorithm declares its own terms and step rule; ``algorithm.objective`` in the run config adds
-terms to any algorithm. Nothing here travels in the protocol: the client builds the same
-objective from the run config it receives at join.
+terms to any algorithm. Each term and step rule declares its options (:data:`TERMS`,
+:data:`STEP_RULES`), read by :meth:`~fedpart.common.registry.Registry.read`. Nothing here travels
+in the protocol: the client builds the same objective from the run config it receives at join.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedpart.common.registry import STEP_RULES, TERMS, Options, Registry, describe
+from fedpart.common.registry import STEP_RULES, TERMS, Option, describe, finite_positive, non_negative
 from fedpart.common.split_model import ModelOutput, SplitModel
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -57,11 +58,13 @@ class ObjectiveContext:
 
 
 class Term:
-    """A piece of the local loss; every hook is optional."""
+    """A piece of the local loss; every hook is optional. ``couples_examples`` says why the
+    term's gradient is not a sum of per-example gradients ("" where it is)."""
 
     name = ""
     replaces_data_loss = False
     server_step: tuple[str, dict[str, Any]] | None = None  # the server step the term needs
+    couples_examples = ""
 
     def begin(self, ctx: ObjectiveContext) -> None:
         """Before the first step (anchors, per-client state)."""
@@ -87,8 +90,8 @@ class Proximal(Term):
 
     name = "proximal"
 
-    def __init__(self, o: Options) -> None:
-        self.mu = o.non_negative("mu", 0.01)
+    def __init__(self, mu: float = 0.01) -> None:
+        self.mu = mu
 
     def begin(self, ctx: ObjectiveContext) -> None:
         self.pairs = [(p, a) for _, p, a in ctx.anchored()] if self.mu else []
@@ -105,8 +108,8 @@ class FedDyn(Term):
 
     name = "feddyn"
 
-    def __init__(self, o: Options) -> None:
-        self.alpha = o.positive("alpha", 0.01)  # the server step divides by it
+    def __init__(self, alpha: float = 0.01) -> None:
+        self.alpha = alpha  # the server step divides by it
         self.server_step = ("feddyn", {"alpha": self.alpha})
 
     def begin(self, ctx: ObjectiveContext) -> None:
@@ -134,9 +137,10 @@ class FedDecorr(Term):
 
     name = "feddecorr"
     EPS = 1e-5
+    couples_examples = "its penalty couples the examples of a batch, so no example has a gradient of its own"
 
-    def __init__(self, o: Options) -> None:
-        self.beta = o.non_negative("beta", 0.1)
+    def __init__(self, beta: float = 0.1) -> None:
+        self.beta = beta
 
     def loss(self, ctx: ObjectiveContext, out: ModelOutput, y: torch.Tensor) -> torch.Tensor | None:
         return self.beta * decorrelation_penalty(out.features, self.EPS) if len(out.features) > 1 else None
@@ -159,9 +163,8 @@ class FedRoDLoss(Term):
     name = "fedrod"
     replaces_data_loss = True
     PART = "personal_head"
-
-    def __init__(self, o: Options) -> None:
-        pass
+    couples_examples = ("its balanced softmax reads the class counts of all the client's examples, which the "
+                        "per-example clip does not cover")
 
     def begin(self, ctx: ObjectiveContext) -> None:
         if self.PART not in ctx.model.parts:
@@ -179,9 +182,11 @@ class FedRoDLoss(Term):
 
 
 class StepRule:
-    """One local update per batch; ``begin``/``end`` as for terms."""
+    """One local update per batch; ``begin``/``end`` as for terms, ``couples_examples`` too (why
+    its update is not built from per-example gradients alone; "" where it is)."""
 
     name = ""
+    couples_examples = ""
 
     def begin(self, ctx: ObjectiveContext) -> None:
         """Before the first step."""
@@ -206,9 +211,6 @@ class SGDStep(StepRule):
 
     name = "sgd"
 
-    def __init__(self, o: Options) -> None:
-        pass
-
 
 class PerFedAvgStep(StepRule):
     """Per-FedAvg (Fallah et al., NeurIPS 2020): batches come in pairs; the first takes a step of
@@ -219,10 +221,12 @@ class PerFedAvgStep(StepRule):
 
     name = "perfedavg"
 
-    def __init__(self, o: Options) -> None:
-        self.alpha = o.non_negative("alpha", 0.01)
-        self.beta = o.non_negative("beta", 0.001)
-        self.hessian = o.get("hessian", False, bool)
+    def __init__(self, alpha: float = 0.01, beta: float = 0.001, hessian: bool = False) -> None:
+        self.alpha = alpha
+        self.beta = beta
+        self.hessian = hessian
+        self.couples_examples = ("with hessian: true takes a Hessian-vector product of the batch outside the "
+                                 "per-example clip and noise: set hessian: false") if hessian else ""
 
     def begin(self, ctx: ObjectiveContext) -> None:
         self.saved: list[torch.Tensor] | None = None
@@ -274,9 +278,10 @@ class DittoStep(StepRule):
     the client, and evaluation and personalization start from it."""
 
     name = "ditto"
+    couples_examples = "trains its personal model with gradients of its own, outside the per-example clip and noise"
 
-    def __init__(self, o: Options) -> None:
-        self.lam = o.non_negative("lambda", 0.1)
+    def __init__(self, lam: float) -> None:
+        self.lam = lam
 
     def begin(self, ctx: ObjectiveContext) -> None:
         prefix = f"{self.name}."
@@ -306,22 +311,28 @@ class DittoStep(StepRule):
         return {name[len(prefix):]: value for name, value in state.items() if name.startswith(prefix)}
 
 
-for _piece in (Proximal, FedDyn, FedDecorr, FedRoDLoss):
-    TERMS.add(TERMS.component(_piece.name, describe(_piece), _piece))
-for _piece in (SGDStep, PerFedAvgStep, DittoStep):
-    STEP_RULES.add(STEP_RULES.component(_piece.name, describe(_piece), _piece))
+_NON_NEGATIVE = "must be >= 0"
+MU = Option("mu", float, "weight of the proximal pull towards the global model", non_negative, _NON_NEGATIVE)
+"""FedProx's ``mu`` (the proximal term's, and the option of the algorithms that bring it)."""
+PERFEDAVG_OPTIONS = (
+    Option("alpha", float, "step size of the first batch of a pair (to w')", non_negative, _NON_NEGATIVE),
+    Option("beta", float, "step size of the update of w", non_negative, _NON_NEGATIVE),
+    Option("hessian", bool, "the Hessian-free variant: (I - alpha H(w)) g(w')"))
+"""Per-FedAvg's options (the step rule's, and the algorithm's)."""
+DITTO_LAMBDA = Option("lambda", float, "pull of the personal model towards the global one", non_negative,
+                      _NON_NEGATIVE, 0.1)
+"""Ditto's ``lambda`` (the step rule's, and the algorithm's; a keyword in Python, so declared with its default)."""
 
-
-def _build(kind: str, registry: Registry, name: str, options: Mapping[str, Any] | None, prefix: str) -> Any:
-    known = registry.builtin()
-    if name not in known:
-        raise ValueError(f"unknown {kind} {name!r}; known: {sorted(known)}")
-    if not isinstance(options, Mapping) and options is not None:
-        raise ValueError(f"{prefix}: the options of {kind} {name!r} must be a mapping, got {options!r}")
-    reader = Options(f"{prefix}.", f"{kind} {name}", options or {})
-    built = known[name].build(reader)
-    reader.done()
-    return built
+TERMS.register(Proximal.name, describe(Proximal), MU)(Proximal)
+TERMS.register(FedDyn.name, describe(FedDyn),
+               Option("alpha", float, "weight of the dynamic regularizer; the server step divides by it",
+                      finite_positive, "must be > 0"))(FedDyn)
+TERMS.register(FedDecorr.name, describe(FedDecorr),
+               Option("beta", float, "weight of the decorrelation penalty", non_negative, _NON_NEGATIVE))(FedDecorr)
+TERMS.register(FedRoDLoss.name, describe(FedRoDLoss))(FedRoDLoss)
+STEP_RULES.register(SGDStep.name, describe(SGDStep))(SGDStep)
+STEP_RULES.register(PerFedAvgStep.name, describe(PerFedAvgStep), *PERFEDAVG_OPTIONS)(PerFedAvgStep)
+STEP_RULES.register(DittoStep.name, describe(DittoStep), DITTO_LAMBDA)(lambda **o: DittoStep(o["lambda"]))
 
 
 @dataclass
@@ -364,10 +375,10 @@ class ObjectiveSpec:
     step_rule: tuple[str, Mapping[str, Any]] = ("sgd", {})
 
     def build(self) -> Objective:
-        """Fresh term and step-rule objects for one local training run."""
-        return Objective(tuple(_build("objective term", TERMS, name, options, f"algorithm.objective.{name}")
-                               for name, options in self.terms),
-                         _build("step rule", STEP_RULES, *self.step_rule, "algorithm"))
+        """Fresh term and step-rule objects for one local training run (the options as
+        :func:`checked` read them)."""
+        return Objective(tuple(TERMS.build(name, options) for name, options in self.terms),
+                         STEP_RULES.build(*self.step_rule))
 
     def with_terms(self, terms: Mapping[str, Mapping[str, Any] | None]) -> "ObjectiveSpec":
         """This objective plus ``terms`` (``algorithm.objective`` of the run config), validated."""
@@ -375,7 +386,8 @@ class ObjectiveSpec:
         clash = sorted(have & set(terms))
         if clash:
             raise ValueError(f"algorithm.objective: the algorithm already has the term(s) {clash}")
-        return checked(ObjectiveSpec(self.terms + tuple((n, o or {}) for n, o in terms.items()), self.step_rule))
+        return checked(ObjectiveSpec(self.terms + tuple((n, {} if o is None else o) for n, o in terms.items()),
+                                     self.step_rule))
 
     @property
     def server_step(self) -> tuple[str, dict[str, Any]] | None:
@@ -385,7 +397,14 @@ class ObjectiveSpec:
 
 
 def checked(spec: ObjectiveSpec) -> ObjectiveSpec:
-    """``spec`` once every term and the step rule build with their options (else a ValueError)."""
+    """``spec`` with the options of every term (at ``algorithm.objective.<term>``) and of the step
+    rule (at ``algorithm``, whose options they are) read by their registries, once the pieces
+    combine (else a ValueError naming the setting)."""
+    rule, rule_options = spec.step_rule
+    spec = ObjectiveSpec(tuple((name, TERMS.read(name, options, f"algorithm.objective.{name}.",
+                                                 f"algorithm.objective.{name}"))
+                               for name, options in spec.terms),
+                         (rule, STEP_RULES.read(rule, rule_options, "algorithm.", "algorithm")))
     objective = spec.build()
     if sum(t.replaces_data_loss for t in objective.terms) > 1:
         raise ValueError("algorithm.objective: at most one term may replace the data loss "
@@ -393,8 +412,3 @@ def checked(spec: ObjectiveSpec) -> ObjectiveSpec:
     if sum(t.server_step is not None for t in objective.terms) > 1:
         raise ValueError("algorithm.objective: at most one term may choose the server step")
     return spec
-
-
-def check_objective(terms: Mapping[str, Any]) -> None:
-    """Validate ``algorithm.objective`` of a run config (term names and options)."""
-    ObjectiveSpec().with_terms(terms)

@@ -46,12 +46,13 @@ class RunOutcome(IntEnum):
 @dataclass(frozen=True)
 class Phase:
     """A stretch of local training in which the ``trainable`` schedule units (body units and/or
-    ``head``) train. FedBug's gradual unfreezing (Kao & Wang 2023): with ``unfreeze_fraction``
-    > 0 the listed units unfreeze one by one, in order, over that fraction of the phase's steps."""
+    ``head``) train. ``params``: named numbers the algorithm's unit schedule reads on the client
+    (``fedpart.common.algorithms.UnitSchedule``; FedBug's ``unfreeze_fraction``: the listed units
+    unfreeze one by one, in order, over that fraction of the phase's steps)."""
 
     epochs: int
     trainable: tuple[str, ...]
-    unfreeze_fraction: float = 0.0
+    params: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

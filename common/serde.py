@@ -30,8 +30,7 @@ from fedpart.proto import fedpart_pb2 as pb
 
 def train_plan_message(plan: TrainPlan) -> pb.TrainPlan:
     return pb.TrainPlan(
-        phases=[pb.Phase(epochs=p.epochs, trainable=list(p.trainable), unfreeze_fraction=p.unfreeze_fraction)
-                for p in plan.phases],
+        phases=[pb.Phase(epochs=p.epochs, trainable=list(p.trainable), params=dict(p.params)) for p in plan.phases],
         lr=plan.lr, momentum=plan.momentum, weight_decay=plan.weight_decay, batch_size=plan.batch_size,
         grad_clip=plan.grad_clip, upload_deltas=list(plan.upload_deltas), upload_values=list(plan.upload_values),
         seed=plan.seed,
@@ -40,7 +39,7 @@ def train_plan_message(plan: TrainPlan) -> pb.TrainPlan:
 
 def train_plan(message: pb.TrainPlan) -> TrainPlan:
     return TrainPlan(
-        phases=tuple(Phase(p.epochs, tuple(p.trainable), p.unfreeze_fraction) for p in message.phases),
+        phases=tuple(Phase(p.epochs, tuple(p.trainable), dict(p.params)) for p in message.phases),
         lr=message.lr, batch_size=message.batch_size, momentum=message.momentum,
         weight_decay=message.weight_decay, grad_clip=message.grad_clip,
         upload_deltas=tuple(message.upload_deltas), upload_values=tuple(message.upload_values), seed=message.seed,

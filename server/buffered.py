@@ -53,10 +53,10 @@ from fedpart.common.plans import ResultInfo, TaskKind
 from fedpart.common.protocol import Rejected
 from fedpart.server.accounting import DIRECTIONS, ByteLedger
 from fedpart.server.coordinator import Coordinator, EngineSteps, TaskFolding
-from fedpart.server.policy import Screened
+from fedpart.server.policy import RoundResults, Screened
 from fedpart.server.registry import REAP_INTERVAL_SECONDS
 from fedpart.server.robust import ResultRefused, scaled
-from fedpart.server.run_recorder import RoundResults, VersionNotes
+from fedpart.server.run_recorder import VersionNotes
 from fedpart.server.run_state import RunState
 from fedpart.server.task_board import DeliveryCounts, Task
 from fedpart.server.virtual_clock import VirtualClock

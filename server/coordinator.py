@@ -51,9 +51,9 @@ from fedpart.server.accounting import DIRECTIONS, PROCESS, ByteLedger
 from fedpart.server.aggregation import HeadDictionary
 from fedpart.server.final_evaluation import FinalEvaluation
 from fedpart.server.registry import REAP_INTERVAL_SECONDS, ProcessRegistry
-from fedpart.server.policy import Folding, Policy, RoundFailed, Screened, build_policy
+from fedpart.server.policy import Folding, Policy, RoundFailed, RoundResults, Screened, build_policy
 from fedpart.server.robust import ResultRefused
-from fedpart.server.run_recorder import RoundResults, RunRecorder
+from fedpart.server.run_recorder import RunRecorder
 from fedpart.server.run_state import EARLIER_ROUNDS, ResumeError, RunState
 from fedpart.server.sampling import round_target, sample_clients
 from fedpart.server.task_board import Task, TaskBoard

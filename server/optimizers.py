@@ -13,10 +13,12 @@ with the same numbers. A stateful optimizer keeps a tensor's old state when that
 value is not finite: the round engine never installs such a value, and the state stays that of
 the global tensor that is kept.
 
-Each optimizer registers in :data:`fedpart.common.registry.SERVER_OPTIMIZERS` with its options
-(defaults in its constructor); ``server_optimizer`` in the run config selects one by name or by
-``package.module:name`` (a new optimizer is one module). FedDyn's step is not chosen there: the
-FedDyn objective term declares it (``Algorithm.server_step``).
+Each optimizer is declared in :data:`fedpart.common.registry.SERVER_OPTIMIZERS` with its options
+and capabilities (:mod:`fedpart.common.server_parts`, which the run config's check reads) and
+implemented here (its constructor's defaults are the declared ones); ``server_optimizer`` in the
+run config selects one by name or by ``package.module:name`` (a new optimizer from outside fedpart
+is one module). FedDyn's step is not chosen there: the FedDyn objective term declares it
+(``Algorithm.server_step``).
 """
 
 from __future__ import annotations
@@ -28,15 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from fedpart.common.registry import SERVER_OPTIMIZERS, Option, finite_positive
-
-_POSITIVE = "must be a finite number > 0"
-_LR = Option("lr", float, "server learning rate", finite_positive, _POSITIVE)
-_TAU = Option("tau", float, "adaptivity: added to the root of the second moment", finite_positive, _POSITIVE)
-
-
-def _beta(name: str, help: str) -> Option:
-    return Option(name, float, help, lambda value: 0 <= value < 1, "must be in [0, 1)")
+from fedpart.common.registry import SERVER_OPTIMIZERS
 
 
 @dataclass(frozen=True)
@@ -72,6 +66,7 @@ class ServerOptimizer:
 
     name: ClassVar[str] = ""
     needs_result_norms: ClassVar[bool] = False  # whether ``step`` reads ``RoundDelta.second_moment``
+    needs_result_counts: ClassVar[bool] = False  # whether ``step`` reads ``RoundDelta.results``
 
     def step(self, global_state: Mapping[str, torch.Tensor], delta: RoundDelta) -> dict[str, torch.Tensor]:
         """The new value of every global tensor in ``delta.mean``."""
@@ -91,7 +86,7 @@ class ServerOptimizer:
             raise ValueError(f"server optimizer {self.name} has no state, got {sorted(state)[:3]}")
 
 
-@SERVER_OPTIMIZERS.register("plain", "new = old + lr * d: FedAvg's averaging at lr 1.", _LR)
+@SERVER_OPTIMIZERS.implement("plain")
 class Plain(ServerOptimizer):
     """``new = old + lr * d``: FedAvg's averaging at ``lr`` 1 (McMahan et al., AISTATS 2017), a
     server learning rate otherwise. No state."""
@@ -148,8 +143,7 @@ class StatefulOptimizer(ServerOptimizer):
         self._state = {key: value.to(torch.float64) for key, value in state.items()}
 
 
-@SERVER_OPTIMIZERS.register("fedavgm", "Server momentum (FedAvgM, Hsu et al. 2019).", _LR,
-                             _beta("beta", "momentum"))
+@SERVER_OPTIMIZERS.implement("fedavgm")
 class FedAvgM(StatefulOptimizer):
     """Server momentum (FedAvgM, Hsu et al., "Measuring the Effects of Non-Identical Data
     Distribution for Federated Visual Classification", 2019): ``v <- beta v + d``,
@@ -169,8 +163,7 @@ class FedAvgM(StatefulOptimizer):
         return self.lr * momentum, {"momentum": momentum}
 
 
-@SERVER_OPTIMIZERS.register("fedadam", "FedAdam (Reddi et al., ICLR 2021), without bias correction.", _LR,
-                             _beta("beta1", "first-moment decay"), _beta("beta2", "second-moment decay"), _TAU)
+@SERVER_OPTIMIZERS.implement("fedadam")
 class FedAdam(StatefulOptimizer):
     """FedAdam (Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2):
     ``m <- beta1 m + (1 - beta1) d``, ``v <- beta2 v + (1 - beta2) d^2``,
@@ -204,8 +197,7 @@ class FedAdam(StatefulOptimizer):
         return self.lr * m / (v.sqrt() + self.tau), {"m": m, "v": v}
 
 
-@SERVER_OPTIMIZERS.register("fedyogi", "FedYogi (Reddi et al., ICLR 2021): FedAdam with Yogi's second moment.", _LR,
-                             _beta("beta1", "first-moment decay"), _beta("beta2", "second-moment decay"), _TAU)
+@SERVER_OPTIMIZERS.implement("fedyogi")
 class FedYogi(FedAdam):
     """FedYogi (Reddi et al., ICLR 2021, Algorithm 2): FedAdam with Yogi's second moment
     ``v <- v - (1 - beta2) d^2 sign(v - d^2)``, which grows ``v`` only as fast as ``d^2`` needs;
@@ -217,8 +209,7 @@ class FedYogi(FedAdam):
         return v - squared * (1 - self.beta2) * torch.sign(v - squared)
 
 
-@SERVER_OPTIMIZERS.register("fedexp", "FedExP (Jhunjhunwala et al., ICLR 2023): an extrapolated step size.",
-                             Option("eps", float, "added to the squared norm of the mean", finite_positive, _POSITIVE))
+@SERVER_OPTIMIZERS.implement("fedexp")
 class FedExp(ServerOptimizer):
     """FedExp (Jhunjhunwala, Wang & Joshi, "FedExP: Speeding Up Federated Averaging via
     Extrapolation", ICLR 2023): ``new = old + eta d`` with the adaptive step size
@@ -256,10 +247,7 @@ class FedExp(ServerOptimizer):
         return {} if self.last_step_size is None else {"step_size": self.last_step_size}
 
 
-@SERVER_OPTIMIZERS.register("feddyn", "FedDyn's server step (Acar et al., ICLR 2021).",
-                             Option("alpha", float, "FedDyn's alpha", finite_positive, _POSITIVE),
-                             not_by_name="FedDyn's server step comes with its objective term, "
-                                         "algorithm.objective.feddyn")
+@SERVER_OPTIMIZERS.implement("feddyn")
 class FedDyn(StatefulOptimizer):
     """FedDyn's server step (Acar et al., "Federated Learning Based on Dynamic Regularization",
     ICLR 2021, Algorithm 1): ``h <- h - alpha (|P| / m) d``, ``new = old + d - h / alpha``, with
@@ -269,6 +257,7 @@ class FedDyn(StatefulOptimizer):
 
     name = "feddyn"
     kinds = ("h",)
+    needs_result_counts = True
 
     def __init__(self, alpha: float, clients: int) -> None:
         super().__init__()

@@ -24,7 +24,7 @@ import torch
 from fedpart.common.config import RunConfig
 from fedpart.common.data.datasets import load_dataset
 from fedpart.common.data.partition import make_partition
-from fedpart.common.registry import ROBUST_AGGREGATORS, Option
+from fedpart.common.registry import ROBUST_AGGREGATORS
 from fedpart.server.aggregation import CoordinateMedian, CoordinateTrimmedMean, WeightedMean
 from fedpart.server.insiders import Observation
 
@@ -209,13 +209,6 @@ def partition_sizes(config: RunConfig) -> PartitionSizes:
     return PartitionSizes([len(split.train) for split in splits], [len(split.test) for split in splits])
 
 
-ROBUST_AGGREGATORS.register("mean", "The streaming weighted mean (train.weighting), folded as results arrive.")(
-    WeightedMean)
-ROBUST_AGGREGATORS.register("median", "The coordinate-wise median of the round's deltas (Yin et al., ICML 2018).")(
-    CoordinateMedian)
-ROBUST_AGGREGATORS.register(
-    "trimmed_mean", "The coordinate-wise mean without the largest and smallest values (Yin et al., ICML 2018).",
-    Option("trim_fraction", float, "robust.trim_fraction: share cut at each end of every coordinate",
-           lambda value: 0 <= value < 0.5, "must be in [0, 0.5)"))(CoordinateTrimmedMean)
-
-
+ROBUST_AGGREGATORS.implement("mean")(WeightedMean)  # declared in fedpart.common.server_parts
+ROBUST_AGGREGATORS.implement("median")(CoordinateMedian)
+ROBUST_AGGREGATORS.implement("trimmed_mean")(CoordinateTrimmedMean)

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from fedpart.common.algorithms import learning_rate
 from fedpart.common.config import RunConfig
 from fedpart.common.records import RoundRecord
 from fedpart.server.accounting import ByteLedger
-from fedpart.server.policy import Policy, RoundAggregate
-from fedpart.server.robust import RobustCounts
+from fedpart.server.policy.aggregate import RoundResults
+from fedpart.server.policy.base import Policy
 from fedpart.server.task_board import DeliveryCounts, TaskBoard
 from fedpart.server.virtual_clock import VirtualClock
 
@@ -46,16 +46,6 @@ class VersionNotes:
     delivery: DeliveryCounts
     virtual: tuple[float, float] | None
     buffered: dict
-
-
-@dataclass
-class RoundResults:
-    """What one round has collected so far."""
-
-    deltas: RoundAggregate
-    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    samples: dict[int, int] = field(default_factory=dict)
-    robust: RobustCounts = field(default_factory=RobustCounts)
 
 
 class RunRecorder:

@@ -338,7 +338,7 @@ def test_subset_sizes_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"train_samples must be an integer in 1\.\.1438"):
         load_dataset("digits", None, train_samples=1439)
     for bad in (0, -3, 2.5, True, "10"):
-        with pytest.raises(ValueError, match="test_samples.*positive integer"):
+        with pytest.raises(ValueError, match="test_samples( must be a positive integer|: expected an integer)"):
             load_dataset("digits", None, test_samples=bad)
     _write_fake_mnist(tmp_path, n_train=20, n_test=10)
     ds = load_dataset("mnist", tmp_path, train_samples=10, test_samples=5, normalize=True)

@@ -66,6 +66,26 @@ def test_the_components_page_matches_the_registries():
         "regenerate it: python -m fedpart.common.reference --markdown > docs/components.md"
 
 
+def test_the_components_page_lists_every_option_and_capability_of_every_component():
+    """Every kind declares its options (algorithms, objective terms and step rules included, e.g.
+    FedBug's gu_ratio) and the page shows each in its component's section, with its capabilities."""
+    from fedpart.common.registry import KINDS
+
+    page = (DOCS / "components.md").read_text()
+    listed = 0
+    for kind, registry in KINDS.items():
+        chapter = page.split(f"\n## {kind.capitalize()}s\n", 1)[1].split("\n## ", 1)[0]
+        for name, component in registry.builtin().items():
+            section = chapter.split(f"\n### `{name}`\n", 1)[1].split("\n### ", 1)[0]
+            for option in component.options:
+                assert f"| `{option.name}` | {option.kind.__name__} |" in section, (kind, name, option.name)
+                listed += 1
+            for capability in component.capabilities:
+                assert f"`{capability}`" in section, (kind, name, capability)
+    assert "| `gu_ratio` | float | `0.2` |" in page.split("\n### `fedbug`\n", 1)[1].split("\n### ", 1)[0]
+    assert listed >= 40
+
+
 ROBUST_PLUGIN = '''
 from fedpart.api import ROBUST_AGGREGATORS
 from fedpart.server.aggregation import WeightedMean
@@ -104,9 +124,9 @@ def test_what_the_components_page_says_each_kind_takes_is_what_a_run_config_take
     assert "A `package.module:name` path to a\n`fedpart.api.Component` selects a component" not in page
     plugins = {"codec": "plugin_codec:fixed_point", "server optimizer": "plugin_optimizer:signed",
                "robust aggregator": "docs_robust_plugin:mean_again", "model": "custom_components:regression_model",
-               "dataset": "custom_components:regression_dataset"}
-    expected = {BY_COMPONENT: {"codec", "server optimizer", "robust aggregator"}, BY_FUNCTION: {"model", "dataset"},
-                BY_NAME: {"algorithm", "objective term", "step rule", "partition scheme"}}
+               "dataset": "custom_components:regression_dataset", "algorithm": "plugin_algorithm:head_warmup"}
+    expected = {BY_COMPONENT: {"codec", "server optimizer", "robust aggregator", "algorithm"},
+                BY_FUNCTION: {"model", "dataset"}, BY_NAME: {"objective term", "step rule", "partition scheme"}}
     for paths, kinds in expected.items():
         assert {kind for kind, registry in KINDS.items() if registry.paths == paths} == kinds
     for kind, registry in KINDS.items():

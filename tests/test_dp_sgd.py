@@ -20,6 +20,7 @@ from torch import nn
 from fedpart.client import dp_sgd as dpsgd
 from fedpart.client.local_data import ClientData
 from fedpart.client.training import train_local
+from fedpart.common.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
 from fedpart.common.config import ConfigError, DPSGDConfig, config_from_dict
 from fedpart.common.models.zoo import build_model, unit_forward_flops
 from fedpart.common.plans import Phase, TrainPlan
@@ -44,7 +45,8 @@ def _model():
 
 
 def _train(model, data, plan, config: DPSGDConfig | None):
-    outcome = train_local(model, data, plan, F.cross_entropy, {}, unit_forward_flops(model, SHAPE), dp_sgd=config)
+    outcome = train_local(model, data, plan, F.cross_entropy, {}, unit_forward_flops(model, SHAPE), dp_sgd=config,
+                          unit_schedule=gradual_unfreezing)
     return outcome, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -142,7 +144,7 @@ def test_frozen_units_stay_frozen_and_a_head_only_phase_trains():
     leftovers = [name for name, p in model.named_parameters() if hasattr(p, "grad_sample") or hasattr(p, "summed_grad")]
     assert not leftovers and not any(hasattr(m, "activations") for m in model.modules())
     # FedBug's gradual unfreezing: the hooks follow the trainable set, every unit ends up trained
-    plan = TrainPlan(phases=(Phase(2, ("head", "fc2", "fc1"), unfreeze_fraction=0.5),), lr=0.1, batch_size=10, seed=4)
+    plan = TrainPlan(phases=(Phase(2, ("head", "fc2", "fc1"), {UNFREEZE_FRACTION: 0.5}),), lr=0.1, batch_size=10, seed=4)
     _, trained = _train(_model(), data, plan, DPSGDConfig(enabled=True, noise_seed=1))
     assert all(not torch.equal(trained[name], start[name]) for name in start)
 

@@ -20,6 +20,7 @@ from fedpart.client.local_data import ClientData
 from fedpart.client.placement import Transfers, resolve_device, resolve_devices
 from fedpart.client.speed import TrainingSpeed
 from fedpart.client.training import train_local
+from fedpart.common.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
 from fedpart.common.checkpoint import load_tensors
 from fedpart.common.config import config_from_dict
 from fedpart.common.data.augment import build_augment
@@ -139,17 +140,19 @@ def test_the_training_loop_never_waits_for_the_gpu_per_step(options):
         model = build_model("cnn4", num_classes=10, input_shape=IMAGE, seed=0).to(GPU)
         speed = speed_for(model, options)
         data = speed.place(gpu_data(40))
-        plan = TrainPlan(phases=(Phase(epochs, tuple(model.schedule_units), 0.5),), lr=0.05, momentum=0.9,
+        plan = TrainPlan(phases=(Phase(epochs, tuple(model.schedule_units), {UNFREEZE_FRACTION: 0.5}),), lr=0.05,
+                         momentum=0.9,
                          batch_size=10, seed=5, grad_clip=1.0)
         flops = unit_forward_flops(model, IMAGE)
-        train_local(model, data, plan, F.cross_entropy, {}, flops, speed=speed)  # warm-up (compiles, allocates)
+        train_local(model, data, plan, F.cross_entropy, {}, flops, speed=speed,  # warm-up (compiles, allocates)
+                    unit_schedule=gradual_unfreezing)
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 train_local(model, data, plan, F.cross_entropy, {}, flops, speed=speed,
-                            augment=build_augment("crop_flip", 1))
+                            augment=build_augment("crop_flip", 1), unit_schedule=gradual_unfreezing)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return sum("synchroniz" in str(w.message) for w in caught)

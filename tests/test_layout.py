@@ -1,8 +1,9 @@
 """The import graph between the project's folders (docs/architecture.md, Layout): every import,
 at module level or inside a function, goes down the layers (proto < common < server, client <
 api < deploy, report < cli < the package root), two folders of one layer never import each other
-(server and client, deploy and report), and no two modules import each other through any chain
-(no cycle)."""
+(server and client, deploy and report), no two modules import each other through any chain
+(no cycle), and nothing goes up at run time either (``common`` names no server module to import
+by name, and validating a config with the server's parts loads none)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,55 @@ def test_a_client_process_imports_nothing_of_the_server():
     modules bring the server's compiled fold) stays out of a client reading the server's config."""
     out = subprocess.run([sys.executable, "-c", CLIENT_SIDE], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_common_names_no_server_module_to_import_at_run_time():
+    """No string in common/ is a server module's dotted name (a registry's home, an importlib
+    target): what common imports by name stays in common."""
+    named = []
+    for path in (REPO / "common").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value.split(":")[0].startswith(f"{PACKAGE}.server") and " " not in node.value:
+                named.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value}")
+    assert not named, "common/ names server modules:\n" + "\n".join(named)
+
+
+COMMON_AT_RUN_TIME = """
+import importlib, json, pkgutil, sys
+import fedpart.common
+for module in pkgutil.walk_packages(fedpart.common.__path__, "fedpart.common."):
+    importlib.import_module(module.name)
+from fedpart.common.config import ConfigError, RunConfig, config_from_dict
+from fedpart.common.experiment import check_experiment
+raw = json.loads(RunConfig().to_json())
+raw.update(server_optimizer={"name": "fedadam", "lr": 0.1}, robust={**raw["robust"], "aggregator": "trimmed_mean"})
+check_experiment(config_from_dict(raw), server_data=True)
+raw.update(server_optimizer={"name": "fedexp"}, robust={**raw["robust"], "aggregator": "mean"},
+           train={**raw["train"], "weighting": "uniform"}, privacy={**raw["privacy"], "secure_aggregation": True})
+try:
+    config_from_dict(raw)
+except ConfigError as error:
+    print("refused:", error)
+raw["algorithm"] = {"name": "fedavg", "objective": {"feddyn": {"alpha": 0.1}}}
+raw["server_optimizer"] = {"name": "plain"}
+raw["privacy"] = {**raw["privacy"], "secure_aggregation": False, "dp": {**raw["privacy"]["dp"], "enabled": True}}
+try:
+    config_from_dict(raw)
+except ConfigError as error:
+    print("refused:", error)
+print(sorted(m for m in sys.modules if m.startswith("fedpart.server")))
+"""
+
+
+def test_common_and_a_config_with_server_parts_load_no_server_module():
+    """Every module of common imported, a config that names server parts (a server optimizer with
+    options, a robust aggregator) validated and checked whole, and the refusals that ask those
+    parts' capabilities (FedExP's result norms, FedDyn's result counts) made: no module of the
+    server is loaded."""
+    out = subprocess.run([sys.executable, "-c", COMMON_AT_RUN_TIME], capture_output=True, text=True, timeout=300,
+                         check=True)
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("refused: privacy.secure_aggregation: server_optimizer fedexp needs each result's")
+    assert lines[1].startswith("refused: privacy.dp: algorithm.objective.feddyn brings a server step")
+    assert lines[-1] == "[]"

@@ -214,10 +214,10 @@ def test_unknown_model_lists_names() -> None:
 @pytest.mark.parametrize(
     ("name", "options", "pattern"),
     [
-        ("cnn2", {"hidden": 10}, "'hidden'"),
-        ("mlp", {"width": 10}, "'width'.*'hidden'"),
-        ("mlp", {"hidden": 0}, "'hidden'"),
-        ("resnet18", {"units": "layer"}, "'units'"),
+        ("cnn2", {"hidden": 10}, "model.hidden: not an option of model 'cnn2'"),
+        ("mlp", {"width": 10}, r"model.width: not an option of model 'mlp'; known: \['hidden'\]"),
+        ("mlp", {"hidden": 0}, "model.hidden must be a positive integer"),
+        ("resnet18", {"units": "layer"}, "model.units must be 'stage' or 'block'"),
     ],
 )
 def test_bad_options(name: str, options: dict[str, object], pattern: str) -> None:

@@ -228,9 +228,9 @@ def test_augment_transforms_every_training_batch():
 
 @pytest.mark.parametrize("objective, message", [
     ({"fedddyn": {}}, "unknown objective term 'fedddyn'"),
-    ({"feddyn": {"alpah": 0.1}}, r"unknown option\(s\) \['alpah'\]"),
+    ({"feddyn": {"alpah": 0.1}}, r"algorithm.objective.feddyn.alpah: not an option of objective term 'feddyn'"),
     ({"feddyn": {"alpha": "x"}}, r"algorithm.objective.feddyn.alpha"),
-    ({"feddyn": {"alpha": 0}}, r"algorithm.objective.feddyn.alpha for objective term feddyn must be > 0"),
+    ({"feddyn": {"alpha": 0}}, r"algorithm.objective.feddyn.alpha must be > 0"),
     ({"feddecorr": {"beta": -1.0}}, "must be >= 0"),
     ({"feddyn": 3}, "must be a mapping"),
 ])

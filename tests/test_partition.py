@@ -175,17 +175,17 @@ def test_regression_targets_allowed_for_label_free_schemes() -> None:
 
 @pytest.mark.parametrize("scheme, options, message", [
     ("pathological", {}, "unknown partition scheme 'pathological'"),
-    ("iid", {"alpha": 1.0}, "unknown option.*alpha.*'iid'"),
-    ("shards", {}, "needs option.*shards_per_client"),
+    ("iid", {"alpha": 1.0}, "data.partition.alpha: not an option of partition scheme 'iid'"),
+    ("shards", {}, "shards_per_client: required by partition scheme 'shards'"),
     ("shards", {"shards_per_client": 0}, "shards_per_client must be >= 1"),
-    ("shards", {"shards_per_client": 2.5}, "shards_per_client must be an integer"),
-    ("dirichlet", {}, "needs option.*alpha"),
+    ("shards", {"shards_per_client": 2.5}, "shards_per_client: expected an integer"),
+    ("dirichlet", {}, "alpha: required by partition scheme 'dirichlet'"),
     ("dirichlet", {"alpha": 0}, "alpha must be a positive number"),
     ("dirichlet", {"alpha": float("nan")}, "alpha must be a positive number"),
     ("dirichlet", {"alpha": 1.0, "min_size": -1}, "min_size must be >= 0"),
     ("dirichlet", {"alpha": 1.0, "max_tries": 0}, "max_tries must be >= 1"),
     ("dirichlet_prior", {"alpha": -1.0}, "alpha must be a positive number"),
-    ("contiguous", {"train_per_client": 5}, "needs option.*test_per_client"),
+    ("contiguous", {"train_per_client": 5}, "test_per_client: required by partition scheme 'contiguous'"),
 ])
 def test_bad_scheme_and_options(scheme: str, options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -12,10 +12,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import fedpart.api
-from conftest import WAIT, child_env, read_summary, run_fedpart, small_config
+from conftest import FIXTURES, WAIT, child_env, read_summary, run_fedpart, small_config
 from fedpart.cli.export import MANIFEST
+from fedpart.common.checkpoint import load_tensors
+from fedpart.common.config import ConfigError, config_from_dict
 
 FEATURES, CLASSES, HIDDEN = 6, 3, 12
 
@@ -114,6 +117,48 @@ def test_an_external_plugin_package_runs_through_fedpart_run(tmp_path: Path, mon
                             timeout=WAIT, env=child_env(), cwd=tmp_path)
     assert loaded.returncode == 0, loaded.stderr
     assert int(loaded.stdout) == body + head
+
+
+def test_a_plug_in_algorithm_with_a_schedule_parameter_of_its_own_runs_through_fedpart_run(tmp_path: Path) -> None:
+    """tests/fixtures/plugin_algorithm.py, named by path: an algorithm and its schedule primitive in
+    one file. Its ``head_share`` travels to the clients in the phases' ``params`` and its unit
+    schedule reads it there: at 1 only the head trains, so the global body ends the run bit for
+    bit where it started while the head moved (had the number not arrived, or the primitive not
+    run, every unit would have trained)."""
+    config = small_config(rounds=2, algorithm={"name": "plugin_algorithm:head_warmup", "head_share": 1.0})
+    completed, out = run_fedpart(config, tmp_path)
+    assert completed.returncode == 0, completed.stderr
+    assert read_summary(out)["status"] == "completed"
+    start = load_tensors(out / "checkpoints/round_0000.safetensors")
+    end = load_tensors(out / "checkpoints/round_0002.safetensors")
+    body = [name for name in start if name.startswith("body.")]
+    assert body and all(torch.equal(start[name], end[name]) for name in body)
+    assert not torch.equal(start["head.weight"], end["head.weight"])
+
+
+def test_a_plug_in_algorithm_is_checked_like_a_built_in_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its declared option is typed and checked by name when the config is validated, and the
+    listing of fedpart's algorithms (``fedpart algorithms``) stays the built-in ones."""
+    from fedpart.common.algorithms import build_algorithm
+    from fedpart.common.registry import ALGORITHMS
+
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    path = "plugin_algorithm:head_warmup"
+    config = config_from_dict(small_config(algorithm={"name": path, "head_share": 1}))
+    assert config.algorithm.options == {"head_share": 1.0}
+    with pytest.raises(ConfigError) as error:
+        config_from_dict(small_config(algorithm={"name": path, "head_share": 2.0}))
+    assert str(error.value) == "algorithm.head_share must be in [0, 1]"
+    with pytest.raises(ConfigError, match="algorithm.warmup: not an option of algorithm 'plugin_algorithm:head_"):
+        config_from_dict(small_config(algorithm={"name": path, "warmup": 1}))
+    with pytest.raises(ConfigError, match="'plugin_codec:fixed_point' is not an algorithm"):
+        config_from_dict(small_config(algorithm={"name": "plugin_codec:fixed_point"}))
+    (phase,) = build_algorithm(path, {"head_share": 0.25}).schedule(fedpart.api.RoundContext(1, 2, ("fc1", "fc2"), 1))
+    assert phase.params == {"head_share": 0.25}
+    assert "head_warmup" not in ALGORITHMS.builtin()
+    listed = subprocess.run([sys.executable, "-m", "fedpart", "algorithms"], capture_output=True, text=True,
+                            timeout=WAIT, env=child_env(), check=True).stdout
+    assert [line.split()[0] for line in listed.splitlines()] == list(ALGORITHMS.builtin())
 
 
 def test_the_old_dataset_types_path_warns_and_gives_the_same_classes() -> None:

@@ -551,7 +551,7 @@ def test_compare_runs_each_algorithm_per_seed_and_reports_mean_and_std(tmp_path:
     # an option of one algorithm only, scoped: fedavg has no mu
     result = _fedpart("compare", str(config), "--algorithms", "fedavg,fedprox", "--set", "algorithm.mu=0.05",
                       "--out", str(out))
-    assert result.returncode == 2 and "fedavg: unknown option" in result.stderr
+    assert result.returncode == 2 and "fedavg: algorithm.mu: not an option of algorithm 'fedavg'" in result.stderr
     assert "--set ALGORITHM:algorithm.OPTION=VALUE" in result.stderr
     assert not out.exists()
 

@@ -21,9 +21,10 @@ from fedpart.common.serde import (
 from fedpart.common.wire import WireError, make_spec
 from fedpart.proto import fedpart_pb2 as pb
 
-TRAIN = TrainPlan(phases=(Phase(2, ("conv1", "head"), 0.25), Phase(1, ("head",))), lr=0.05, batch_size=10,
-                  momentum=0.9, weight_decay=1e-3, grad_clip=10.0, upload_deltas=("body.conv1.weight", "head.bias"),
-                  upload_values=("head.weight",), seed=2**63 + 5)
+TRAIN = TrainPlan(phases=(Phase(2, ("conv1", "head"), {"unfreeze_fraction": 0.25, "warmup": 3.0}),
+                          Phase(1, ("head",))), lr=0.05, batch_size=10, momentum=0.9, weight_decay=1e-3,
+                  grad_clip=10.0, upload_deltas=("body.conv1.weight", "head.bias"), upload_values=("head.weight",),
+                  seed=2**63 + 5)
 EVALUATE = EvalPlan(finetune_epochs=(0, 1, 5), lr=1e-3, momentum=0.9, batch_size=50, part="head", headless=True, seed=7)
 
 

@@ -15,6 +15,7 @@ from conftest import small_config
 from fedpart.client.local_data import ClientData
 from fedpart.client.speed import LossScaledOptimizer, TrainingSpeed
 from fedpart.client.training import train_local
+from fedpart.common.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
 from fedpart.common.config import ConfigError, config_from_dict, load_config
 from fedpart.common.data.augment import build_augment
 from fedpart.common.models.zoo import build_model, unit_forward_flops
@@ -37,14 +38,15 @@ def make_data(shape: tuple[int, ...], n: int = 45, classes: int = 10, seed: int 
 
 def plan_for(model: SplitModel, epochs: int = 1, fraction: float = 0.0, batch_size: int = 10, **options) -> TrainPlan:
     """All units trainable (FedBug's gradual unfreezing over ``fraction`` of the steps)."""
-    return TrainPlan(phases=(Phase(epochs, tuple(model.schedule_units), fraction),), lr=0.05, momentum=0.9,
-                     weight_decay=1e-3, batch_size=batch_size, seed=3, **options)
+    return TrainPlan(phases=(Phase(epochs, tuple(model.schedule_units), {UNFREEZE_FRACTION: fraction}),), lr=0.05,
+                     momentum=0.9, weight_decay=1e-3, batch_size=batch_size, seed=3, **options)
 
 
 def train(model: SplitModel, data: ClientData, plan: TrainPlan, speed: TrainingSpeed | None = None,
           shape: tuple[int, ...] = VECTOR, **kwargs):
     flops = unit_forward_flops(model, shape)
-    return train_local(model, data, plan, F.cross_entropy, {}, flops, speed=speed, **kwargs)
+    return train_local(model, data, plan, F.cross_entropy, {}, flops, speed=speed, unit_schedule=gradual_unfreezing,
+                       **kwargs)
 
 
 def weights(model: SplitModel) -> dict[str, torch.Tensor]:
@@ -260,7 +262,7 @@ def host_reads(speed_of, epochs: int, **kwargs) -> list[str]:
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
     with HostReads() as reads:
         train_local(model, speed.place(data), plan, F.cross_entropy, reference, unit_forward_flops(model, IMAGE),
-                    speed=speed, augment=build_augment("crop_flip", 1), **kwargs)
+                    speed=speed, augment=build_augment("crop_flip", 1), unit_schedule=gradual_unfreezing, **kwargs)
     return reads.calls
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from fedpart.client.local_data import ClientData
 from fedpart.client.training import step_flops, train_local
+from fedpart.common.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
 from fedpart.common.models.zoo import build_model, unit_forward_flops
 from fedpart.common.objectives import ObjectiveSpec
 from fedpart.common.plans import Phase, TrainPlan
@@ -39,7 +40,8 @@ def make_data(n: int = 40, seed: int = 0) -> ClientData:
 
 def make_plan(*phases, lr=0.1, momentum=0.9, weight_decay=1e-2, batch_size=10, seed=1,
               grad_clip=0.0) -> TrainPlan:
-    return TrainPlan(phases=tuple(Phase(epochs, tuple(units), *fraction) for epochs, units, *fraction in phases),
+    return TrainPlan(phases=tuple(Phase(epochs, tuple(units), {UNFREEZE_FRACTION: f for f in fraction})
+                                  for epochs, units, *fraction in phases),
                      lr=lr, momentum=momentum, weight_decay=weight_decay, batch_size=batch_size, seed=seed,
                      grad_clip=grad_clip)
 
@@ -59,7 +61,8 @@ def changed_units(before: dict[str, torch.Tensor], model: SplitModel) -> set[str
 
 def run(model, data, plan, reference=None, flops=None, proximal_mu=0.0):
     objective = ObjectiveSpec(terms=(("proximal", {"mu": proximal_mu}),)).build()
-    return train_local(model, data, plan, F.cross_entropy, reference or {}, flops or TOY_FLOPS, objective)
+    return train_local(model, data, plan, F.cross_entropy, reference or {}, flops or TOY_FLOPS, objective,
+                       unit_schedule=gradual_unfreezing)
 
 
 def test_model_layout():

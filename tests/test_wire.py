@@ -115,7 +115,7 @@ def test_task_round_trip_with_versions_and_plan():
                            tensors=named_specs(tensors, {"body.fc1.1.weight": 2}), personal_init=["head"])
     header.train.lr = 0.1
     header.train.upload_deltas.extend(["body.fc1.1.weight"])
-    header.train.phases.add(epochs=2, trainable=["fc1", "head"], unfreeze_fraction=0.5)
+    header.train.phases.add(epochs=2, trainable=["fc1", "head"], params={"unfreeze_fraction": 0.5})
     chunks = [pb.TaskChunk.FromString(c.SerializeToString())
               for c in encode_chunks(pb.TaskChunk, header, tensors.values(), chunk_bytes=16)]
     assert len(chunks) > 1

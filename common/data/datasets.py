@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from fedpart.common.importing import import_callable
-from fedpart.common.registry import DATASETS, Option
+from fedpart.common.registry import DATASETS, Option, at_least_one
 from fedpart.common.data.types import ArrayDataset
 
 try:
@@ -88,11 +88,6 @@ class DatasetSpec:
     def num_classes(self) -> int:
         return len(self.class_counts[0])
 
-    @property
-    def option_names(self) -> tuple[str, ...]:
-        """The loader options it takes."""
-        return SUBSET_OPTIONS + (("normalize",) if self.normalization is not None else ())
-
     def stats(self, normalize: bool) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
         """(mean, std) to normalise with, or (None, None)."""
         return self.normalization if normalize and self.normalization is not None else (None, None)
@@ -111,9 +106,9 @@ class DatasetSpec:
 
 def register_dataset(spec: DatasetSpec) -> DatasetSpec:
     """Register ``spec`` in :data:`~fedpart.common.registry.DATASETS` with its loader options."""
-    options = (Option("train_samples", int, "keep a class-stratified subset of this many training samples",
-                      default=None),
-               Option("test_samples", int, "keep a class-stratified subset of this many test samples", default=None))
+    options = tuple(Option(key, int, f"keep a class-stratified subset of this many {split} samples", at_least_one,
+                           "must be a positive integer", None)
+                    for key, split in zip(SUBSET_OPTIONS, ("training", "test")))
     if spec.normalization is not None:
         options += (Option("normalize", bool, "normalise each channel with the dataset's mean and std",
                            default=spec.normalize_default),)
@@ -138,8 +133,8 @@ def load_dataset(name: str, root: Root | None, **options: Any) -> ArrayDataset:
     """
     if ":" in name:
         return _load_custom(name, root, options)
-    check_dataset_options(name, options)
-    return dataset_spec(name)(root, **options)
+    typed = DATASETS.read(name, options, "data.options.", "data.dataset")
+    return DATASETS[name].build(root, **typed)
 
 
 def stratified_subset(dataset: ArrayDataset, train_samples: int | None = None,
@@ -187,24 +182,6 @@ def class_counts(name: str, options: dict[str, Any]) -> tuple[tuple[int, ...], t
     return tuple(tuple(int(k) for k in (split if options.get(key) is None
                                         else _stratified_quota(key, np.asarray(split), options[key])))
                  for key, split in zip(SUBSET_OPTIONS, counts))
-
-
-def check_dataset_options(name: str, options: dict[str, Any]) -> None:
-    """Raise ``ValueError`` for an unknown built-in dataset or a bad loader option (no data
-    read); a custom loader's options are its own."""
-    allowed = dataset_spec(name).option_names
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(unknown)} for dataset {name!r} "
-                         f"(accepted: {', '.join(allowed)})")
-    normalize = options.get("normalize", False)
-    if not isinstance(normalize, bool):
-        raise ValueError(f"option normalize of dataset {name!r} must be true or false, "
-                         f"got {normalize!r}")
-    for key in SUBSET_OPTIONS:
-        size = options.get(key, 1)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"option {key} of dataset {name!r} must be a positive integer, got {size!r}")
 
 
 def missing_dataset_files(name: str, root: Root, splits: tuple[str, ...] = ("train", "test")) -> list[Path]:

@@ -21,29 +21,14 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any
 
 import numpy as np
 
 from fedpart.common.data.types import ClientSplit
-from fedpart.common.registry import PARTITIONS, REQUIRED, Option
+from fedpart.common.registry import PARTITIONS, REQUIRED, Option, at_least_one, finite_positive, non_negative
 
-def check_partition_options(scheme: str, options: dict[str, Any]) -> None:
-    """Raise ``ValueError`` for an unknown scheme or an unknown or missing option (no data needed)."""
-    component = PARTITIONS.builtin().get(scheme)
-    if component is None:
-        raise ValueError(f"unknown partition scheme {scheme!r}; "
-                         f"known: {', '.join(PARTITIONS.builtin())}")
-    declared = [o.name for o in component.options]
-    unknown = sorted(set(options) - set(declared))
-    if unknown:
-        accepted = ", ".join(declared) or "none"
-        raise ValueError(f"unknown option(s) {', '.join(unknown)} for partition scheme {scheme!r} "
-                         f"(accepted: {accepted})")
-    missing = [o.name for o in component.options if o.default is REQUIRED and o.name not in options]
-    if missing:
-        raise ValueError(f"partition scheme {scheme!r} needs option(s) {', '.join(missing)}")
 
 
 def check_partition(scheme: str, options: dict[str, Any], num_clients: int, seed: int,
@@ -61,15 +46,16 @@ def make_partition(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, sc
     """Split the train and test sets of a dataset with labels ``y_train`` / ``y_test`` over clients.
 
     Deterministic for ``seed`` (``np.random.default_rng(seed)``). Raises ``ValueError`` for an
-    unknown scheme, an unknown or missing option, or settings the data cannot satisfy.
+    unknown scheme, an option the scheme does not declare, is missing or refuses (named as
+    ``data.partition.<option>``), or settings the data cannot satisfy.
     """
-    check_partition_options(scheme, options)
+    typed = PARTITIONS.read(scheme, options, "data.partition.", "data.partition.scheme")
     num_clients = _integer("num_clients", num_clients, 1)
     y_train = _labels("y_train", y_train)
     y_test = _labels("y_test", y_test)
     rng = np.random.default_rng(seed)
-    train, test = PARTITIONS.builtin()[scheme](y_train=y_train, y_test=y_test, num_clients=num_clients,
-                                                num_classes=num_classes, rng=rng, **options)
+    train, test = PARTITIONS[scheme](y_train=y_train, y_test=y_test, num_clients=num_clients,
+                                     num_classes=num_classes, rng=rng, **typed)
     return [ClientSplit(train=np.sort(tr).astype(np.int64), test=np.sort(te).astype(np.int64))
             for tr, te in zip(train, test)]
 
@@ -93,13 +79,6 @@ def _integer(name: str, value: Any, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
-
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not np.isfinite(value) \
-            or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
 
 
 def _labels(name: str, y: np.ndarray) -> np.ndarray:
@@ -278,6 +257,12 @@ def _contiguous(n_train: int, n_test: int, num_clients: int, train_per_client: i
 
 
 Parts = tuple[list[np.ndarray], list[np.ndarray]]  # each client's train and test indices
+_ALPHA = Option("alpha", float, "concentration: smaller is more skewed", finite_positive, "must be a positive number",
+                REQUIRED)
+
+
+def _count(name: str, help: str, minimum: int, default: Any) -> Option:
+    return Option(name, int, help, at_least_one if minimum else non_negative, f"must be >= {minimum}", default)
 
 
 @PARTITIONS.register("iid", "A seeded permutation cut into equal parts.")
@@ -291,48 +276,44 @@ def _iid(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, num_classes:
 
 
 @PARTITIONS.register("shards", "Pathological non-IID shards (McMahan et al. 2017, as LG-FedAvg and FedBABU use).",
-                     Option("shards_per_client", int, "shards (of one class each) per client", default=REQUIRED))
+                     _count("shards_per_client", "shards (of one class each) per client", 1, REQUIRED))
 def _shards_scheme(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, num_classes: int,
-                   rng: np.random.Generator, shards_per_client: Any) -> Parts:
+                   rng: np.random.Generator, shards_per_client: int) -> Parts:
     y_train, y_test, num_classes = _class_labels("shards", y_train, y_test, num_classes)
-    return _shards(y_train, y_test, num_clients, num_classes, rng, _integer("shards_per_client", shards_per_client, 1))
+    return _shards(y_train, y_test, num_clients, num_classes, rng, shards_per_client)
 
 
 @PARTITIONS.register("dirichlet", "Per-class Dirichlet split over clients (Yurochkin et al. 2019) with a minimum size.",
-                     Option("alpha", float, "concentration: smaller is more skewed", default=REQUIRED),
-                     Option("min_size", int, "least training samples a client gets (draws again below)", default=10),
-                     Option("max_tries", int, "draws before giving up on min_size", default=1000))
+                     _ALPHA, _count("min_size", "least training samples a client gets (draws again below)", 0, 10),
+                     _count("max_tries", "draws before giving up on min_size", 1, 1000))
 def _dirichlet_scheme(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, num_classes: int,
-                      rng: np.random.Generator, alpha: Any, min_size: Any = 10, max_tries: Any = 1000) -> Parts:
+                      rng: np.random.Generator, alpha: float, min_size: int = 10, max_tries: int = 1000) -> Parts:
     y_train, y_test, num_classes = _class_labels("dirichlet", y_train, y_test, num_classes)
-    return _dirichlet(y_train, y_test, num_clients, num_classes, rng, alpha=_positive("alpha", alpha),
-                      min_size=_integer("min_size", min_size, 0), max_tries=_integer("max_tries", max_tries, 1))
+    return _dirichlet(y_train, y_test, num_clients, num_classes, rng, alpha=alpha, min_size=min_size,
+                      max_tries=max_tries)
 
 
 @PARTITIONS.register("dirichlet_prior", "Per-client Dirichlet class priors with fixed client sizes (Hsu et al. 2019).",
-                     Option("alpha", float, "concentration: smaller is more skewed", default=REQUIRED),
-                     Option("samples_per_client", int, "training samples per client (default: an equal share)",
-                            default=None),
-                     Option("test_samples_per_client", int, "test samples per client (default: an equal share)",
-                            default=None))
+                     _ALPHA, _count("samples_per_client", "training samples per client (default: an equal share)", 1,
+                                    None),
+                     _count("test_samples_per_client", "test samples per client (default: an equal share)", 0, None))
 def _dirichlet_prior_scheme(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, num_classes: int,
-                            rng: np.random.Generator, alpha: Any, samples_per_client: Any = None,
-                            test_samples_per_client: Any = None) -> Parts:
+                            rng: np.random.Generator, alpha: float, samples_per_client: int | None = None,
+                            test_samples_per_client: int | None = None) -> Parts:
     y_train, y_test, num_classes = _class_labels("dirichlet_prior", y_train, y_test, num_classes)
     train_size = len(y_train) // num_clients if samples_per_client is None else samples_per_client
     test_size = len(y_test) // num_clients if test_samples_per_client is None else test_samples_per_client
-    return _dirichlet_prior(y_train, y_test, num_clients, num_classes, rng, alpha=_positive("alpha", alpha),
+    return _dirichlet_prior(y_train, y_test, num_clients, num_classes, rng, alpha=alpha,
                             train_size=_integer("samples_per_client", train_size, 1),
                             test_size=_integer("test_samples_per_client", test_size, 0))
 
 
 @PARTITIONS.register("contiguous", "Consecutive blocks in file order.",
-                     Option("train_per_client", int, "training samples per client", default=REQUIRED),
-                     Option("test_per_client", int, "test samples per client", default=REQUIRED))
+                     _count("train_per_client", "training samples per client", 1, REQUIRED),
+                     _count("test_per_client", "test samples per client", 0, REQUIRED))
 def _contiguous_scheme(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, num_classes: int,
-                       rng: np.random.Generator, train_per_client: Any, test_per_client: Any) -> Parts:
-    return _contiguous(len(y_train), len(y_test), num_clients, _integer("train_per_client", train_per_client, 1),
-                       _integer("test_per_client", test_per_client, 0))
+                       rng: np.random.Generator, train_per_client: int, test_per_client: int) -> Parts:
+    return _contiguous(len(y_train), len(y_test), num_clients, train_per_client, test_per_client)
 
 
 PARTITION_SCHEMES: tuple[str, ...] = tuple(PARTITIONS.builtin())

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fedpart.common.importing import import_callable
-from fedpart.common.registry import MODELS, Option
+from fedpart.common.registry import MODELS, Option, at_least_one
 from fedpart.common.split_model import SplitModel
 
 Units: TypeAlias = "OrderedDict[str, nn.Module]"
@@ -48,22 +48,14 @@ def _flat_features(name: str, units: Units, input_shape: tuple[int, ...]) -> int
     return int(x[0].numel())
 
 
-def _positive_int(option: str, value: object) -> int:
-    """``value`` as a positive int, or a ``ValueError`` naming ``option``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"option {option!r} must be a positive integer, got {value!r}")
-    return value
-
-
 @MODELS.register("mlp", "Two-hidden-layer perceptron, the 2NN of McMahan et al. 2017; any input shape (flattened).",
-                 Option("hidden", int, "width of both hidden layers"))
+                 Option("hidden", int, "width of both hidden layers", at_least_one, "must be a positive integer"))
 def mlp(num_classes: int, input_shape: tuple[int, ...], *, hidden: int = 200) -> SplitModel:
     """Two-hidden-layer perceptron, the "2NN" of McMahan et al. 2017 (AISTATS, FedAvg).
 
     Units ``fc1`` (Flatten + Linear(in, hidden) + ReLU) and ``fc2`` (Linear(hidden, hidden) + ReLU);
     head Linear(hidden, C). Any input shape works; it is flattened.
     """
-    hidden = _positive_int("hidden", hidden)
     if not input_shape or any(int(d) < 1 for d in input_shape):
         raise ValueError(f"model 'mlp' needs a non-empty positive input_shape, got {input_shape}")
     in_features = math.prod(int(d) for d in input_shape)
@@ -291,23 +283,6 @@ MODEL_NAMES: tuple[str, ...] = tuple(MODELS.builtin())
 """The built-in models' names."""
 
 
-def _builtin(name: str, options: dict[str, object]) -> Callable[..., SplitModel]:
-    """The builder of built-in model ``name``, after checking ``options`` against its keywords."""
-    component = MODELS.builtin().get(name)
-    if component is None:
-        raise ValueError(
-            f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)} "
-            "(or a 'package.module:function' path)"
-        )
-    allowed = [o.name for o in component.options]
-    for option in options:
-        if option not in allowed:
-            raise ValueError(
-                f"unknown option {option!r} for model {name!r}; valid options: {allowed or 'none'}"
-            )
-    return component.build
-
-
 def build_model(
     name: str, num_classes: int, input_shape: tuple[int, ...], seed: int, **options: object
 ) -> SplitModel:
@@ -322,7 +297,8 @@ def build_model(
     if custom:
         factory = import_callable(name, "model.name")
     else:
-        factory = _builtin(name, options)
+        options = MODELS.read(name, options, "model.", "model.name")
+        factory = MODELS[name].build
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}")
     with torch.random.fork_rng():

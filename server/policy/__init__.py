@@ -21,12 +21,13 @@ from collections.abc import Callable
 
 from fedpart.common.config import RunConfig
 from fedpart.server.policy.base import Folding, Policy, RoundFailed, RoundSteps
-from fedpart.server.policy.combine import Combine, RoundAggregate, Screened
+from fedpart.server.policy.aggregate import RoundAggregate, RoundResults, Screened
+from fedpart.server.policy.combine import Combine
 
 LAYERS = ("screening", "dp", "secure_aggregation")
 """The layers, innermost first: modules, each with ``applies`` and ``wrap``."""
 
-__all__ = ["Folding", "Policy", "RoundAggregate", "RoundFailed", "RoundSteps", "Screened", "build_policy", "LAYERS"]
+__all__ = ["Folding", "Policy", "RoundAggregate", "RoundFailed", "RoundResults", "RoundSteps", "Screened", "build_policy", "LAYERS"]
 
 
 def build_policy(config: RunConfig, log: Callable[[str], None], **engine: object) -> Policy:

@@ -12,17 +12,15 @@ them through the :class:`RoundSteps` the engine hands it; a layer that takes res
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from fedpart.common.plans import ResultInfo
 from fedpart.server.aggregation import HeadDictionary
+from fedpart.server.policy.aggregate import RoundAggregate, RoundResults, Screened
 from fedpart.server.task_board import Task
 
-if TYPE_CHECKING:
-    from fedpart.server.policy.combine import RoundAggregate, Screened
-    from fedpart.server.run_recorder import RoundResults
 
 
 class RoundFailed(RuntimeError):

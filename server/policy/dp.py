@@ -17,7 +17,7 @@ import torch
 
 from fedpart.common.config import RunConfig
 from fedpart.server.policy.base import Policy
-from fedpart.server.policy.combine import RoundAggregate, Screened
+from fedpart.server.policy.aggregate import RoundAggregate, Screened
 from fedpart.server.privacy import DifferentialPrivacy
 from fedpart.server.robust import ResultRefused
 

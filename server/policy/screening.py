@@ -30,7 +30,7 @@ from fedpart.common.experiment import build_run_model
 from fedpart.server.aggregation import HeadDictionary
 from fedpart.server.insiders import InsiderMonitor, Observation
 from fedpart.server.policy.base import Policy
-from fedpart.server.policy.combine import RoundAggregate, Screened
+from fedpart.server.policy.aggregate import RoundAggregate, Screened
 from fedpart.server.robust import (
     AdaptiveBound,
     MeasuredDeltas,

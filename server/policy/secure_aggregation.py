@@ -28,7 +28,7 @@ from fedpart.common.config import RunConfig
 from fedpart.common.plans import ResultInfo, SecAggStage, SecAggStep, TaskKind
 from fedpart.common.protocol import Rejected
 from fedpart.server.policy.base import Folding, Policy, RoundSteps
-from fedpart.server.policy.combine import RoundAggregate
+from fedpart.server.policy.aggregate import RoundAggregate
 from fedpart.server.robust import ResultRefused
 from fedpart.server.secure_aggregation import SecureRound, SecureRoundFailed, SecureSum
 from fedpart.server.task_board import Task
