@@ -9,8 +9,9 @@ accuracy is the target and its virtual time T. The buffered run trains as many s
 fit in T (at most three per synchronous round); for FedAvg the time to target is read from the
 global model's accuracy every ``evaluate.global_every`` versions. FedBABU's and FedRep's accuracy
 is personalized (after fine-tuning, every client), which exists only at a run's end: their buffered
-engine also trains a run of as many versions as fit in T / 2, and reaches the target at least twice
-as fast when that run's personalized accuracy is at least the synchronous run's. How many versions
+engine also trains a run of as many versions as fit in T / 2 (the whole buffered run, where it
+fits), and reaches the target at least twice as fast when that run's personalized accuracy is at
+least the synchronous run's. How many versions
 fit in a time comes from a dry run of the engines' own schedule (:class:`~fedpart.server.buffered.Schedule`,
 :class:`~fedpart.server.virtual_clock.VirtualClock`): a schedule does not depend on what the
 clients learn, and each run's recorded clock is checked against it.
@@ -50,10 +51,11 @@ VERSIONS_PER_ROUND = 3  # the most versions a buffered run trains per synchronou
 RUN_TIMEOUT = 7200.0
 
 
-def base_settings(size: str, data_root: Path) -> tuple[dict[str, Any], int]:
-    """The settings every run shares, and the synchronous runs' rounds."""
+def base_settings(size: str, data_root: Path, seed: int = 0) -> tuple[dict[str, Any], int]:
+    """The settings every run shares (``seed``: partition, initial model, sampling, training and
+    devices), and the synchronous runs' rounds."""
     common = {
-        "seed": 0, "processes": 2, "model.name": "cnn2", "sampling.fraction": 0.1,
+        "seed": seed, "processes": 2, "model.name": "cnn2", "sampling.fraction": 0.1,
         "train.epochs": 1, "train.batch_size": 10, "train.lr": 0.01, "train.momentum": 0.5,
         "evaluate.finetune_epochs": [5], "evaluate.lr": 0.001, "evaluate.momentum": 0.9, "evaluate.batch_size": 50,
         "checkpoint.every": 0, "server.round_timeout": 1800, "server.join_timeout": 600,
@@ -141,7 +143,7 @@ def run_one(settings: dict[str, Any], out: Path) -> str | None:
     return None if code == 0 else failure(code, RUN_TIMEOUT, log)
 
 
-def measure(run: Run, expected: list[float], target: float | None) -> dict[str, Any]:
+def measure(run: Run, expected: list[float]) -> dict[str, Any]:
     """A finished run's numbers; raises ValueError where its clock is not the dry run's."""
     recorded = [r.virtual_seconds for r in run.rounds]
     if recorded != [round(t, 6) for t in expected]:
@@ -167,14 +169,13 @@ def measure(run: Run, expected: list[float], target: float | None) -> dict[str, 
         "accuracy_per_round": [[r.round, recorded[i], r.global_metrics["acc"]] for i, r in enumerate(run.rounds)
                                if "acc" in (r.global_metrics or {})],
     }
-    if target is not None:
-        values["time_to_target"] = next((t for _, t, acc in values["accuracy_per_round"] if acc >= target), None)
     return values
 
 
-def study(size: str, out_root: Path, data_root: Path, only: list[str], settings_names: list[str]) -> list[Record]:
+def study(size: str, out_root: Path, data_root: Path, only: list[str], settings_names: list[str],
+          seed: int = 0) -> list[Record]:
     """Every run of the study, in order; a run directory that exists already is read, not run again."""
-    base, rounds = base_settings(size, data_root)
+    base, rounds = base_settings(size, data_root, seed)
     records = []
     for setting in settings_names:
         for algorithm in only:
@@ -187,13 +188,14 @@ def study(size: str, out_root: Path, data_root: Path, only: list[str], settings_
             full = versions_within(buffered, sync_times[-1], VERSIONS_PER_ROUND * rounds)
             planned = [("sync", sync, sync_times),
                        ("buffered", {**buffered, "name": f"{algorithm}_{setting}_buffered", "rounds": full}, None)]
-            if algorithm != "fedavg":
+            if algorithm != "fedavg":  # the whole buffered run when it fits in T / 2 already
                 half = versions_within(buffered, sync_times[-1] / 2, full)
                 planned.append(("buffered, T/2", {**buffered, "name": f"{algorithm}_{setting}_half", "rounds": half},
                                 None))
             target = None
             for engine, settings, times in planned:
-                out = out_root / setting / algorithm / engine.replace(", T/2", "_half")
+                shared = engine == "buffered, T/2" and settings["rounds"] == full
+                out = out_root / setting / algorithm / ("buffered" if shared else engine.replace(", T/2", "_half"))
                 record = Record(algorithm, setting, engine, settings["rounds"], str(out))
                 records.append(record)
                 print(f"fedbuff_study: {algorithm} {setting} {engine}: {settings['rounds']} rounds -> {out}", flush=True)
@@ -204,14 +206,21 @@ def study(size: str, out_root: Path, data_root: Path, only: list[str], settings_
                         continue
                 try:
                     run = read_run(out)
-                    record.values = measure(run, times or timeline(config_of(settings)), target)
+                    record.values = measure(run, times or timeline(config_of(settings)))
                 except (ValueError, KeyError, TypeError) as error:
                     record.error = f"unreadable run {out}: {error}"
                     continue
                 if engine == "sync":
                     target = record.values["global"] if algorithm == "fedavg" else record.values["personalized"]
-                    record.values["time_to_target"] = (record.values["time_to_target"] if algorithm == "fedavg"
-                                                       else record.values["virtual_seconds"])
+                values = record.values
+                if target is None:  # the synchronous run failed: nothing to reach
+                    continue
+                if algorithm == "fedavg":  # the first version tested at or above the target
+                    values["time_to_target"] = next((t for _, t, acc in values["accuracy_per_round"] if acc >= target),
+                                                    values["virtual_seconds"] if engine == "sync" else None)
+                elif engine != "buffered":  # personalized accuracy exists at a run's end only
+                    values["time_to_target"] = (values["virtual_seconds"] if values["personalized"] >= target
+                                                else None)
     return records
 
 
@@ -238,7 +247,7 @@ def verdicts(records: list[Record]) -> list[str]:
         if algorithm == "fedavg":
             buffered = runs["buffered"].values["time_to_target"]
             target_time = sync.values["time_to_target"]
-            if buffered is None or target_time is None:
+            if buffered is None:
                 lines.append(f"{algorithm}, {setting}: the buffered engine did not reach "
                              f"{_percent(sync.values['global'])} % within the synchronous run's time")
             else:
@@ -304,12 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-root", default=str(REPO.parent / "shared" / "data"))
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
     parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--seed", type=int, default=0, help="the runs' seed (partition, model, sampling, devices)")
     parser.add_argument("--markdown", help="also write the tables here")
     parser.add_argument("--json", help="also write every run's numbers here")
     parser.add_argument("--figures", help="draw the figures into this folder")
     args = parser.parse_args(argv)
     records = study(args.size, Path(args.out_root).resolve(), Path(args.data_root), args.algorithms.split(","),
-                    args.settings.split(","))
+                    args.settings.split(","), args.seed)
     command = "python benchmarks/fedbuff_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = markdown(records, args.size, command.strip())
     print(text)
