@@ -370,13 +370,6 @@ class BufferedCoordinator(Coordinator):
                             self.schedule.members() if self.clock is not None else None)
             self._buffer = buffer
             self._results = buffer.results
-            ready = []
-            for client in list(self._held):  # in the order they arrived
-                if client in buffer.members if buffer.members is not None else len(ready) < self.buffer_size:
-                    ready.append(self._held.pop(client))
-                    buffer.admitted.add(client)
-        for held in ready:
-            self._fold_held(buffer, held)
         self._fill(buffer, started)
         with self._cond:
             steps = EngineSteps(self, round_number)
@@ -410,22 +403,46 @@ class BufferedCoordinator(Coordinator):
         return [task.client_id for task in tasks]
 
     def _fill(self, buffer: Buffer, started: float) -> None:
-        """Wait until the buffer is complete, or ``server.round_timeout`` passed (it then folds
-        what it holds), and for the folds under way."""
+        """Fold the held results the buffer takes (those that arrived before it opened, and with
+        the virtual clock those of the members it takes in place of one that left), and wait
+        until it is complete, or ``server.round_timeout`` passed (it then folds what it holds),
+        and for the folds under way."""
         deadline = started + self.config.server.round_timeout
+        while True:
+            with self._cond:
+                ready = self._admit_held(buffer)
+                if not ready:
+                    if self._complete(buffer):
+                        break
+                    self.registry.reap_silent()
+                    self._drop_closed(buffer)
+                    now = time.monotonic()
+                    if now >= deadline:
+                        self.log(f"warning: version {buffer.version} folds {len(buffer.folded)} of its "
+                                 f"{self.buffer_size} results after server.round_timeout")
+                        break
+                    if not self._admissible(buffer):
+                        self._cond.wait(min(deadline - now, REAP_INTERVAL_SECONDS))
+                    continue
+            for held in ready:
+                self._fold_held(buffer, held)
         with self._cond:
-            while not self._complete(buffer):
-                self.registry.reap_silent()
-                self._drop_closed(buffer)
-                now = time.monotonic()
-                if now >= deadline:
-                    self.log(f"warning: version {buffer.version} folds {len(buffer.folded)} of its "
-                             f"{self.buffer_size} results after server.round_timeout")
-                    break
-                self._cond.wait(min(deadline - now, REAP_INTERVAL_SECONDS))
             while buffer.admitted - buffer.folded:
                 self._cond.wait(REAP_INTERVAL_SECONDS)
             self._buffer = None
+
+    def _admissible(self, buffer: Buffer) -> list[int]:
+        """The clients of held results that ``buffer`` takes, in the order they arrived (holds the lock)."""
+        room = self.buffer_size - len(buffer.admitted)
+        if buffer.members is not None:
+            return [client for client in self._held if client in buffer.members]
+        return list(self._held)[:max(room, 0)]
+
+    def _admit_held(self, buffer: Buffer) -> list[Held]:
+        """Take the held results ``buffer`` admits (holds the lock)."""
+        ready = [self._held.pop(client) for client in self._admissible(buffer)]
+        buffer.admitted.update(held.task.client_id for held in ready)
+        return ready
 
     def _complete(self, buffer: Buffer) -> bool:
         """All its members folded (virtual clock), or ``buffer_size`` results, or every task in

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -294,6 +295,32 @@ def test_the_default_bound_refuses_an_oversized_delta_and_frees_its_client(one_t
     worker.join(BOUND)
     assert records[0]["robust"]["rejected"] == 1
     assert tasks[0].client_id not in coordinator.schedule.flights
+
+
+def test_a_refused_member_is_replaced_by_a_result_that_arrived_already(one_torch_thread) -> None:
+    """With the virtual clock a version takes the flights that finish first; when one of them is
+    refused, the next to finish takes its place, and where that one's result arrived already (held),
+    the version folds it at once instead of waiting out server.round_timeout."""
+    config = _virtual_config()
+    coordinator = BufferedCoordinator(config, log=lambda line: None)
+    session = _join(coordinator)
+    worker, records = _versions(coordinator, 1)
+    tasks = _take(coordinator, session, 4)
+    members = coordinator.schedule.members()
+    first, second = [t for t in tasks if t.client_id in members]
+    for task in tasks:
+        if task.client_id not in members:  # arrive before their turn: held
+            _answer(coordinator, session, task)
+    started = time.monotonic()
+    with pytest.raises(Rejected, match="exceeds"):
+        _answer(coordinator, session, first, scale=1e5)
+    coordinator.board.fail_task(first, "result rejected")  # what the service does with a refused result
+    _answer(coordinator, session, second)
+    worker.join(BOUND)
+    assert not worker.is_alive()
+    assert time.monotonic() - started < config.server.round_timeout / 4
+    assert records[0]["robust"]["rejected"] == 1
+    assert len(records[0]["completed"]) == 2 and first.client_id not in records[0]["completed"]
 
 
 def test_a_version_record_counts_the_bytes_moved_while_it_was_open() -> None:
