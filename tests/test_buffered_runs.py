@@ -135,9 +135,9 @@ def test_a_virtual_run_is_deterministic_and_a_timed_run_in_the_same_order_matche
 
 
 def test_a_killed_server_resumes_its_buffer_with_identical_results(virtual_run, processes, tmp_path: Path) -> None:
-    """SIGKILL the server after version 2 with tasks in flight (and results held), resume: the
-    tasks in flight are dispatched again on the versions they trained on, the clients train them
-    again from the same start, and the run ends as the uninterrupted one did."""
+    """SIGKILL the server after version 2 (or 3) with tasks in flight (and results held), resume:
+    the tasks in flight are dispatched again on the versions they trained on, the clients train
+    them again from the same start, and the run ends as the uninterrupted one did."""
     config, baseline = virtual_run
     config_path = write_config(tmp_path / "config.yaml", {**config, "processes": 2})
     out = tmp_path / "out"
@@ -150,15 +150,15 @@ def test_a_killed_server_resumes_its_buffer_with_identical_results(virtual_run, 
     reader.wait_for(r"round\s+2/4", timeout=WAIT)
     server.kill()
     server.wait(timeout=WAIT)
-    state = read_metrics(out)
-    assert len(state) == 2 and state[-1]["buffered"]["in_flight"] > 0
+    state = read_metrics(out)  # versions take milliseconds: the kill may land after version 3
+    assert 2 <= len(state) < 4 and state[-1]["buffered"]["in_flight"] > 0
     resumed = processes.start(fedpart_command("server", "--resume", str(out), "--address", address, "--insecure"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = LineReader(resumed).rest(timeout=WAIT)
     assert resumed.wait(timeout=WAIT) == 0, output
     for client in clients:
         assert client.wait(timeout=WAIT) == 0
-    assert re.search(r"resuming run \w+ after round 2/4", output)
+    assert re.search(rf"resuming run \w+ after round {len(state)}/4", output)
     assert [r["round"] for r in read_metrics(out)] == [1, 2, 3, 4]
     keys = ("sampled", "completed", "virtual_seconds")
     assert [[r[k] for k in keys] for r in read_metrics(out)] == [[r[k] for k in keys] for r in read_metrics(baseline)]

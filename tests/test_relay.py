@@ -304,13 +304,15 @@ def test_a_reset_surfaces_as_unavailable_to_a_grpc_call_and_the_next_connection_
     try:
         with RelayThread(("127.0.0.1", port), FaultPlan(reset_bytes=(200_000, 200_000), cuts=1)) as relay:
             target = f"127.0.0.1:{relay.address[1]}"
-            with grpc.insecure_channel(target) as channel:
+            # each channel with a subchannel of its own: gRPC shares one connection between the
+            # channels of a process by default, so the second could start its call on the reset
+            # socket before it noticed the reset ("Stream removed (sendmsg: Broken pipe)")
+            own = [("grpc.use_local_subchannel_pool", 1)]
+            with grpc.insecure_channel(target, options=own) as channel:
                 with pytest.raises(grpc.RpcError) as error:
                     channel.unary_unary("/test.Relay/Fetch")(b"", timeout=TIMEOUT)
                 assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-            # A new channel: the old one may still start a call on the reset socket before it has
-            # noticed the reset (seen in CI as "Stream removed (sendmsg: Broken pipe)").
-            with grpc.insecure_channel(target) as channel:
+            with grpc.insecure_channel(target, options=own) as channel:
                 assert channel.unary_unary("/test.Relay/Fetch")(b"", timeout=TIMEOUT, wait_for_ready=True) == response
             counts = relay.counts()
     finally:
