@@ -39,19 +39,12 @@ from fedpart.common.client_ids import format_id_ranges
 from fedpart.common.security import Principal, SecurityError, ServerSecurity
 from fedpart.server.auth import CallGuard, Credentials, TokenGate, fingerprint
 from fedpart.server.buffered import BufferedCoordinator
+from fedpart.server.console_text import format_round, format_table
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.global_eval import GlobalEvaluator
 from fedpart.server.health import RunHealth
 from fedpart.server.metrics import MetricsServer, RunCollector, check_metrics_available
-from fedpart.server.report import (
-    FAILED,
-    INTERRUPTED,
-    RunDirectory,
-    build_summary,
-    check_new_run_dir,
-    format_round,
-    format_table,
-)
+from fedpart.server.run_directory import FAILED, INTERRUPTED, RunDirectory, build_summary, check_new_run_dir
 from fedpart.server.run_state import check_resume_security, mark_finished, read_run_state, write_run_state
 from fedpart.server.sampling import round_target
 from fedpart.server.service import CoordinatorService, add_to_server

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from fedpart.common.records import RoundRecord
 from fedpart.server.policy.screening import RobustScreening
-from fedpart.server.report import delivery_totals
+from fedpart.server.run_directory import delivery_totals
 from fedpart.server.robust import ACTIONS
 
 if TYPE_CHECKING:

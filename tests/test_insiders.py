@@ -43,7 +43,7 @@ from fedpart.server.insiders import MIN_RESULTS, SKETCH_BUCKETS, CountSketch, In
 from fedpart.server.policy import build_policy
 from fedpart.server.policy.combine import Combine
 from fedpart.server.policy.screening import RobustScreening
-from fedpart.server.report import format_table
+from fedpart.server.console_text import format_table
 from fedpart.server.robust import ResultRefused, partition_sizes
 from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
 
@@ -255,7 +255,7 @@ def test_an_evaluation_reports_sample_counts_are_capped_like_training_weights():
 def test_the_summary_shows_capped_reports_and_named_insiders_beside_both_means():
     from fedpart.common.experiment import build_run_model
     from fedpart.server.accounting import ByteLedger
-    from fedpart.server.report import build_summary
+    from fedpart.server.run_directory import build_summary
 
     config = config_from_dict(small_config(clients=3, rounds=4))
     rounds = [RoundRecord(round=r, insiders={"median_norm": 1.0, "outliers": {

@@ -22,7 +22,7 @@ from fedpart.common.split_model import tensor_unit
 from fedpart.common.wire import encode_chunks, measure_chunk, named_specs
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.accounting import PARTS, ByteLedger
-from fedpart.server.report import build_summary
+from fedpart.server.run_directory import build_summary
 from fedpart.server.transfers import LogicalTensors, logical_header_bytes, stream_tensor_bytes
 
 DIRECTIONS = ("down", "up")

@@ -45,7 +45,7 @@ from fedpart.common.client_ids import parse_id_ranges
 from fedpart.common.security import Principal, SecurityError
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.server.main import check_credentials_host_run, short_rounds
-from fedpart.server.report import RunDirectory, check_new_run_dir
+from fedpart.server.run_directory import RunDirectory, check_new_run_dir
 
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "  # the start of every log line
 ESCAPE = "\x1b["

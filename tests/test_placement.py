@@ -17,7 +17,7 @@ from fedpart.common.config import config_from_dict
 from fedpart.common.wire import make_spec
 from fedpart.common.client_ids import split_clients
 from fedpart.deploy.launcher import client_processes
-from fedpart.server.report import build_summary
+from fedpart.server.run_directory import build_summary
 from test_robust import RawClient, InProcessServer
 
 

@@ -36,7 +36,7 @@ from fedpart.cli.main import build_parser, resume_config
 from fedpart.cli.main import main as cli_main
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.aggregation import WeightedMean
-from fedpart.server.report import RunDirectory
+from fedpart.server.run_directory import RunDirectory
 from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
 from fedpart.server.task_board import Task
 
