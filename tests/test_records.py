@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_fedpart, small_config
+from conftest import check_records, run_fedpart, small_config
 from fedpart.common.records import (
     Accuracy,
     BufferedVersion,
@@ -120,3 +120,14 @@ def test_the_files_of_a_real_run_read_back_unchanged(tmp_path: Path) -> None:
     assert (summary.status, summary.exit_code, summary.rounds_completed) == ("completed", 0, 2)
     assert summary.privacy is not None and summary.compute.train_flops == sum(r.train_flops for r in rounds)
 
+
+def test_a_run_directory_whose_records_do_not_read_back_is_refused(tmp_path: Path) -> None:
+    """Every run directory the test runs write (``run_fedpart``, servers started by ``processes``)
+    is checked by ``conftest.check_records``; it refuses a line written in another key order."""
+    line = FULL_ROUND.to_json()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    check_records(tmp_path)
+    reordered = {"completed": line["completed"], **line}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(reordered) + "\n")
+    with pytest.raises(AssertionError):
+        check_records(tmp_path)
