@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpart.common.algorithms import ALGORITHMS
-from fedpart.common.records import read_rounds, read_summary
+from fedpart.common.records import ClientStats, read_rounds, read_summary
 from fedpart.deploy.launcher import failure, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,8 +154,8 @@ class Result:
     out: str
     wall_seconds: float
     error: str | None = None
-    initial: dict[str, float | None] = field(default_factory=dict)
-    personalized: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    initial: ClientStats = field(default_factory=ClientStats)
+    personalized: dict[str, ClientStats] = field(default_factory=dict)
     global_accuracy: float | None = None
     bytes_down_per_round: float | None = None
     bytes_up_per_round: float | None = None
@@ -196,7 +196,7 @@ def read_run(variant: str, codec: str, out: Path, wall: float) -> Result:
         return statistics.fmean(values)
 
     def part_up(part: str) -> float:
-        return mean([r.bytes_by_part.get(part, {}).get("up", 0) for r in records])
+        return mean([r.bytes_by_part[part].up if part in r.bytes_by_part else 0 for r in records])
 
     trainable = [r.trainable_parameters for r in records]
     return Result(
@@ -204,9 +204,9 @@ def read_run(variant: str, codec: str, out: Path, wall: float) -> Result:
         codec=codec,
         out=str(out),
         wall_seconds=wall,
-        initial=accuracy["initial"],
-        personalized=accuracy["personalized"],
-        global_accuracy=accuracy.get("global", {}).get(accuracy["metric"]),
+        initial=accuracy.initial,
+        personalized=accuracy.personalized,
+        global_accuracy=accuracy.global_value(),
         bytes_down_per_round=mean([r.bytes_down for r in records]),
         bytes_up_per_round=mean([r.bytes_up for r in records]),
         body_up_per_round=part_up("body"),
@@ -215,7 +215,7 @@ def read_run(variant: str, codec: str, out: Path, wall: float) -> Result:
         trainable_parameters_first=trainable[0],
         trainable_parameters_last=trainable[-1],
         round_seconds=mean([r.seconds for r in records]),
-        up_compression_ratio=summary.bytes["compression_ratio"].get("up"),
+        up_compression_ratio=(summary.bytes.compression_ratio or {}).get("up"),
         failures=summary.failures,
     )
 
@@ -223,8 +223,8 @@ def read_run(variant: str, codec: str, out: Path, wall: float) -> Result:
 # ------------------------------------------------------------------------------------- report
 
 
-def _percent(stats: dict[str, float | None]) -> str:
-    mean, std = stats.get("mean"), stats.get("std")
+def _percent(stats: ClientStats) -> str:
+    mean, std = stats.mean, stats.std
     return "-" if mean is None else f"{100 * mean:.2f} ± {100 * (std or 0.0):.2f}"
 
 
@@ -249,7 +249,7 @@ def table(results: list[Result], finetune_epochs: list[int]) -> str:
         else:
             name = f"{r.variant} ({len(r.failures)} failures)" if r.failures else r.variant
             cells = ([name, r.codec, _percent(r.initial)]
-                     + [_percent(r.personalized.get(str(e), {})) for e in epochs]
+                     + [_percent(r.personalized.get(str(e), ClientStats())) for e in epochs]
                      + [_number(None if r.global_accuracy is None else 100 * r.global_accuracy, ".2f"),
                         _megabytes(r.bytes_down_per_round), _megabytes(r.bytes_up_per_round),
                         _number(r.up_compression_ratio, ".2f"),

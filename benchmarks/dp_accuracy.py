@@ -80,9 +80,9 @@ def measure(args: argparse.Namespace, work: Path, algorithm: str, noise: float) 
         return Row(algorithm, noise, seconds, error=failure(code, args.timeout, log_path))
     summary = read_summary(out / "summary.json")
     accuracy = summary.accuracy
-    return Row(algorithm, noise, seconds, epsilon=summary.privacy["epsilon"], delta=summary.privacy["delta"],
-               global_acc=accuracy.get("global", {}).get("acc"), initial=accuracy["initial"]["mean"],
-               personalized=accuracy["personalized"]["1"]["mean"])
+    return Row(algorithm, noise, seconds, epsilon=summary.privacy.epsilon, delta=summary.privacy.delta,
+               global_acc=summary.global_accuracy(),
+               initial=accuracy.initial.mean, personalized=accuracy.personalized["1"].mean)
 
 
 def _percent(value: float | None) -> str:

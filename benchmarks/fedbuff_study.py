@@ -149,15 +149,14 @@ def measure(run: Run, expected: list[float]) -> dict[str, Any]:
     if recorded != [round(t, 6) for t in expected]:
         raise ValueError(f"{run.path}: its virtual clock {recorded[:3]}... is not the dry run's {expected[:3]}...")
     accuracy = run.summary.accuracy
-    personalized = accuracy["personalized"]
     folded = sum(len(r.completed) for r in run.rounds)
-    logical = sum(r.logical["down"] + r.logical["up"] for r in run.rounds)
+    logical = sum(r.logical.down + r.logical.up for r in run.rounds)
     clients = run.config["clients"]
     staleness = run.staleness()
     values = {
         "virtual_seconds": recorded[-1],
-        "personalized": personalized[max(personalized, key=int)]["mean"] if personalized else None,
-        "initial": accuracy["initial"]["mean"],
+        "personalized": accuracy.personalized[epochs].mean if (epochs := accuracy.longest_finetune()) else None,
+        "initial": accuracy.initial.mean,
         "global": run.final_global_accuracy(),
         "folded": folded,
         "bytes_per_update": logical / folded,
@@ -166,8 +165,8 @@ def measure(run: Run, expected: list[float]) -> dict[str, Any]:
         "staleness": staleness,
         "mean_staleness": sum(s * n for s, n in staleness.items()) / folded if staleness else 0.0,
         "time_to_target": None,
-        "accuracy_per_round": [[r.round, recorded[i], r.global_metrics["acc"]] for i, r in enumerate(run.rounds)
-                               if "acc" in (r.global_metrics or {})],
+        "accuracy_per_round": [[r.round, recorded[i], r.global_accuracy()] for i, r in enumerate(run.rounds)
+                               if r.global_accuracy() is not None],
     }
     return values
 

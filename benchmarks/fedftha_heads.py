@@ -142,7 +142,7 @@ def _finished(out: Path, settings: Mapping[str, Any]) -> bool:
 
 
 def _global_accuracy(out: Path) -> float | None:
-    return read_summary(out / "summary.json").accuracy.get("global", {}).get("acc")
+    return read_summary(out / "summary.json").global_accuracy()
 
 
 def run_pairs(settings: Sequence[str], seeds: Sequence[int], out_root: Path, size: str, rounds: int,
@@ -383,7 +383,7 @@ def analyse_pair(fedftha_run: Path, fedavg_run: Path) -> HeadAnalysis:
     }
     summary = read_summary(fedftha_run / "summary.json")
     return HeadAnalysis(
-        label=_pair_label(config), rows=rows, reported=summary.accuracy.get("global", {}).get("acc"),
+        label=_pair_label(config), rows=rows, reported=summary.global_accuracy(),
         fedftha_per_class=_per_class(predictions(model, body, x_test), y_test, num_classes),
         fedavg_per_class=_per_class(predictions(model, avg.global_state, x_test), y_test, num_classes),
         holders=[sum(k in held for held in classes.values()) for k in range(num_classes)],

@@ -23,7 +23,6 @@ process is stopped by PID when a setting ends, however it ends. ::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -34,6 +33,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from fedpart.common.records import read_rounds
 
 CLI = [sys.executable, "-m", "fedpart"]
 REPO = Path(__file__).resolve().parents[1]
@@ -49,8 +50,7 @@ def quickstart(rounds: int, processes: int) -> dict:
 
 
 def _rounds(out: Path) -> list[float]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["seconds"] for line in lines][1:]
+    return [record.seconds for record in read_rounds(out / "metrics.jsonl")][1:]
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:

@@ -63,6 +63,7 @@ from fedpart.common.data.datasets import load_dataset
 from fedpart.common.data.partition import make_partition
 from fedpart.common.experiment import build_run_model
 from fedpart.common.protocol import PROTOCOL_VERSION
+from fedpart.common.records import NamedInsider, RunSummary, read_summary
 from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
@@ -334,11 +335,11 @@ def run_once(config: dict[str, Any], attack: str, work: Path, timeout: float) ->
         return Outcome(None, None, error=f"{type(error).__name__}: {error} (logs in {work})")
     finally:
         _stop(processes)
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
-    global_metrics = (summary.get("accuracy") or {}).get("global") or {}
-    insider = ((summary.get("robust") or {}).get("insiders") or {}).get(str(INSIDER), {})
-    refused = sum(1 for failure in summary.get("failures") or [] if f"client {INSIDER}: result rejected" in failure)
-    return Outcome(global_metrics.get("acc"), code, insider.get("named_in_rounds", []), refused)
+    summary = read_summary(out / "summary.json") if (out / "summary.json").is_file() else RunSummary()
+    named = summary.robust.insiders if summary.robust is not None else None
+    insider = (named or {}).get(str(INSIDER), NamedInsider())
+    refused = sum(1 for failure in summary.failures or [] if f"client {INSIDER}: result rejected" in failure)
+    return Outcome(summary.global_accuracy(), code, insider.named_in_rounds, refused)
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:

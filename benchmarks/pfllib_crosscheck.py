@@ -299,14 +299,14 @@ def fedpart_results(run_dir: Path) -> dict[str, Any]:
     from fedpart.common.records import read_summary
 
     summary = read_summary(run_dir / "summary.json")
-    accuracy_section = summary.accuracy
-    per_client = summary.per_client
-    return {
-        "global": accuracy_section.get("global", {}).get("acc"),
-        "initial": accuracy_section["initial"],
-        "personalized_1": accuracy_section["personalized"].get("1"),
-        "initial_per_client": [c["initial"] for c in per_client],
-        "personalized_1_per_client": [c["personalized"].get("1") for c in per_client],
+    accuracy = summary.accuracy
+    personalized = accuracy.personalized.get("1")
+    return {  # the stats as PFLlib's side writes them (mean, std, ...)
+        "global": summary.global_accuracy(),
+        "initial": accuracy.initial.to_json(),
+        "personalized_1": personalized.to_json() if personalized is not None else None,
+        "initial_per_client": [c.initial for c in summary.per_client],
+        "personalized_1_per_client": [c.personalized.get("1") for c in summary.per_client],
     }
 
 

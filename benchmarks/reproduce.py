@@ -462,16 +462,16 @@ def measure(run: Run) -> tuple[dict[str, float | None], list[dict[str, float]]]:
     summary = run.summary
     accuracy = summary.accuracy
     values: dict[str, float | None] = {
-        "initial": accuracy["initial"]["mean"],
-        "headless": accuracy.get("headless", {}).get("mean"),
+        "initial": accuracy.initial.mean,
+        "headless": accuracy.headless.mean if accuracy.headless is not None else None,
         "global": run.final_global_accuracy(),
-        "up_mb": summary.bytes["up"] / 1e6,
-        "down_mb": summary.bytes["down"] / 1e6,
-        "gflops": summary.compute["train_flops"] / 1e9,
+        "up_mb": summary.bytes.up / 1e6,
+        "down_mb": summary.bytes.down / 1e6,
+        "gflops": summary.compute.train_flops / 1e9,
         "seconds": summary.seconds,
     }
-    for epochs, stats in accuracy["personalized"].items():
-        values[f"ft{epochs}"] = stats["mean"]
+    for epochs, stats in accuracy.personalized.items():
+        values[f"ft{epochs}"] = stats.mean
     personal = [v for v in (values["initial"], values.get("ft5")) if v is not None]
     values["personal_best"] = max(personal) if personal else None
     losses = [record.train_loss for record in run.rounds]
@@ -479,7 +479,7 @@ def measure(run: Run) -> tuple[dict[str, float | None], list[dict[str, float]]]:
     curve, up, down, flops = [], 0, 0, 0.0
     for record in run.rounds:
         up, down, flops = up + record.bytes_up, down + record.bytes_down, flops + record.train_flops
-        accuracy = (record.global_metrics or {}).get("acc")
+        accuracy = record.global_accuracy()
         if accuracy is not None:
             curve.append({"round": record.round, "acc": accuracy, "up_mb": up / 1e6,
                           "down_mb": down / 1e6, "gflops": flops / 1e9})

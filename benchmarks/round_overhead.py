@@ -843,7 +843,7 @@ def report(processes: int, sittings: list[Sitting]) -> None:
           f"{RAW_MODEL_BYTES:,} B)")
     for direction in ("down", "up"):
         total = sum(r.bytes_in(direction) for r in records) / client_rounds
-        tensors = sum(v[direction] for r in records for part, v in r.bytes_by_part.items()
+        tensors = sum(v.bytes_in(direction) for r in records for part, v in r.bytes_by_part.items()
                       if part != "control") / client_rounds
         print(f"  {direction:<4} {total:>14,.0f} B = {total / RAW_MODEL_BYTES:.3f} x raw  "
               f"(tensor bytes {tensors:,.0f}, control {total - tensors:,.0f})")

@@ -28,7 +28,6 @@ one after another; accuracy and exit codes only (no timings).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import re
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import yaml
 
+from fedpart.common.records import read_summary
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.deploy.launcher import stop_processes
 
@@ -134,10 +134,10 @@ def measure(case: Case, work: Path, timeout: float, extra: list[str]) -> Row:
     finally:
         stop_processes(started)
         log.close()
-    summary = json.loads((out / "summary.json").read_text())
-    failures = summary.get("failures") or []
+    summary = read_summary(out / "summary.json")
+    failures = summary.failures or []
     named = sorted({int(c) for line in failures for ids in NAMED.findall(line) for c in re.findall(r"\d+", ids)})
-    accuracy = summary.get("accuracy", {}).get("global", {}).get("acc")
+    accuracy = summary.global_accuracy()
     return Row(case, code, accuracy, len(failures), tuple(named), failures[0] if failures else "")
 
 

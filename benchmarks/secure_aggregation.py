@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from fedpart.common.records import read_rounds
+from fedpart.common.records import RoundRecord, read_rounds
 from fedpart.deploy.launcher import failure, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,11 +82,12 @@ def measure(args: argparse.Namespace, work: Path, algorithm: str, clients: int, 
     def mean(values) -> float:
         return statistics.fmean(values) if rounds else 0.0
 
-    def secagg(record, direction: str) -> int:
-        return record.logical["by_part"].get("secagg", {}).get(direction, 0)
+    def secagg(record: RoundRecord, direction: str) -> int:
+        counts = record.logical.by_part.get("secagg")
+        return counts.bytes_in(direction) if counts is not None else 0
 
     return Row(algorithm, clients, variant, seconds=mean(r.seconds for r in rounds),
-               logical_up=mean(r.logical["up"] for r in rounds), logical_down=mean(r.logical["down"] for r in rounds),
+               logical_up=mean(r.logical.up for r in rounds), logical_down=mean(r.logical.down for r in rounds),
                secagg_up=mean(secagg(r, "up") for r in rounds), secagg_down=mean(secagg(r, "down") for r in rounds))
 
 

@@ -81,7 +81,7 @@ import yaml
 
 from fedpart.common.config import apply_overrides, config_from_dict
 from fedpart.common.experiment import build_run_model
-from fedpart.common.records import RunSummary, read_rounds, read_summary
+from fedpart.common.records import DeliveryCounts, RunSummary, read_rounds, read_summary
 from fedpart.common.client_ids import split_clients
 from fedpart.deploy.launcher import stop_processes
 from fedpart.server.aggregation import WeightedMean
@@ -275,8 +275,8 @@ class RowResult:
     load: dict  # the generators' counts, summed
     problems: list[str]
     evaluated: int  # clients with an evaluation in summary.json
-    delivery_per_round: list[dict]  # each round's "delivery" counts from metrics.jsonl
-    evaluation_delivery: dict  # the final evaluation's delivery counts from summary.json
+    delivery_per_round: list[DeliveryCounts | None]  # each round's delivery counts from metrics.jsonl
+    evaluation_delivery: DeliveryCounts | None  # the final evaluation's delivery counts from summary.json
     planned_cuts: int
     relay: dict | None  # the relay's counts, when the row ran through it
     relay_cpu_per_round: float | None
@@ -406,7 +406,7 @@ def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: floa
                  if len(r.completed) < len(r.sampled)]
     summary_path = out / "summary.json"
     summary = read_summary(summary_path) if summary_path.is_file() else RunSummary()
-    evaluated = sum(client["test_samples"] is not None for client in summary.per_client or [])
+    evaluated = sum(client.test_samples is not None for client in summary.per_client or [])
     if evaluated < row.clients:
         problems.append(f"{evaluated} of {row.clients} clients evaluated")
     if args.relay and relay_counts is None:
@@ -456,8 +456,8 @@ def _collect(row: Row, args: argparse.Namespace, work: Path, out: Path, go: floa
         evaluation_seconds=evaluation,
         generator_exits=[generator.returncode for generator, _ in generators],
         load=load, problems=problems, evaluated=evaluated,
-        delivery_per_round=[r.delivery or {} for r in records],
-        evaluation_delivery=(summary.delivery or {}).get("evaluation", {}),
+        delivery_per_round=[r.delivery for r in records],
+        evaluation_delivery=summary.delivery.evaluation if summary.delivery is not None else None,
         planned_cuts=planned_cuts, relay=relay_counts,
         relay_cpu_per_round=statistics.fmean(relay_cpu) if relay_cpu else None,
     )
@@ -587,8 +587,8 @@ def _cuts(result: RowResult) -> str:
     return str(made) if made == result.planned_cuts else f"{made} of {result.planned_cuts}"
 
 
-def _nonzero(counts: dict) -> str:
-    return ", ".join(f"{key} {value}" for key, value in counts.items() if value) or "none"
+def _nonzero(counts: DeliveryCounts | None) -> str:
+    return ", ".join(f"{key} {value}" for key, value in (counts or DeliveryCounts()).to_json().items() if value) or "none"
 
 
 def format_details(result: RowResult, floor: Floor) -> str:

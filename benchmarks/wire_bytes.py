@@ -35,14 +35,13 @@ from typing import Any
 import yaml
 
 from fedpart.common.client_ids import split_clients
-from fedpart.common.records import read_summary
+from fedpart.common.records import DIRECTIONS, read_summary
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.deploy.relay import RelayThread
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "fedpart"]
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
-DIRECTIONS = ("down", "up")
 
 
 @dataclass
@@ -158,8 +157,8 @@ def measure(config: dict[str, Any], work: Path, tls: bool = True, timeout: float
                 process.wait(timeout=30)
     summary = read_summary(out / "summary.json")
     return Measurement(config["algorithm"]["name"], tls, {d: sum(getattr(c, d) for c in counts) for d in DIRECTIONS},
-                       {d: summary.bytes[d] for d in DIRECTIONS},
-                       {d: summary.bytes["logical"][d] for d in DIRECTIONS}, sum(c.relayed for c in counts))
+                       {d: summary.bytes.bytes_in(d) for d in DIRECTIONS},
+                       {d: summary.bytes.logical.bytes_in(d) for d in DIRECTIONS}, sum(c.relayed for c in counts))
 
 
 def format_table(measurements: list[Measurement]) -> str:

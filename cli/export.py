@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedpart.common.records import RunSummary, read_summary
+from fedpart.common.records import ClientResult, RunSummary, Section, read_summary
 
 if TYPE_CHECKING:
     from fedpart.common.config import RunConfig
@@ -142,8 +142,8 @@ def _write_models(config: RunConfig, summary: RunSummary, run_id: str, found: di
     from fedpart.common.experiment import dataset_dims
 
     input_shape, num_classes = dataset_dims(config)
-    per_client = {entry["id"]: entry for entry in summary.per_client or []}
-    metric = (summary.accuracy or {}).get("metric")
+    per_client = {entry.id: entry for entry in summary.per_client or []}
+    metric = summary.accuracy.metric if summary.accuracy is not None else None
     evaluate = config.evaluate
     common = {
         "format": EXPORT_FORMAT,
@@ -173,12 +173,12 @@ def _write_models(config: RunConfig, summary: RunSummary, run_id: str, found: di
     return entries
 
 
-def _client_results(entry: dict[str, Any] | None, metric: str | None) -> dict[str, Any]:
+def _client_results(entry: ClientResult | None, metric: str | None) -> dict[str, Any]:
     """The client's reported metrics from summary.json's ``per_client`` (empty if it has none)."""
-    if not entry or entry.get("initial") is None:
+    if entry is None or entry.initial is None:
         return {}
-    return {"accuracy": {"metric": metric, "initial": entry["initial"], "personalized": entry.get("personalized", {})},
-            "train_samples": entry.get("train_samples"), "test_samples": entry.get("test_samples")}
+    return {"accuracy": {"metric": metric, "initial": entry.initial, "personalized": entry.personalized},
+            "train_samples": entry.train_samples, "test_samples": entry.test_samples}
 
 
 def _label(process_dir: Path, run_dir: Path) -> str:
@@ -195,5 +195,6 @@ def _run_basics(config: RunConfig, summary: RunSummary) -> dict[str, Any]:
               "dataset": config.data.dataset, "clients": config.clients, "rounds": config.rounds}
     recorded = {"status": summary.status, "rounds_completed": summary.rounds_completed, "seeds": summary.seeds,
                 "parameters": summary.parameters, "accuracy": summary.accuracy}
-    basics.update({key: value for key, value in recorded.items() if value is not None})
+    basics.update({key: value.to_json() if isinstance(value, Section) else value
+                   for key, value in recorded.items() if value is not None})
     return basics

@@ -149,7 +149,7 @@ def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_di
     option that cannot be run."""
     from fedpart.common.experiment import LocalData, check_experiment
     from fedpart.server.metrics import check_metrics_available
-    from fedpart.server.report import check_new_run_dir
+    from fedpart.server.run_directory import check_new_run_dir
     from fedpart.server.run_state import read_run_state
 
     if metrics_port is not None:

@@ -20,7 +20,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, PercentFormatter
 
-from fedpart.common.records import RoundRecord
+from fedpart.common.records import ByteCounts, RoundRecord
 from fedpart.report.link import Link, cumulative_seconds, round_times, uses_logical_bytes
 from fedpart.report.runs import Run, group_runs, round_bytes, round_bytes_by_part
 
@@ -324,7 +324,7 @@ def _parts(runs: Sequence[Run], logical: bool) -> list[str]:
     for run in runs:
         for rec in run.rounds:
             for part, counts in round_bytes_by_part(rec, logical).items():
-                if part not in seen and (counts["down"] or counts["up"]):
+                if part not in seen and (counts.down or counts.up):
                     seen.append(part)
     return [p for p in seen if p != "control"] + (["control"] if "control" in seen else [])
 
@@ -388,8 +388,13 @@ def bytes_per_round(runs: Sequence[Run]) -> Plot:
     extra = iter(EXTRA_PART_COLORS * 4)
     colors = {p: PART_COLORS.get(p) or next(extra) for p in parts}
     _stacked_rows(runs, plot, parts, colors,
-                  lambda rec, part, d: round_bytes_by_part(rec, logical).get(part, {}).get(d, 0) / 1e3, logical)
+                  lambda rec, part, d: _bytes_in(round_bytes_by_part(rec, logical).get(part), d) / 1e3, logical)
     return plot
+
+
+def _bytes_in(counts: ByteCounts | None, direction: str) -> float:
+    """The bytes of ``counts`` in ``direction`` (0: none recorded)."""
+    return counts.bytes_in(direction) if counts is not None else 0
 
 
 def bytes_per_unit(runs: Sequence[Run]) -> Plot:
@@ -409,7 +414,7 @@ def bytes_per_unit(runs: Sequence[Run]) -> Plot:
             units += [u for u in rec.bytes_by_unit if u not in units]
     colors = {unit: f"C{i % 10}" for i, unit in enumerate(units)}
     _stacked_rows(shown, plot, units, colors,
-                  lambda rec, unit, d: rec.bytes_by_unit.get(unit, {}).get(d, 0) / 1e3, False)
+                  lambda rec, unit, d: _bytes_in(rec.bytes_by_unit.get(unit), d) / 1e3, False)
     return plot
 
 
@@ -441,8 +446,8 @@ def compute_per_round(runs: Sequence[Run]) -> Plot:
 def _sweep(run: Run) -> dict[int, float]:
     """Mean client accuracy after each number of fine-tune epochs (0: initial)."""
     accuracy = run.summary.accuracy
-    points = {0: accuracy["initial"]["mean"]}
-    points.update({int(e): s["mean"] for e, s in accuracy["personalized"].items() if s["mean"] is not None})
+    points = {0: accuracy.initial.mean}
+    points.update({int(e): s.mean for e, s in accuracy.personalized.items() if s.mean is not None})
     return points
 
 
@@ -451,8 +456,8 @@ def personalization(runs: Sequence[Run]) -> Plot:
                 "Left: mean accuracy over clients on their own test splits after tau_f fine-tune epochs "
                 "(0: the final global model with the client's personal parts). Right: the per-client "
                 "accuracies before (initial) and after the longest fine-tuning (personalized).")
-    shown = [r for r in runs if r.summary is not None and r.summary.accuracy["metric"] == "acc"
-             and r.summary.accuracy["initial"]["mean"] is not None]
+    shown = [r for r in runs if r.summary is not None and r.summary.accuracy.metric == "acc"
+             and r.summary.accuracy.initial.mean is not None]
     if not shown:
         plot.missing = "no finished run reported client accuracies (the final evaluation is in summary.json)"
         return plot
@@ -472,12 +477,12 @@ def personalization(runs: Sequence[Run]) -> Plot:
     positions, data, colors, ticks = [], [], [], []
     for index, (group, members) in enumerate(groups.items()):
         initial, final = [], []
-        epochs = max(members[0].summary.accuracy["personalized"], key=int, default=None)
+        epochs = members[0].summary.accuracy.longest_finetune()
         for run in members:
             clients = run.summary.per_client
-            initial += [c["initial"] for c in clients if c["initial"] is not None]
-            final += [c["personalized"][epochs] for c in clients
-                      if epochs is not None and c["personalized"].get(epochs) is not None]
+            initial += [c.initial for c in clients if c.initial is not None]
+            final += [c.personalized[epochs] for c in clients
+                      if epochs is not None and c.personalized.get(epochs) is not None]
         for offset, values, kind in ((-0.2, initial, "initial"), (0.2, final, f"{epochs} ep")):
             if values:
                 positions.append(index + offset)

@@ -31,9 +31,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from fedpart.common.records import RoundRecord
+from fedpart.common.records import RoundClient, RoundRecord
 
 BITS_PER_BYTE = 8
 ROUND_TRIPS = 2  # per client and round: fetching the task, uploading the result
@@ -196,26 +194,26 @@ def completed_clients(record: RoundRecord, logical: bool = True) -> dict[int, Cl
     recorded, else physical) and compute seconds."""
     entries = record.clients or {}
     return {int(c): ClientRound(_client_bytes(e, "down", logical), _client_bytes(e, "up", logical),
-                                e["compute_seconds"])
-            for c, e in entries.items() if e.get("compute_seconds") is not None}
+                                e.compute_seconds)
+            for c, e in entries.items() if e.compute_seconds is not None}
 
 
-def _client_bytes(entry: Mapping[str, Any], direction: str, logical: bool) -> int:
-    if logical and f"logical_{direction}" in entry:
-        return entry[f"logical_{direction}"]
-    return entry[direction]
+def _client_bytes(entry: RoundClient, direction: str, logical: bool) -> int:
+    if logical and entry.logical_bytes_in(direction) is not None:
+        return entry.logical_bytes_in(direction)
+    return entry.bytes_in(direction)
 
 
 def uses_logical_bytes(records: Sequence[RoundRecord]) -> bool:
     """Every client entry of every round record has logical bytes (the model then uses them)."""
-    return bool(records) and all("logical_down" in e and "logical_up" in e
+    return bool(records) and all(e.logical_down is not None and e.logical_up is not None
                                  for r in records for e in (r.clients or {}).values())
 
 
 def process_bytes(record: RoundRecord) -> int:
     """Bytes of the round that belong to no client (process-level control, left out of the model)."""
     entries = (record.clients or {}).values()
-    return record.bytes_down + record.bytes_up - sum(e["down"] + e["up"] for e in entries)
+    return record.bytes_down + record.bytes_up - sum(e.down + e.up for e in entries)
 
 
 def round_times(link: Link, records: Sequence[RoundRecord],
@@ -240,7 +238,7 @@ def time_to_accuracy(records: Sequence[RoundRecord], cumulative: Sequence[float]
     the first round whose global accuracy reaches ``target`` (None: never reached in the rounds
     that were tested)."""
     for record, seconds in zip(records, cumulative):
-        accuracy = (record.global_metrics or {}).get("acc")
+        accuracy = record.global_accuracy()
         if accuracy is not None and accuracy >= target:
             return seconds
     return None

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from fedpart.common.records import RoundRecord, RunSummary
+from fedpart.common.records import ByteCounts, RoundRecord, RunSummary
 
 
 class ReportError(ValueError):
@@ -65,7 +65,7 @@ class Run:
         """Clients of a completed run without a final evaluation (the server exits 3 for them)."""
         if self.summary is None:
             return 0
-        return sum(1 for client in self.summary.per_client or [] if client.get("test_samples") is None)
+        return sum(1 for client in self.summary.per_client or [] if client.test_samples is None)
 
     @property
     def unlisted_missing_evaluations(self) -> int:
@@ -134,13 +134,11 @@ class Run:
     def global_accuracy(self) -> list[tuple[int, float]]:
         """``(round, accuracy)`` of the global model on the server's test set, for the rounds
         where it was tested (``evaluate.global_every``)."""
-        return [(r.round, r.global_metrics["acc"]) for r in self.rounds if "acc" in (r.global_metrics or {})]
+        return [(r.round, r.global_accuracy()) for r in self.rounds if r.global_accuracy() is not None]
 
     def final_global_accuracy(self) -> float | None:
         """The global model's accuracy after the last round (summary.json)."""
-        if self.summary is None:
-            return None
-        return self.summary.accuracy.get("global", {}).get("acc")
+        return self.summary.global_accuracy() if self.summary is not None else None
 
     @property
     def virtual_clock(self) -> bool:
@@ -166,7 +164,7 @@ class Run:
         """How many folded results had each staleness (buffered engine; empty for a synchronous run)."""
         counts: dict[int, int] = {}
         for record in self.rounds:
-            for staleness, count in ((record.buffered or {}).get("staleness") or {}).items():
+            for staleness, count in (record.buffered.staleness if record.buffered is not None else {}).items():
                 counts[int(staleness)] = counts.get(int(staleness), 0) + count
         return dict(sorted(counts.items()))
 
@@ -182,14 +180,14 @@ class Run:
 def round_bytes(record: RoundRecord, direction: str, logical: bool) -> int:
     """A round's bytes in ``direction`` (down / up): logical where asked and recorded, else physical."""
     if logical and record.logical is not None:
-        return record.logical[direction]
+        return record.logical.bytes_in(direction)
     return record.bytes_in(direction)
 
 
-def round_bytes_by_part(record: RoundRecord, logical: bool) -> dict[str, dict[str, int]]:
+def round_bytes_by_part(record: RoundRecord, logical: bool) -> dict[str, ByteCounts]:
     """A round's bytes by model part: logical where asked and recorded, else physical."""
     if logical and record.logical is not None:
-        return record.logical.get("by_part", {})
+        return record.logical.by_part
     return record.bytes_by_part
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fedpart.common.records import DIRECTIONS, ModelMetrics
 from fedpart.report.link import (Link, cumulative_seconds, round_times, time_to_accuracy,
                                         uses_logical_bytes)
 from fedpart.report.runs import SEED_SOURCES, Run, group_runs, round_bytes
@@ -117,9 +118,9 @@ def _per_round_mean(run: Run, direction: str, logical: bool) -> float | None:
     summary = run.summary
     if summary is not None:
         if not logical:
-            return summary.bytes["per_round_mean"][direction]
-        if "logical" in summary.bytes:
-            return summary.bytes["logical"]["per_round_mean"][direction]
+            return summary.bytes.per_round_mean.bytes_in(direction)
+        if summary.bytes.logical is not None:
+            return summary.bytes.logical.per_round_mean.bytes_in(direction)
     return _mean([round_bytes(r, direction, logical) for r in run.rounds])
 
 
@@ -139,7 +140,7 @@ def _clock_numbers(run: Run, target: float | None) -> dict[str, Any]:
         "clock_seconds": clock[rounds[-1].round] if rounds else None,
         "clock_time_to_target": None, "utilization": None,
         "mean_staleness": (sum(s * n for s, n in staleness.items()) / sum(staleness.values())) if staleness else None,
-        "bytes_per_update": (sum(round_bytes(r, d, True) for r in rounds for d in ("down", "up")) / folded
+        "bytes_per_update": (sum(round_bytes(r, d, True) for r in rounds for d in DIRECTIONS) / folded
                              if folded and run.has_logical_bytes() else None),
     }
     if target is not None and rounds:
@@ -179,11 +180,11 @@ def run_row(run: Run, link: Link | None = None, target: float | None = None) -> 
     }
     if summary is not None:
         accuracy = summary.accuracy
-        if accuracy["metric"] == "acc":
-            row["initial_acc"] = accuracy["initial"]["mean"]
-            if accuracy["personalized"]:
-                epochs = max(accuracy["personalized"], key=int)
-                row["personalized_acc"] = accuracy["personalized"][epochs]["mean"]
+        if accuracy.metric == "acc":
+            row["initial_acc"] = accuracy.initial.mean
+            epochs = accuracy.longest_finetune()
+            if epochs is not None:
+                row["personalized_acc"] = accuracy.personalized[epochs].mean
                 row["finetune_epochs"] = int(epochs)
             row["global_acc"] = run.final_global_accuracy()
         row["wall_seconds"] = summary.seconds
@@ -322,10 +323,10 @@ def _per_part_keys(runs: Sequence[Run]) -> list[str]:
     for run in runs:
         for record in run.rounds:
             parts.update(dict.fromkeys(record.bytes_by_part))
-            parts.update(dict.fromkeys((record.logical or {}).get("by_part", {})))
+            parts.update(dict.fromkeys(record.logical.by_part if record.logical is not None else {}))
             units.update(dict.fromkeys(record.bytes_by_unit or {}))
-    keys = [f"{kind}_{part}_{d}" for kind in ("physical", "logical") for part in parts for d in ("down", "up")]
-    return keys + [f"unit_{unit}_{d}" for unit in units for d in ("down", "up")]
+    keys = [f"{kind}_{part}_{d}" for kind in ("physical", "logical") for part in parts for d in DIRECTIONS]
+    return keys + [f"unit_{unit}_{d}" for unit in units for d in DIRECTIONS]
 
 
 def round_rows(runs: Sequence[Run]) -> tuple[list[str], list[dict[str, Any]]]:
@@ -334,27 +335,29 @@ def round_rows(runs: Sequence[Run]) -> tuple[list[str], list[dict[str, Any]]]:
     rows = []
     for run in runs:
         for record in run.rounds:
-            logical = record.logical or {}
-            global_metrics = record.global_metrics or {}
+            logical = record.logical
+            global_metrics = record.global_metrics or ModelMetrics()
             row: dict[str, Any] = {
                 "run": run.label, "group": run.group, "algorithm": run.algorithm,
                 **{f"seed_{source}": seed for source, seed in run.seeds.items()},
                 "round": record.round, "sampled": len(record.sampled), "completed": len(record.completed),
                 "train_loss": record.train_loss, "lr": record.lr,
-                "global_acc": global_metrics.get("acc"), "global_loss": global_metrics.get("loss"),
+                "global_acc": global_metrics.acc, "global_loss": global_metrics.loss,
                 "seconds": record.seconds, "train_flops": record.train_flops,
                 "client_compute_seconds": record.client_compute_seconds,
-                "bytes_counted": "logical" if logical else "physical",
+                "bytes_counted": "logical" if logical is not None else "physical",
                 "physical_down": record.bytes_down, "physical_up": record.bytes_up,
-                "logical_down": logical.get("down"), "logical_up": logical.get("up"),
+                "logical_down": logical.down if logical is not None else None,
+                "logical_up": logical.up if logical is not None else None,
             }
-            for kind, by_part in (("physical", record.bytes_by_part), ("logical", logical.get("by_part", {}))):
+            for kind, by_part in (("physical", record.bytes_by_part),
+                                  ("logical", logical.by_part if logical is not None else {})):
                 for part, counts in by_part.items():
-                    for direction in ("down", "up"):
-                        row[f"{kind}_{part}_{direction}"] = counts.get(direction)
+                    for direction in DIRECTIONS:
+                        row[f"{kind}_{part}_{direction}"] = counts.bytes_in(direction)
             for unit, counts in (record.bytes_by_unit or {}).items():
-                for direction in ("down", "up"):
-                    row[f"unit_{unit}_{direction}"] = counts.get(direction)
+                for direction in DIRECTIONS:
+                    row[f"unit_{unit}_{direction}"] = counts.bytes_in(direction)
             rows.append(row)
     return keys, rows
 

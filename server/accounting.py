@@ -20,8 +20,9 @@ import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
+from fedpart.common.records import DIRECTIONS
+
 PARTS = ("body", "head", "other", "control")  # always reported; extra parts once they carried bytes
-DIRECTIONS = ("down", "up")
 PROCESS = -1  # client id for messages that belong to a process, not one client (join, polls)
 
 

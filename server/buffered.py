@@ -51,6 +51,7 @@ from fedpart.common.algorithms import learning_rate
 from fedpart.common.config import BufferedConfig, RunConfig
 from fedpart.common.plans import ResultInfo, TaskKind
 from fedpart.common.protocol import Rejected
+from fedpart.common.records import BufferedVersion, DeliveryCounts, RoundRecord
 from fedpart.server.accounting import DIRECTIONS, ByteLedger
 from fedpart.server.coordinator import Coordinator, EngineSteps, TaskFolding
 from fedpart.server.policy import RoundResults, Screened
@@ -58,7 +59,7 @@ from fedpart.server.registry import REAP_INTERVAL_SECONDS
 from fedpart.server.robust import ResultRefused, scaled
 from fedpart.server.run_recorder import VersionNotes
 from fedpart.server.run_state import RunState
-from fedpart.server.task_board import DeliveryCounts, Task
+from fedpart.server.task_board import Task
 from fedpart.server.virtual_clock import VirtualClock
 
 
@@ -231,10 +232,6 @@ class VersionTraffic:
         return _minus(self.now.units, self.since.units)
 
 
-def _delivery_minus(now: DeliveryCounts, since: DeliveryCounts) -> DeliveryCounts:
-    return DeliveryCounts(**{key: value - getattr(since, key) for key, value in now.as_dict().items()})
-
-
 class HeldFolding(TaskFolding):
     """Folds a held result (its task answered when it was held) into its version's ``results``."""
 
@@ -357,7 +354,7 @@ class BufferedCoordinator(Coordinator):
 
     # ------------------------------------------------------------------ a version
 
-    def run_round(self, round_number: int) -> dict:
+    def run_round(self, round_number: int) -> RoundRecord:
         """Dispatch to idle clients, fill the version's buffer, step; returns the version's record."""
         started = time.monotonic()
         with self._cond:
@@ -470,7 +467,7 @@ class BufferedCoordinator(Coordinator):
         if buffer.members is not None:
             buffer.members = self.schedule.members(buffer.members | buffer.admitted)
 
-    def _close(self, buffer: Buffer, dispatched: list[int], seconds: float) -> dict:
+    def _close(self, buffer: Buffer, dispatched: list[int], seconds: float) -> RoundRecord:
         """End the folded flights, move the virtual clock, forget unneeded versions; the record
         (holds the lock)."""
         folded, virtual = self.schedule.close(buffer.folded)
@@ -482,11 +479,11 @@ class BufferedCoordinator(Coordinator):
         self.recorder.end_round(buffer.version, seconds)
         delivery = self.board.delivery_counts()
         notes = VersionNotes(VersionTraffic(self.ledger, self._traffic_since, tasks),
-                             _delivery_minus(delivery, self._delivery_since), virtual,
-                             {"concurrency": self.concurrency, "buffer_size": self.buffer_size,
-                              "dispatched": dispatched,
-                              "staleness": {str(s): n for s, n in sorted(buffer.staleness.items())},
-                              "in_flight": len(self._flights), "held": len(self._held)})
+                             delivery - self._delivery_since, virtual,
+                             BufferedVersion(concurrency=self.concurrency, buffer_size=self.buffer_size,
+                                             dispatched=dispatched,
+                                             staleness={str(s): n for s, n in sorted(buffer.staleness.items())},
+                                             in_flight=len(self._flights), held=len(self._held)))
         self._traffic_since = notes.traffic.now
         self._delivery_since = delivery
         processes = {c: host.name for c in [*tasks, *buffer.refused] if (host := self.registry.host(c)) is not None}

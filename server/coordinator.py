@@ -44,6 +44,7 @@ from fedpart.common.exit_codes import StoppableCondition, Stopped
 from fedpart.common.experiment import build_run_model, run_algorithm
 from fedpart.common.plans import EvalPlan, JoinInfo, ResultInfo, RunOutcome, TaskKind, TrainPlan
 from fedpart.common.protocol import Rejected
+from fedpart.common.records import RoundRecord
 from fedpart.common.security import Principal
 from fedpart.common.split_model import SplitModel, tensor_part
 from fedpart.common.wire import TensorSpec, named_specs
@@ -342,7 +343,7 @@ class Coordinator:
         have = self._personal.get(client_id, set())
         return tuple(p for p in self.algorithm.personal_parts if p not in have)
 
-    def run_round(self, round_number: int) -> dict:
+    def run_round(self, round_number: int) -> RoundRecord:
         """Sample, dispatch, collect and aggregate one round; returns its metrics record."""
         started = time.monotonic()
         sampling = self.config.sampling

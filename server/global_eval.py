@@ -12,6 +12,7 @@ from fedpart.common.data.datasets import load_dataset
 from fedpart.common.evaluation import split_metrics
 from fedpart.common.experiment import build_run_model, dataset_dims
 from fedpart.common.losses import build_loss
+from fedpart.common.records import ModelMetrics
 
 
 class GlobalEvaluator:
@@ -30,7 +31,8 @@ class GlobalEvaluator:
         self.loss_fn = build_loss(config.train.loss, self.classification)
         self.model = build_run_model(config)
 
-    def evaluate(self, state: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """``{"loss": .., "acc": ..}`` of ``state`` on the whole test split."""
+    def evaluate(self, state: Mapping[str, torch.Tensor]) -> ModelMetrics:
+        """The loss (and a classifier's accuracy) of ``state`` on the whole test split."""
         self.model.load_state_dict(dict(state))
-        return split_metrics(self.model, self.x, self.y, self.loss_fn, self.classification)
+        metrics = split_metrics(self.model, self.x, self.y, self.loss_fn, self.classification)
+        return ModelMetrics(loss=metrics.get("loss"), acc=metrics.get("acc"))

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fedpart.common.records import Insiders, Outlier, SumCheck
+
 SKETCH_BUCKETS = 1024
 MIN_RESULTS = 3   # the fewest results a round judges its results by
 SUM_HISTORY = 5   # rounds of revealed sums the sum of a securely aggregated round is compared with
@@ -125,7 +127,7 @@ class InsiderMonitor:
         return Observation(norm, self.sketches.sketch(deltas))
 
     def close_round(self, round_number: int, folded: Mapping[int, Observation],
-                    refused: Mapping[int, Observation]) -> dict | None:
+                    refused: Mapping[int, Observation]) -> Insiders | None:
         """Judge round ``round_number``'s results: those folded, by which the median norm and the
         robust centre are taken, and those a norm bound refused. Updates every judged client's
         history, logs the warnings, and returns the round record's ``insiders`` entry (None where
@@ -134,7 +136,7 @@ class InsiderMonitor:
             return None
         median = statistics.median(observation.norm for observation in folded.values())
         centre = torch.stack([folded[client].sketch for client in sorted(folded)]).median(dim=0).values
-        outliers = {}
+        outliers: dict[str, Outlier] = {}
         with self._lock:
             for client, observation in sorted({**folded, **refused}.items()):
                 ratio = observation.norm / median if median > 0 else math.inf
@@ -146,16 +148,16 @@ class InsiderMonitor:
                 history.since = history.since if history.streak else round_number
                 history.streak += 1
                 history.outliers += 1
-                outliers[str(client)] = {"norm_ratio": ratio, "cosine": angle, "streak": history.streak}
+                outliers[str(client)] = Outlier(norm_ratio=ratio, cosine=angle, streak=history.streak)
                 if history.streak >= self.rounds:
                     self.log(f"warning: round {round_number}: client {client} is an outlier in its last "
                              f"{history.streak} results (rounds {history.since}-{round_number}): delta norm "
                              f"{ratio:.3g} x the round's median, cosine {_signed(angle)} to the round's robust "
                              f"centre (robust.monitor_norm_ratio {self.norm_ratio:g}, robust.monitor_cosine "
                              f"{self.min_cosine:g}, robust.monitor_rounds {self.rounds})")
-        return {"median_norm": median, "outliers": outliers}
+        return Insiders(median_norm=median, outliers=outliers)
 
-    def close_sum(self, round_number: int, norm: float) -> dict | None:
+    def close_sum(self, round_number: int, norm: float) -> Insiders | None:
         """Judge a securely aggregated round by the norm of its revealed sum (of the combined
         delta), against the median of the :data:`SUM_HISTORY` sums before it; returns the round
         record's ``insiders`` entry (None until there is a sum to compare with)."""
@@ -168,7 +170,7 @@ class InsiderMonitor:
             history = self._sum_history
             if ratio <= self.norm_ratio:
                 history.streak = 0
-                return {"median_norm": median, "sum": {"norm_ratio": ratio, "streak": 0}}
+                return Insiders(median_norm=median, revealed_sum=SumCheck(norm_ratio=ratio, streak=0))
             history.since = history.since if history.streak else round_number
             history.streak += 1
             history.outliers += 1
@@ -177,7 +179,7 @@ class InsiderMonitor:
                          f"{history.streak} rounds in a row (rounds {history.since}-{round_number}): its norm is "
                          f"{ratio:.3g} x the median of the {len(earlier)} sums before it (secure aggregation shows "
                          "no single update, so no client can be named)")
-            return {"median_norm": median, "sum": {"norm_ratio": ratio, "streak": history.streak}}
+            return Insiders(median_norm=median, revealed_sum=SumCheck(norm_ratio=ratio, streak=history.streak))
 
     def named(self, client: int) -> int | None:
         """The run of outlier results of ``client`` where it is at least ``robust.monitor_rounds``

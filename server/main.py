@@ -34,24 +34,17 @@ from fedpart.common.exit_codes import ExitCode, Stopped, signals_to
 from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.plans import RunOutcome
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
-from fedpart.common.records import RoundRecord, RunSummary
+from fedpart.common.records import RoundRecord
 from fedpart.common.client_ids import format_id_ranges
 from fedpart.common.security import Principal, SecurityError, ServerSecurity
 from fedpart.server.auth import CallGuard, Credentials, TokenGate, fingerprint
 from fedpart.server.buffered import BufferedCoordinator
+from fedpart.server.console_text import format_round, format_table
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.global_eval import GlobalEvaluator
 from fedpart.server.health import RunHealth
 from fedpart.server.metrics import MetricsServer, RunCollector, check_metrics_available
-from fedpart.server.report import (
-    FAILED,
-    INTERRUPTED,
-    RunDirectory,
-    build_summary,
-    check_new_run_dir,
-    format_round,
-    format_table,
-)
+from fedpart.server.run_directory import FAILED, INTERRUPTED, RunDirectory, build_summary, check_new_run_dir
 from fedpart.server.run_state import check_resume_security, mark_finished, read_run_state, write_run_state
 from fedpart.server.sampling import round_target
 from fedpart.server.service import CoordinatorService, add_to_server
@@ -324,7 +317,7 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
     host = address.rpartition(":")[0]
     for listening in (address, *(f"{host}:{port}" for port in (health_port, metrics_port) if port)):
         check_address(listening)
-    records: list[dict] = []  # the round records (metrics.jsonl), read by the metrics endpoint
+    records: list[RoundRecord] = []  # the round records (metrics.jsonl), read by the metrics endpoint
     with ExitStack() as stack:
         stack.enter_context(signals_to(coordinator.stop))  # the round loop stops at a wait, in order
         if metrics_port is not None:
@@ -378,7 +371,7 @@ class ServerRun:
     """The rounds, the final evaluation and the summary of one server, however the run ends."""
 
     def __init__(self, config: RunConfig, coordinator: Coordinator, evaluator: GlobalEvaluator | None,
-                 run_dir: RunDirectory, records: list[dict], display: Display, seconds: Callable[[], float],
+                 run_dir: RunDirectory, records: list[RoundRecord], display: Display, seconds: Callable[[], float],
                  run_ended: Callable[[], None]) -> None:
         self.config = config
         self.coordinator = coordinator
@@ -421,13 +414,13 @@ class ServerRun:
             record = coordinator.run_round(round_number)
             every = config.evaluate.global_every
             if self.evaluator is not None and every and round_number % every == 0:
-                record["global"] = self.evaluator.evaluate(coordinator.global_state)
+                record.global_metrics = self.evaluator.evaluate(coordinator.global_state)
             self.records.append(record)
             self.run_dir.append_round(record)
             self.run_dir.checkpoint(round_number, coordinator.global_state,
                                     last=round_number == coordinator.last_round)
             write_run_state(self.run_dir.path, coordinator.snapshot(round_number, self.seconds()))
-            self.display.log(format_round(RoundRecord.from_json(record), config.rounds))
+            self.display.log(format_round(record, config.rounds))
         self.display.log("evaluating and personalising on every client ...")
         evaluations = coordinator.evaluate_all()
         global_metrics = self.evaluator.evaluate(coordinator.global_state) if self.evaluator is not None else None
@@ -439,11 +432,11 @@ class ServerRun:
         code = ExitCode.FAILURES if failures else ExitCode.COMPLETED
         summary = build_summary(config, coordinator.model, self.records, evaluations, global_metrics,
                                 coordinator.ledger, failures, self.seconds(), note=coordinator.stop_note(),
-                                evaluation_delivery=coordinator.board.delivery_counts(config.rounds + 1).as_dict(),
+                                evaluation_delivery=coordinator.board.delivery_counts(config.rounds + 1),
                                 exit_code=int(code))
         self.run_dir.write_summary(summary)
         mark_finished(self.run_dir.path)
-        self.display.print(format_table(RunSummary.from_json(summary)))
+        self.display.print(format_table(summary))
         self.display.print(next_steps(self.run_dir.path))
         return code
 
@@ -473,17 +466,17 @@ def next_steps(run_dir: Path) -> str:
             f"export         fedpart export {path} --out {path}/models{state}")
 
 
-def short_rounds(records: list[dict], config: RunConfig) -> list[str]:
-    """A line for each round (``records``: the round records as JSON) in which clients it needed
-    sent no result (every client it sampled, or with ``sampling.over_selection`` the clients a
-    round waits for); results it refused are failures of their own already."""
+def short_rounds(records: list[RoundRecord], config: RunConfig) -> list[str]:
+    """A line for each round in which clients it needed sent no result (every client it sampled,
+    or with ``sampling.over_selection`` the clients a round waits for); results it refused are
+    failures of their own already."""
     over_selection = config.sampling.over_selection
     lines = []
-    for record in map(RoundRecord.from_json, records):
+    for record in records:
         needed = len(record.sampled)
         if over_selection and config.sampling.probability is None:
             needed = min(needed, round_target(config.clients, config.sampling.fraction))
-        answered = len(record.completed) + (record.robust or {}).get("rejected", 0)
+        answered = len(record.completed) + (record.robust.rejected if record.robust is not None else 0)
         if answered < needed:
             lines.append(f"round {record.round}: {needed - answered} of the {needed} clients it needed sent "
                          f"no result (folded {len(record.completed)})")

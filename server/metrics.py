@@ -18,10 +18,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from fedpart.common.records import RoundRecord
+from fedpart.common.records import DeliveryCounts, RobustCounts, RoundRecord
 from fedpart.server.policy.screening import RobustScreening
-from fedpart.server.report import delivery_totals
-from fedpart.server.robust import ACTIONS
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -49,7 +47,7 @@ class RunCollector:
     ``records`` is the list of round records the server appends to (``metrics.jsonl``: the
     rounds of a resumed run included)."""
 
-    def __init__(self, coordinator: Coordinator, records: Sequence[dict]) -> None:
+    def __init__(self, coordinator: Coordinator, records: Sequence[RoundRecord]) -> None:
         self.coordinator = coordinator
         self.records = records
 
@@ -59,7 +57,7 @@ class RunCollector:
         coordinator = self.coordinator
         config = coordinator.config
         progress = coordinator.progress()
-        records = [RoundRecord.from_json(r) for r in self.records]
+        records = list(self.records)
 
         yield InfoMetricFamily("fedpart_run", "The run this server coordinates",
                                value={"run_id": coordinator.run_id, "name": config.name,
@@ -116,8 +114,8 @@ class RunCollector:
                                   value=sum(len(r.completed) for r in records))
         robust = CounterMetricFamily("fedpart_results_robust", "Results the defences (robust.*) changed or "
                                      "refused in the completed rounds", labels=["action"])
-        for action in ACTIONS:
-            robust.add_metric([action], sum((r.robust or {}).get(action, 0) for r in records))
+        for action, count in RobustCounts.total(r.robust for r in records if r.robust is not None).to_json().items():
+            robust.add_metric([action], count)
         yield robust
         screening = coordinator.policy.find(RobustScreening)
         monitor = screening.monitor if screening is not None else None
@@ -134,11 +132,10 @@ class RunCollector:
         delivery = CounterMetricFamily("fedpart_delivery", "What faults made the server do, by kind: tasks and "
                                        "results sent again, streams cut, duplicates dropped, tasks given up",
                                        labels=["kind"])
-        totals = delivery_totals(records)
+        totals = DeliveryCounts.total(r.delivery for r in records if r.delivery is not None)
         if progress.round > len(records):  # the round in progress, or the final evaluation
-            for kind, count in coordinator.board.delivery_counts(progress.round).as_dict().items():
-                totals[kind] = totals.get(kind, 0) + count
-        for kind, count in sorted(totals.items()):
+            totals += coordinator.board.delivery_counts(progress.round)
+        for kind, count in sorted(totals.to_json().items()):
             delivery.add_metric([kind], count)
         yield delivery
         yield CounterMetricFamily("fedpart_refused_result_bytes", "Bytes of results the server refused (not "

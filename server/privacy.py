@@ -51,6 +51,7 @@ from fedpart.common.algorithms import Role
 from fedpart.common.config import DP_ACCOUNTING_INSTALL, ConfigError, RunConfig
 from fedpart.common.experiment import build_run_model, run_algorithm
 from fedpart.common.privacy import clip_deltas
+from fedpart.common.records import RoundPrivacy
 from fedpart.server.aggregation import CompensatedSum
 from fedpart.server.sampling import expected_clients, round_target
 
@@ -392,15 +393,14 @@ class DifferentialPrivacy:
         if self.adaptive is not None:
             self.adaptive.load_state(state)
 
-    def round_record(self, round_number: int) -> dict[str, float | None]:
+    def round_record(self, round_number: int) -> RoundPrivacy:
         """The round's ``privacy`` entry of metrics.jsonl: epsilon after it; under adaptive clipping
-        also the clip the round used (``clip_norm``) and the noised fraction of its results within it
-        (``unclipped_fraction``, null where the round uploaded nothing): the count is noised before
-        it is used, the exact count is not private and is written nowhere."""
-        record: dict[str, float | None] = {"epsilon": json_epsilon(self.budget.epsilon(round_number))}
+        also the clip the round used and the noised fraction of its results within it: the count is
+        noised before it is used, the exact count is not private and is written nowhere."""
+        record = RoundPrivacy(epsilon=json_epsilon(self.budget.epsilon(round_number)))
         if self.adaptive is not None:
             with self._records_lock:
-                record["clip_norm"] = self._round_clips.get(round_number)
-                record["unclipped_fraction"] = self._round_fractions.get(round_number)
+                record.clip_norm = self._round_clips.get(round_number)
+                record.unclipped_fraction = self._round_fractions.get(round_number)
         return record
 

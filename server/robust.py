@@ -17,7 +17,7 @@ import hashlib
 import math
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,23 +36,6 @@ class ResultRefused(ValueError):
     def __init__(self, message: str, observation: Observation | None = None) -> None:
         super().__init__(message)
         self.observation = observation
-
-
-ACTIONS = ("clipped", "rejected", "samples_capped")  # what the defences count of a round's results
-
-
-@dataclass
-class RobustCounts:
-    """What the defences did in one round (the ``robust`` entry of the round's metrics)."""
-
-    clipped: int = 0
-    rejected: int = 0
-    samples_capped: int = 0
-    non_finite: list[str] = field(default_factory=list)  # aggregated tensors refused, old value kept
-
-    def as_dict(self) -> dict[str, int | list[str]]:
-        return {"clipped": self.clipped, "rejected": self.rejected, "samples_capped": self.samples_capped,
-                "non_finite": list(self.non_finite)}
 
 
 def delta_norm(deltas: Mapping[str, torch.Tensor]) -> float:

@@ -7,6 +7,7 @@ the durations of the rounds this server ran, from which the live display's ETA c
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,11 +15,19 @@ from typing import Protocol
 
 from fedpart.common.algorithms import learning_rate
 from fedpart.common.config import RunConfig
-from fedpart.common.records import RoundRecord
+from fedpart.common.records import (
+    BufferedVersion,
+    BytesByPart,
+    ByteCounts,
+    RoundClient,
+    DeliveryCounts,
+    RoundRecord,
+    by_key,
+)
 from fedpart.server.accounting import ByteLedger
 from fedpart.server.policy.aggregate import RoundResults
 from fedpart.server.policy.base import Policy
-from fedpart.server.task_board import DeliveryCounts, TaskBoard
+from fedpart.server.task_board import TaskBoard
 from fedpart.server.virtual_clock import VirtualClock
 
 
@@ -45,7 +54,7 @@ class VersionNotes:
     traffic: Traffic
     delivery: DeliveryCounts
     virtual: tuple[float, float] | None
-    buffered: dict
+    buffered: BufferedVersion
 
 
 class RunRecorder:
@@ -86,10 +95,10 @@ class RunRecorder:
         return max(0.0, mean * (self.config.rounds - self.completed_rounds) - elapsed)
 
     def record(self, round_number: int, sampled: list[int], completed: list[int], results: RoundResults,
-               processes: Mapping[int, str], seconds: float, version: VersionNotes | None = None) -> dict:
-        """The round's line of metrics.jsonl (:class:`~fedpart.common.records.RoundRecord`, as
-        JSON); ``processes`` names the process each client's task went to. A synchronous round
-        moves the virtual clock (where the run has one) past its folded clients."""
+               processes: Mapping[int, str], seconds: float, version: VersionNotes | None = None) -> RoundRecord:
+        """The round's line of metrics.jsonl; ``processes`` names the process each client's task
+        went to. A synchronous round moves the virtual clock (where the run has one) past its
+        folded clients."""
         ledger = version.traffic if version is not None else self.ledger
         delivery = version.delivery if version is not None else self.board.delivery_counts(round_number)
         if version is not None:
@@ -109,12 +118,12 @@ class RunRecorder:
             return sum(metrics[c].get(key, 0.0) for c in completed)
 
         totals = ledger.totals(round_number)
+        logical = ledger.logical(round_number)
         gpu_peak: dict[str, int] = {}  # per client process: its highest peak over this round's tasks
         for c in completed:
             if "gpu_peak_bytes" in metrics[c]:
                 gpu_peak[processes[c]] = max(gpu_peak.get(processes[c], 0), int(metrics[c]["gpu_peak_bytes"]))
-        policy = self.policy.round_record(round_number)
-        return RoundRecord(
+        record = RoundRecord(
             round=round_number,
             sampled=sampled,
             completed=completed,
@@ -128,22 +137,29 @@ class RunRecorder:
             train_flops=summed("train_flops"),
             bytes_down=totals["down"],
             bytes_up=totals["up"],
-            bytes_by_part=ledger.by_part(round_number),
-            logical=ledger.logical(round_number),
-            bytes_by_unit=ledger.by_unit(round_number),
-            clients={str(c): {**ledger.totals(round_number, c),
-                              **{f"logical_{d}": n for d, n in ledger.logical_totals(round_number, c).items()},
-                              "compute_seconds": metrics.get(c, {}).get("compute_seconds"),
-                              # privacy.dp_sgd: the client's own epsilon over the rounds it trained, delta, steps
-                              **{k: v for k, v in metrics.get(c, {}).items() if k.startswith("dp_sgd_")}}
-                     for c in sampled},
-            robust=results.robust.as_dict(),
+            bytes_by_part=by_key(ledger.by_part(round_number)),
+            logical=BytesByPart(down=logical["down"], up=logical["up"], by_part=by_key(logical["by_part"])),
+            bytes_by_unit=by_key(ledger.by_unit(round_number)),
+            clients={str(c): self._client(ledger, round_number, c, metrics.get(c, {})) for c in sampled},
+            robust=copy.deepcopy(results.robust),
             insiders=results.deltas.insiders,
-            delivery=delivery.as_dict(),
-            server_step=policy.get("server_step"),
+            delivery=delivery,
             gpu_peak_bytes=gpu_peak or None,
-            privacy=policy.get("privacy"),
             virtual_seconds=round(virtual[0], 6) if virtual is not None else None,
             virtual_busy=round(virtual[1], 6) if virtual is not None else None,
             buffered=version.buffered if version is not None else None,
-        ).to_json()
+        )
+        self.policy.round_record(record)
+        return record
+
+    @staticmethod
+    def _client(ledger: Traffic, round_number: int, client: int, metrics: Mapping[str, float]) -> RoundClient:
+        """A sampled client's entry: its bytes of the round, physical and logical, and what its
+        training reported (``metrics``; none where it completed no training): its compute seconds
+        and, under ``privacy.dp_sgd``, its own epsilon over the rounds it trained, delta and steps."""
+        physical = ByteCounts.of(ledger.totals(round_number, client))
+        logical = ByteCounts.of(ledger.logical_totals(round_number, client))
+        return RoundClient(down=physical.down, up=physical.up, logical_down=logical.down, logical_up=logical.up,
+                           compute_seconds=metrics.get("compute_seconds"),
+                           dp_sgd_epsilon=metrics.get("dp_sgd_epsilon"), dp_sgd_steps=metrics.get("dp_sgd_steps"),
+                           dp_sgd_delta=metrics.get("dp_sgd_delta"))

@@ -16,7 +16,8 @@ lost on the way and is offered again at once. A result stream that ends early le
 outstanding for the client's next attempt. A restarted process is offered the tasks its
 predecessor held. Each task is sent at most ``server.delivery_attempts`` times and takes at most
 as many result streams, so a client that never completes a stream cannot make the server work
-forever; what had to be sent again is counted per round (:class:`DeliveryCounts`).
+forever; what had to be sent again is counted per round
+(:class:`~fedpart.common.records.DeliveryCounts`).
 
 The board shares the round engine's condition variable; every method takes it.
 """
@@ -35,6 +36,7 @@ from typing import Protocol
 from fedpart.common.client_ids import format_id_ranges
 from fedpart.common.plans import ResultInfo, TaskInfo, TaskKind
 from fedpart.common.protocol import Rejected, UnknownSession
+from fedpart.common.records import DeliveryCounts
 from fedpart.common.security import Principal
 from fedpart.server.registry import REAP_INTERVAL_SECONDS, ProcessRegistry, ProcessState
 from fedpart.server.validation import printable
@@ -59,21 +61,6 @@ class Task(TaskInfo):
 class DuplicateResult(Exception):
     """A copy of a result whose task was answered, or whose first copy is being folded: it is
     acknowledged and dropped."""
-
-
-@dataclass
-class DeliveryCounts:
-    """What one round (or the final evaluation) had to send again, and why."""
-
-    tasks_sent_again: int = 0    # tasks offered again: their stream was lost, or their process restarted
-    results_sent_again: int = 0  # result streams after a task's first
-    streams_cut: int = 0         # task and result streams that ended early (a transport failure)
-    cut_bytes: int = 0           # bytes received of result streams that ended early
-    duplicates: int = 0          # copies of results already taken, acknowledged and dropped
-    given_up: int = 0            # tasks dropped after server.delivery_attempts
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
 
 
 class Waiter(Protocol):
@@ -333,11 +320,7 @@ class TaskBoard:
         with self._cond:
             if round_number is not None:
                 return dataclasses.replace(self._delivery.get(round_number, DeliveryCounts()))
-            total = DeliveryCounts()
-            for counts in self._delivery.values():
-                for key, value in counts.as_dict().items():
-                    setattr(total, key, getattr(total, key) + value)
-            return total
+            return DeliveryCounts.total(self._delivery.values())
 
     def is_outstanding(self, task: Task) -> bool:
         with self._cond:

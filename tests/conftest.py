@@ -120,6 +120,7 @@ class Processes:
 
     def __init__(self) -> None:
         self.started: list[subprocess.Popen] = []
+        self.run_dirs: list[Path] = []  # the servers' run directories, checked once they stopped
 
     def start(self, args: list[str], env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
         process = subprocess.Popen(args, env=env or child_env(), **kwargs)
@@ -154,6 +155,8 @@ def processes():
     tracker = Processes()
     yield tracker
     tracker.stop_all()
+    for run_dir in tracker.run_dirs:
+        check_records(run_dir)
 
 
 class LineReader:
@@ -200,6 +203,7 @@ def start_server(processes: Processes, config_path: Path, out: Path) -> tuple[su
     """``fedpart server`` on a free port; returns the process, its output reader and its address."""
     server = processes.start(fedpart_command("server", "--insecure", str(config_path), "--address", "127.0.0.1:0", "--out", str(out)),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    processes.run_dirs.append(out)
     reader = LineReader(server)
     address = reader.wait_for(r"listening on (\S+:\d+)", timeout=WAIT).group(1)
     return server, reader, address
@@ -219,7 +223,33 @@ def run_fedpart(config: dict[str, Any], tmp_path: Path, *sets: str, name: str = 
         process.terminate()  # the launcher stops its server and clients on SIGTERM
         stdout, stderr = process.communicate(timeout=WAIT)
         raise AssertionError(f"fedpart run did not finish within {WAIT} s:\n{stdout}\n{stderr}")
+    check_records(out)
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr), out
+
+
+def check_records(run_dir: Path) -> None:
+    """The records a run directory holds read into their types, read back from what they write
+    (``from_json(to_json(r)) == r``) and write the same text the server wrote (a last line of
+    metrics.jsonl cut short by a stopped server is left out, as readers leave it)."""
+    from fedpart.common.records import RoundRecord, RunSummary
+
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    for number, line in enumerate(lines, start=1):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            assert number == len(lines), f"{metrics}:{number}: not JSON"
+            continue
+        record = RoundRecord.from_json(data)
+        assert RoundRecord.from_json(record.to_json()) == record, f"{metrics}:{number}"
+        assert json.dumps(record.to_json()) == line, f"{metrics}:{number} does not read back unchanged"
+    path = run_dir / "summary.json"
+    if path.is_file():
+        text = path.read_text()
+        summary = RunSummary.from_json(json.loads(text))
+        assert RunSummary.from_json(summary.to_json()) == summary, str(path)
+        assert json.dumps(summary.to_json(), indent=1) == text, f"{path} does not read back unchanged"
 
 
 def read_metrics(out: Path) -> list[dict[str, Any]]:

@@ -211,9 +211,9 @@ def test_the_server_clips_with_the_rounds_clip_and_steps_it_when_the_round_close
     assert step.privacy.noise(1)[0] == 0.0
     state = _round(step, 1, state, [0.5, 0.7, 0.9, 3.0])  # 3 of 4 within the clip
     assert step.privacy.clip_norm == pytest.approx(math.exp(-0.5 * (0.75 - 0.5)))
-    assert step.privacy.round_record(1) == {"epsilon": None, "clip_norm": 1.0, "unclipped_fraction": 0.75}
+    assert step.privacy.round_record(1).to_json() == {"epsilon": None, "clip_norm": 1.0, "unclipped_fraction": 0.75}
     _round(step, 2, state, [5.0, 6.0, 7.0, 8.0])
-    assert step.privacy.round_record(2)["unclipped_fraction"] == 0.0
+    assert step.privacy.round_record(2).unclipped_fraction == 0.0
     assert step.privacy.clip_norm == pytest.approx(math.exp(-0.5 * 0.25) * math.exp(0.5 * 0.5))
 
 
@@ -228,7 +228,7 @@ def test_the_noise_of_the_deltas_is_z_delta_times_the_rounds_clip():
 def test_a_round_without_results_releases_a_noised_count():
     step, state = _step({"clip_norm": 1.0, "noise_multiplier": 1.0, "count_stddev": 1.0, "noise_seed": 3}, clients=4)
     _round(step, 1, state, [])
-    fraction = step.privacy.round_record(1)["unclipped_fraction"]
+    fraction = step.privacy.round_record(1).unclipped_fraction
     assert fraction != 0.5  # noise alone moved it
     assert step.privacy.clip_norm == pytest.approx(math.exp(-0.2 * (fraction - 0.5)))
 
@@ -289,8 +289,8 @@ def test_the_clip_settles_at_the_median_norm_of_the_clients_updates(tmp_path):
     finally:
         client.close()
         server.close()
-    clips = [record["privacy"]["clip_norm"] for record in server.records]
-    fractions = [record["privacy"]["unclipped_fraction"] for record in server.records]
+    clips = [record.privacy.clip_norm for record in server.records]
+    fractions = [record.privacy.unclipped_fraction for record in server.records]
     expected, clip = [], 0.5
     for _ in range(rounds):
         expected.append(clip)
@@ -299,7 +299,7 @@ def test_the_clip_settles_at_the_median_norm_of_the_clients_updates(tmp_path):
     assert clips == pytest.approx(expected)
     assert 2.0 <= clips[-1] < 3.0 and clips[-1] == pytest.approx(clips[-2])
     assert fractions[0] == 0.0 and fractions[-1] == 0.5
-    assert [record["robust"]["clipped"] for record in server.records][-1] == 2
+    assert [record.robust.clipped for record in server.records][-1] == 2
 
 
 def test_a_digits_run_adapts_the_clip_and_reports_it(tmp_path):

@@ -209,7 +209,7 @@ def _versions(coordinator: BufferedCoordinator, versions: int) -> tuple[threadin
 
     def run() -> None:
         for number in range(1, versions + 1):
-            records.append(coordinator.run_round(number))
+            records.append(coordinator.run_round(number).to_json())
 
     worker = threading.Thread(target=run, daemon=True)
     worker.start()

@@ -46,7 +46,7 @@ def _poll(coordinator: Coordinator, session: str, held: tuple[int, ...] = (), wa
 
 def _round_in_background(coordinator: Coordinator) -> tuple[threading.Thread, list[dict]]:
     records: list[dict] = []
-    worker = threading.Thread(target=lambda: records.append(coordinator.run_round(1)), daemon=True)
+    worker = threading.Thread(target=lambda: records.append(coordinator.run_round(1).to_json()), daemon=True)
     worker.start()
     return worker, records
 

@@ -35,7 +35,7 @@ from conftest import (
     write_config,
 )
 from fedpart.common.config import ConfigError, config_from_dict
-from fedpart.common.records import RoundRecord, RunSummary
+from fedpart.common.records import Insiders, Outlier, RoundRecord, SumCheck
 from fedpart.common.wire import decode_chunks
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.coordinator import Coordinator
@@ -43,7 +43,7 @@ from fedpart.server.insiders import MIN_RESULTS, SKETCH_BUCKETS, CountSketch, In
 from fedpart.server.policy import build_policy
 from fedpart.server.policy.combine import Combine
 from fedpart.server.policy.screening import RobustScreening
-from fedpart.server.report import format_table
+from fedpart.server.console_text import format_table
 from fedpart.server.robust import ResultRefused, partition_sizes
 from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
 
@@ -95,11 +95,11 @@ def test_a_client_whose_results_are_outliers_rounds_in_a_row_is_named():
     monitor = InsiderMonitor(10, norm_ratio=3.0, min_cosine=-0.3, rounds=3, log=lines.append)
     for round_number in (1, 2):
         entry = monitor.close_round(round_number, _observations(monitor.sketches, 10, round_number, {9: (5.0, 1.0)}), {})
-        assert list(entry["outliers"]) == ["9"] and entry["outliers"]["9"]["norm_ratio"] == pytest.approx(5.0, rel=0.05)
+        assert list(entry.outliers) == ["9"] and entry.outliers["9"].norm_ratio == pytest.approx(5.0, rel=0.05)
         assert monitor.named(9) is None and lines == []
     entry = monitor.close_round(3, _observations(monitor.sketches, 10, 3, {9: (1.0, -1.0)}), {})  # flipped, same norm
-    figures = entry["outliers"]["9"]
-    assert figures["cosine"] < -0.3 and figures["norm_ratio"] == pytest.approx(1.0, rel=0.05) and figures["streak"] == 3
+    figures = entry.outliers["9"]
+    assert figures.cosine < -0.3 and figures.norm_ratio == pytest.approx(1.0, rel=0.05) and figures.streak == 3
     assert monitor.named(9) == 3 and monitor.streaks() == {9: 3}
     assert len(lines) == 1 and lines[0].startswith("warning: round 3: client 9 is an outlier in its last 3 results "
                                                    "(rounds 1-3): delta norm ")
@@ -107,10 +107,10 @@ def test_a_client_whose_results_are_outliers_rounds_in_a_row_is_named():
     monitor.close_round(4, _observations(monitor.sketches, 10, 4, {9: (5.0, -1.0)}), {})
     assert len(lines) == 2 and "in its last 4 results (rounds 1-4)" in lines[1]
     entry = monitor.close_round(5, _observations(monitor.sketches, 10, 5), {})
-    assert entry["outliers"] == {} and monitor.named(9) is None and monitor.streaks() == {}
+    assert entry.outliers == {} and monitor.named(9) is None and monitor.streaks() == {}
     honest = InsiderMonitor(10, 3.0, -0.3, 3, lines.append)
     for round_number in range(1, 8):
-        assert honest.close_round(round_number, _observations(honest.sketches, 10, round_number), {})["outliers"] == {}
+        assert honest.close_round(round_number, _observations(honest.sketches, 10, round_number), {}).outliers == {}
 
 
 def test_refused_results_are_judged_but_never_move_the_median_or_the_centre():
@@ -118,8 +118,8 @@ def test_refused_results_are_judged_but_never_move_the_median_or_the_centre():
     folded = _observations(monitor.sketches, 9, 1)
     refused = _observations(monitor.sketches, 10, 1, {9: (1e6, -1.0)})
     entry = monitor.close_round(1, folded, {9: refused[9]})
-    assert entry["median_norm"] == pytest.approx(1.0) and entry["outliers"]["9"]["norm_ratio"] > 1e5
-    assert entry["outliers"]["9"]["cosine"] < -0.3
+    assert entry.median_norm == pytest.approx(1.0) and entry.outliers["9"].norm_ratio > 1e5
+    assert entry.outliers["9"].cosine < -0.3
     assert monitor.close_round(2, dict(list(folded.items())[:MIN_RESULTS - 1]), {9: refused[9]}) is None
     assert monitor.named(9) is None, "a round with too few results judges nobody"
 
@@ -128,9 +128,9 @@ def test_the_revealed_sum_is_watched_under_secure_aggregation():
     lines: list[str] = []
     monitor = InsiderMonitor(10, 3.0, -0.3, 2, lines.append)
     assert monitor.close_sum(1, 1.0) is None
-    assert monitor.close_sum(2, 1.2)["sum"] == {"norm_ratio": 1.2, "streak": 0}
-    assert monitor.close_sum(3, 40.0)["sum"]["streak"] == 1 and lines == []
-    assert monitor.close_sum(4, 50.0)["sum"]["streak"] == 2
+    assert monitor.close_sum(2, 1.2).revealed_sum == SumCheck(norm_ratio=1.2, streak=0)
+    assert monitor.close_sum(3, 40.0).revealed_sum.streak == 1 and lines == []
+    assert monitor.close_sum(4, 50.0).revealed_sum.streak == 2
     assert len(lines) == 1 and "the revealed sum of the round's updates is an outlier in 2 rounds in a row" in lines[0]
     assert "no client can be named" in lines[0] and monitor.streaks() == {}
 
@@ -152,8 +152,8 @@ def test_under_secure_aggregation_the_policy_gives_the_monitor_the_revealed_sum(
         deltas.add({name: torch.full_like(state[name], value)}, 1.0, client=0)
         policy.new_global(state, deltas, None)
         entries.append(deltas.insiders)
-    assert entries[0] is None and entries[1]["sum"]["streak"] == 0
-    assert [entry["sum"]["streak"] for entry in entries[2:]] == [1, 2]
+    assert entries[0] is None and entries[1].revealed_sum.streak == 0
+    assert [entry.revealed_sum.streak for entry in entries[2:]] == [1, 2]
     assert lines == [] and policy.monitor.streaks() == {}, "three rounds in a row name it; no client is judged"
 
 
@@ -255,22 +255,22 @@ def test_an_evaluation_reports_sample_counts_are_capped_like_training_weights():
 def test_the_summary_shows_capped_reports_and_named_insiders_beside_both_means():
     from fedpart.common.experiment import build_run_model
     from fedpart.server.accounting import ByteLedger
-    from fedpart.server.report import build_summary
+    from fedpart.server.run_directory import build_summary
 
     config = config_from_dict(small_config(clients=3, rounds=4))
-    rounds = [RoundRecord(round=r, insiders={"median_norm": 1.0, "outliers": {
-        "2": {"norm_ratio": 9.0, "cosine": -0.5, "streak": r}}}).to_json() for r in range(1, 5)]
+    rounds = [RoundRecord(round=r, insiders=Insiders(median_norm=1.0, outliers={
+        "2": Outlier(norm_ratio=9.0, cosine=-0.5, streak=r)})) for r in range(1, 5)]
     evaluations = {0: {"train_samples": 10.0, "test_samples": 10.0, "initial_acc": 0.5},
                    1: {"train_samples": 10.0, "test_samples": 30.0, "initial_acc": 0.9},
                    2: {"train_samples": 10.0, "test_samples": 10.0, "reported_test_samples": 1e9, "initial_acc": 1.0}}
     model = build_run_model(config)
     summary = build_summary(config, model, rounds, evaluations, None, ByteLedger(model.schedule_units), [], 1.0)
-    initial = summary["accuracy"]["initial"]
-    assert initial["mean"] == pytest.approx(0.8) and initial["weighted_mean"] == pytest.approx(0.84)
-    assert summary["robust"] == {"rounds": {"clipped": 0, "rejected": 0, "samples_capped": 0},
-                                 "evaluation_samples_capped": [2],
-                                 "insiders": {"2": {"outlier_results": 4, "named_in_rounds": [3, 4]}}}
-    table = format_table(RunSummary.from_json(summary))
+    initial = summary.accuracy.initial
+    assert initial.mean == pytest.approx(0.8) and initial.weighted_mean == pytest.approx(0.84)
+    assert summary.robust.to_json() == {"rounds": {"clipped": 0, "rejected": 0, "samples_capped": 0},
+                                        "evaluation_samples_capped": [2],
+                                        "insiders": {"2": {"outlier_results": 4, "named_in_rounds": [3, 4]}}}
+    table = format_table(summary)
     assert "evaluation sample counts capped (more than the client can have): clients 2" in table
     assert "INSIDER? client 2: an outlier in 4 results, named by the insider monitor in 2 rounds (3-4)" in table
 

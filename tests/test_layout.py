@@ -152,3 +152,28 @@ def test_common_and_a_config_with_server_parts_load_no_server_module():
     assert lines[0].startswith("refused: privacy.secure_aggregation: server_optimizer fedexp needs each result's")
     assert lines[1].startswith("refused: privacy.dp: algorithm.objective.feddyn brings a server step")
     assert lines[-1] == "[]"
+
+
+def _reachable(graph: dict[str, set[str]], module: str) -> set[str]:
+    """The modules ``module`` imports, directly or through others."""
+    found, todo = set(), [module]
+    while todo:
+        for target in graph[todo.pop()] - found:
+            found.add(target)
+            todo.append(target)
+    return found
+
+
+def test_the_records_and_their_readers_need_no_server():
+    """The run's records (common/records.py) import the standard library only, and the report
+    (report/) reads run directories through those types with no module of the server, directly
+    or through others: a report runs on any machine. One module of the server writes a run
+    directory's records (run_directory.py)."""
+    graph = _graph()
+    assert graph[f"{PACKAGE}.common.records"] == set()
+    server = {m: sorted(r for r in _reachable(graph, m) if _folder(r) == "server")
+              for m in graph if _folder(m) == "report"}
+    assert not {m: found for m, found in server.items() if found}
+    writers = [p.relative_to(REPO).as_posix() for p in sorted((REPO / "server").rglob("*.py"))
+               if "def append_round" in p.read_text() or "def write_summary" in p.read_text()]
+    assert writers == ["server/run_directory.py"]

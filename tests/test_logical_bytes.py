@@ -16,13 +16,14 @@ from test_protocol import BOUND, Harness
 from fedpart.common.config import config_from_dict
 from fedpart.common.experiment import build_run_model
 from fedpart.common.models.zoo import build_model
+from fedpart.common.records import RoundRecord
 from fedpart.common.plans import Phase, TaskInfo, TaskKind, TrainPlan
 from fedpart.common.serde import task_header
 from fedpart.common.split_model import tensor_unit
 from fedpart.common.wire import encode_chunks, measure_chunk, named_specs
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.accounting import PARTS, ByteLedger
-from fedpart.server.report import build_summary
+from fedpart.server.run_directory import build_summary
 from fedpart.server.transfers import LogicalTensors, logical_header_bytes, stream_tensor_bytes
 
 DIRECTIONS = ("down", "up")
@@ -67,13 +68,14 @@ def test_summary_sums_the_rounds_records_and_the_final_evaluation() -> None:
     for round_number, body in ((1, 1000), (2, 3000)):
         split = {"body": {"down": body, "up": body // 2}, "head": {"down": 10, "up": 10},
                  "other": {"down": 0, "up": 0}, "control": {"down": 5, "up": 7}}
-        records.append({"round": round_number, "bytes_down": 1, "bytes_up": 1, "seconds": 1.0, "train_flops": 0,
-                        "client_compute_seconds": 0.0, "logical": {
-                            "down": body + 15, "up": body // 2 + 17, "by_part": split},
-                        "bytes_by_unit": {"fc1": {"down": body, "up": body // 2}, "head": {"down": 10, "up": 10}}})
+        records.append(RoundRecord.from_json({
+            "round": round_number, "bytes_down": 1, "bytes_up": 1, "seconds": 1.0, "train_flops": 0,
+            "client_compute_seconds": 0.0, "logical": {"down": body + 15, "up": body // 2 + 17, "by_part": split},
+            "bytes_by_unit": {"fc1": {"down": body, "up": body // 2}, "head": {"down": 10, "up": 10}}}))
     ledger.add_logical(3, 0, "down", {"body": 400, "head": 10, "control": 9}, {"fc1": 400, "head": 10})
     ledger.add_logical(3, 0, "up", {"control": 11}, {})
-    logical = build_summary(config, build_run_model(config), records, {}, None, ledger, [], 1.0)["bytes"]["logical"]
+    summary = build_summary(config, build_run_model(config), records, {}, None, ledger, [], 1.0)
+    logical = summary.bytes.logical.to_json()
     assert logical["down"] == 1015 + 3015 + 419 and logical["up"] == 517 + 1517 + 11
     assert logical["by_part"]["body"] == {"down": 4400, "up": 2000}
     assert logical["by_part"]["control"] == {"down": 19, "up": 25}

@@ -39,13 +39,14 @@ from conftest import (
 from fedpart.common.config import CheckpointConfig, ConfigError, config_from_dict
 from fedpart.common.console import RunProgress, stamp
 from fedpart.common.exit_codes import ExitCode, Stopped, stop_on_signals
+from fedpart.common.records import RoundRecord, RoundRobust
 from fedpart.common.experiment import LocalData, check_experiment
 from fedpart.common.limits import client_threads
 from fedpart.common.client_ids import parse_id_ranges
 from fedpart.common.security import Principal, SecurityError
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.server.main import check_credentials_host_run, short_rounds
-from fedpart.server.report import RunDirectory, check_new_run_dir
+from fedpart.server.run_directory import RunDirectory, check_new_run_dir
 
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "  # the start of every log line
 ESCAPE = "\x1b["
@@ -584,13 +585,13 @@ def test_a_round_whose_clients_sent_no_result_is_a_failure() -> None:
     failures (exit code 3), not results refused (failures of their own) nor over-selected
     clients a round did not wait for."""
     config = config_from_dict(small_config(clients=4))
-    records = [{"round": 1, "sampled": [0, 1, 2, 3], "completed": [0, 1, 2, 3]},
-               {"round": 2, "sampled": [0, 1, 2, 3], "completed": [0, 1], "robust": {"rejected": 0}},
-               {"round": 3, "sampled": [0, 1, 2, 3], "completed": [0, 1, 2], "robust": {"rejected": 1}}]
+    records = [RoundRecord(round=1, sampled=[0, 1, 2, 3], completed=[0, 1, 2, 3]),
+               RoundRecord(round=2, sampled=[0, 1, 2, 3], completed=[0, 1], robust=RoundRobust(rejected=0)),
+               RoundRecord(round=3, sampled=[0, 1, 2, 3], completed=[0, 1, 2], robust=RoundRobust(rejected=1))]
     assert short_rounds(records, config) == ["round 2: 2 of the 4 clients it needed sent no result (folded 2)"]
     over = config_from_dict(small_config(clients=4, sampling={"fraction": 0.5, "over_selection": 0.5}))
-    assert short_rounds([{"round": 1, "sampled": [0, 1, 3], "completed": [1, 3]}], over) == []
-    assert short_rounds([{"round": 1, "sampled": [0, 1, 3], "completed": [3]}], over) == [
+    assert short_rounds([RoundRecord(round=1, sampled=[0, 1, 3], completed=[1, 3])], over) == []
+    assert short_rounds([RoundRecord(round=1, sampled=[0, 1, 3], completed=[3])], over) == [
         "round 1: 1 of the 2 clients it needed sent no result (folded 1)"]
 
 

@@ -425,7 +425,7 @@ def test_a_round_says_which_clients_it_waits_for(monkeypatch) -> None:
     sessions = [coordinator.join(JoinInfo(protocol=PROTOCOL_VERSION, process_name=f"p{c}", clients=(HostedClient(c),)),
                                  peer=f"ipv4:127.0.0.1:{4000 + c}") for c in range(2)]
     records: list[dict] = []
-    worker = threading.Thread(target=lambda: records.append(coordinator.run_round(1)), daemon=True)
+    worker = threading.Thread(target=lambda: records.append(coordinator.run_round(1).to_json()), daemon=True)
     worker.start()
     taken = [poll_task(coordinator, session, wait=WAIT) for session in sessions]
     deadline = time.monotonic() + WAIT

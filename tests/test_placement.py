@@ -17,7 +17,7 @@ from fedpart.common.config import config_from_dict
 from fedpart.common.wire import make_spec
 from fedpart.common.client_ids import split_clients
 from fedpart.deploy.launcher import client_processes
-from fedpart.server.report import build_summary
+from fedpart.server.run_directory import build_summary
 from test_robust import RawClient, InProcessServer
 
 
@@ -203,8 +203,8 @@ def test_round_records_keep_each_processs_highest_peak(tmp_path):
         server.close()
     assert accepted == [True] * 4
     record = server.records[0]
-    assert record["gpu_peak_bytes"] == {"site-a": 7_000_000, "site-b": 2_000_000}
-    json.dumps(record)  # a metrics.jsonl line
+    assert record.gpu_peak_bytes == {"site-a": 7_000_000, "site-b": 2_000_000}
+    json.dumps(record.to_json())  # a metrics.jsonl line
     coordinator = server.coordinator
     summary = build_summary(server.config, coordinator.model, server.records, {}, None, coordinator.ledger, [], 1.0)
-    assert summary["compute"]["gpu_peak_bytes"] == 7_000_000
+    assert summary.compute.gpu_peak_bytes == 7_000_000

@@ -15,6 +15,7 @@ from conftest import read_metrics, read_summary, run_fedpart, small_config
 from fedpart.common.checkpoint import load_tensors
 from fedpart.common.config import ConfigError, check_dp_accounting, config_from_dict
 from fedpart.common.privacy import clip_deltas, joint_norm
+from fedpart.common.records import RoundPrivacy
 from fedpart.server.privacy import DifferentialPrivacy, NoisedSum, PrivacyBudget
 from fedpart.server.policy import build_policy
 from fedpart.server.policy.screening import RobustScreening
@@ -115,8 +116,8 @@ def test_a_hostile_client_moves_the_model_by_at_most_the_clip(hostile_run):
     server.wait()
     assert server.moved(header.train.upload_deltas) == pytest.approx(0.5, rel=1e-5)
     assert server.moved(header.train.upload_deltas) <= 0.5 * (1 + 1e-6)
-    assert server.records[0]["robust"]["clipped"] == 1
-    assert server.records[0]["privacy"] == {"epsilon": None}  # no noise: no guarantee
+    assert server.records[0].robust.clipped == 1
+    assert server.records[0].privacy == RoundPrivacy(epsilon=None)  # no noise: no guarantee
 
 
 # ------------------------------------------------------------------------------------ the noised sum

@@ -43,7 +43,7 @@ class Harness:
         self.server_port = int(address.rpartition(":")[2])
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
-        self.records: list[dict] = []
+        self.records: list[dict] = []  # each round's metrics.jsonl line
         self._thread: threading.Thread | None = None
 
     def join(self, clients: list[int]) -> str:
@@ -58,7 +58,7 @@ class Harness:
         def drive() -> None:
             self.coordinator.registry.wait_for_clients()
             for r in range(first, last + 1):
-                self.records.append(self.coordinator.run_round(r))
+                self.records.append(self.coordinator.run_round(r).to_json())
 
         self._thread = threading.Thread(target=drive, daemon=True)
         self._thread.start()

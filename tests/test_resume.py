@@ -31,12 +31,13 @@ from conftest import (
 from fedpart.client.session import Backoff
 from fedpart.common.config import ConfigError, config_from_dict
 from fedpart.common.plans import HostedClient, JoinInfo, ResultInfo, TaskKind
+from fedpart.common.records import RoundRecord
 from fedpart.common.protocol import PROTOCOL_VERSION
 from fedpart.cli.main import build_parser, resume_config
 from fedpart.cli.main import main as cli_main
 from fedpart.server.coordinator import Coordinator
 from fedpart.server.aggregation import WeightedMean
-from fedpart.server.report import RunDirectory
+from fedpart.server.run_directory import RunDirectory
 from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
 from fedpart.server.task_board import Task
 
@@ -206,11 +207,11 @@ def test_a_resume_may_change_the_servers_timeouts_and_limits_only(tmp_path: Path
 def test_metrics_of_an_unfinished_round_are_dropped(tmp_path: Path) -> None:
     run_dir = RunDirectory(tmp_path)
     for round_number in (1, 2, 3):
-        run_dir.append_round({"round": round_number})
+        run_dir.append_round(RoundRecord(round=round_number))
     with run_dir.metrics_path.open("a") as f:
         f.write('{"round": 4, "samp')  # the server died while writing
     records = RunDirectory(tmp_path, resume=True).rounds_up_to(2)
-    assert [r["round"] for r in records] == [1, 2]
+    assert [r.round for r in records] == [1, 2]
     assert [json.loads(line)["round"] for line in run_dir.metrics_path.read_text().splitlines()] == [1, 2]
     with pytest.raises(ResumeError, match=r"holds rounds \[1, 2\]"):
         run_dir.rounds_up_to(3)

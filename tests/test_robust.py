@@ -37,6 +37,7 @@ from fedpart.client.local_data import load_client_data
 from fedpart.common.checkpoint import load_tensors
 from fedpart.common.config import ConfigError, RunConfig, config_from_dict
 from fedpart.common.experiment import build_run_model
+from fedpart.common.records import RoundRecord, RoundRobust
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.server.aggregation import CoordinateMedian, CoordinateTrimmedMean, WeightedMean
 from fedpart.server.coordinator import Coordinator
@@ -379,7 +380,7 @@ class InProcessServer:
         self.initial = {k: v.clone() for k, v in self.coordinator.global_state.items()}
         self.server = start_grpc(self.coordinator, "127.0.0.1:0")
         self.address = self.server.address
-        self.records: list[dict] = []
+        self.records: list[RoundRecord] = []
         self._thread = threading.Thread(target=self._drive, daemon=True)
 
     def _drive(self) -> None:
@@ -434,7 +435,7 @@ def test_a_1e30_delta_is_clipped_to_the_norm_bound(serve):
     assert client.submit(header, _filled(header, client.state, 1e30), 10).accepted
     server.wait()
     assert server.moved(header.train.upload_deltas) == pytest.approx(2.0, rel=1e-5)
-    assert server.records[0]["robust"] == {"clipped": 1, "rejected": 0, "samples_capped": 0, "non_finite": []}
+    assert server.records[0].robust == RoundRobust(clipped=1)
     assert any(line.startswith("warning: round 1 client 0: delta norm") and "exceeds robust.norm_bound 2;" in line
                for line in server.logs)
     assert server.coordinator.failures == []
@@ -453,7 +454,7 @@ def test_the_default_bound_refuses_a_1e30_delta_and_changes_nothing(serve):
             f"initial global norm {initial:.6g} of these tensors") in error.value.details()
     server.wait()
     record = server.records[0]
-    assert record["completed"] == [] and record["robust"]["rejected"] == 1
+    assert record.completed == [] and record.robust.rejected == 1
     assert all(torch.equal(server.initial[k], v) for k, v in server.coordinator.global_state.items())
 
 
@@ -469,7 +470,7 @@ def test_a_delta_over_the_bound_is_rejected_and_changes_nothing(serve):
     assert f"delta norm {delta_norm(uploads):.6g} exceeds robust.norm_bound 2" in error.value.details()
     server.wait()
     record = server.records[0]
-    assert record["completed"] == [] and record["robust"]["rejected"] == 1
+    assert record.completed == [] and record.robust.rejected == 1
     assert all(torch.equal(server.initial[k], v) for k, v in server.coordinator.global_state.items())
     assert any("exceeds robust.norm_bound" in failure for failure in server.coordinator.failures)
 
@@ -492,11 +493,11 @@ def test_a_huge_sample_count_cannot_zero_the_body(serve, capped):
     got = server.coordinator.global_state["body.fc1.1.weight"]
     if capped:
         assert torch.allclose(got, weight * (sizes[0] / (sizes[0] + sizes[1])), rtol=1e-6, atol=0)
-        assert record["robust"]["samples_capped"] == 1 and record["train_samples"] == sum(sizes)
+        assert record.robust.samples_capped == 1 and record.train_samples == sum(sizes)
         assert any(f"reported {HUGE_SAMPLES} training samples" in line for line in server.logs)
     else:
         assert float(got.abs().max()) < 1e-12 * float(weight.abs().max()), "the attack works without the cap"
-        assert record["robust"]["samples_capped"] == 0
+        assert record.robust.samples_capped == 0
 
 
 @pytest.mark.parametrize("aggregator", ["mean", "median"])
@@ -512,8 +513,8 @@ def test_a_non_finite_aggregate_is_never_installed(serve, aggregator):
     assert client.submit(header, _filled(header, client.state, 0.25), 10).accepted
     server.wait()
     names = sorted(header.train.upload_deltas)
-    assert server.records[0]["robust"]["non_finite"] == names
-    assert server.records[1]["robust"]["non_finite"] == []
+    assert server.records[0].robust.non_finite == names
+    assert server.records[1].robust.non_finite == []
     state = server.coordinator.global_state
     assert all(torch.equal(state[n], server.initial[n] + 0.5) for n in names), "round 2 applied to the kept tensors"
     assert all(bool(torch.isfinite(t).all()) for t in state.values())
@@ -535,7 +536,7 @@ def test_median_and_clip_compose_with_collected_heads(serve):
     server.wait()
     assert server.moved(header.train.upload_deltas) == pytest.approx(1.0, rel=1e-5)
     assert all(torch.equal(server.coordinator.global_state[n], head[n]) for n in head)
-    assert server.records[0]["robust"]["clipped"] == 1
+    assert server.records[0].robust.clipped == 1
 
 
 # ----------------------------------------------------------------------------------- end to end

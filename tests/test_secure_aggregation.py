@@ -128,7 +128,7 @@ def _run(coordinator: Coordinator, clients: list[SimulatedClient], drop_before_m
     masking, ``drop_after_mask`` before unmasking; ``left_out`` are not asked to mask (the server
     dropped them at CHECK). Returns the round's record and every tensor received."""
     records: list[dict] = []
-    worker = threading.Thread(target=lambda: records.append(coordinator.run_round(1)), daemon=True)
+    worker = threading.Thread(target=lambda: records.append(coordinator.run_round(1).to_json()), daemon=True)
     worker.start()
     received: list[dict[str, torch.Tensor]] = []
     gone: set[int] = set()

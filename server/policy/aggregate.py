@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fedpart.common.records import Insiders, RoundRobust
 from fedpart.server.aggregation import Aggregator
 from fedpart.server.insiders import InsiderMonitor, Observation
 from fedpart.server.optimizers import RoundDelta
 from fedpart.server.privacy import ClippedDeltas
-from fedpart.server.robust import MeasuredDeltas, RobustCounts, delta_norm, screening_norm, upload_key
+from fedpart.server.robust import MeasuredDeltas, delta_norm, screening_norm, upload_key
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class RoundAggregate:
         self.record_medians = False
         self.round_number = round_number
         self.monitor: InsiderMonitor | None = None
-        self.insiders: dict | None = None  # the round record's entry, once the policy closed the round
+        self.insiders: Insiders | None = None  # the round record's entry, once the policy closed the round
         self.delta: RoundDelta | None = None
         self._norms: list[tuple[float, float]] = []  # (weight, squared norm) per result
         self._by_upload: dict[str, list[float]] = {}  # upload key -> norms of the results that sent those tensors
@@ -131,4 +132,4 @@ class RoundResults:
     deltas: RoundAggregate
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     samples: dict[int, int] = field(default_factory=dict)
-    robust: RobustCounts = field(default_factory=RobustCounts)
+    robust: RoundRobust = field(default_factory=RoundRobust)

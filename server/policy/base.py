@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from fedpart.common.plans import ResultInfo
+from fedpart.common.records import RoundRecord
 from fedpart.server.aggregation import HeadDictionary
 from fedpart.server.policy.aggregate import RoundAggregate, RoundResults, Screened
 from fedpart.server.task_board import Task
@@ -116,9 +117,9 @@ class Policy:
         fixed denominator, generator); None: the sum is a weighted mean."""
         return self.inner.sum_noise(round_number)
 
-    def round_record(self, round_number: int) -> dict[str, Any]:
-        """What the round's record carries of the policy (``server_step``, ``privacy``, ...)."""
-        return self.inner.round_record(round_number)
+    def round_record(self, record: RoundRecord) -> None:
+        """Write what the round's ``record`` carries of the policy (its server step, its privacy)."""
+        self.inner.round_record(record)
 
     # ------------------------------------------------------------------ the run
 

@@ -15,6 +15,7 @@ import torch
 
 from fedpart.common.config import RunConfig, robust_aggregator_options
 from fedpart.common.experiment import run_algorithm
+from fedpart.common.records import RoundRecord
 from fedpart.common.registry import ROBUST_AGGREGATORS
 from fedpart.server.aggregation import Aggregator, HeadDictionary
 from fedpart.server.optimizers import ServerOptimizer, build_server_optimizer
@@ -81,8 +82,8 @@ class Combine(Policy):
     def sum_noise(self, round_number: int) -> None:
         return None
 
-    def round_record(self, round_number: int) -> dict[str, Any]:
-        return {"server_step": self.optimizer.report()}
+    def round_record(self, record: RoundRecord) -> None:
+        record.server_step = self.optimizer.report()
 
     def last_round(self, rounds: int) -> int:
         return rounds

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
 import torch
 
 from fedpart.common.config import RunConfig
+from fedpart.common.records import RoundRecord
 from fedpart.server.policy.base import Policy
 from fedpart.server.policy.aggregate import RoundAggregate, Screened
 from fedpart.server.privacy import DifferentialPrivacy
@@ -69,8 +69,9 @@ class DPFedAvg(Policy):
     def sum_noise(self, round_number: int) -> tuple[float, float, torch.Generator]:
         return self.privacy.noise(round_number)
 
-    def round_record(self, round_number: int) -> dict[str, Any]:
-        return {**self.inner.round_record(round_number), "privacy": self.privacy.round_record(round_number)}
+    def round_record(self, record: RoundRecord) -> None:
+        self.inner.round_record(record)
+        record.privacy = self.privacy.round_record(record.round)
 
     def last_round(self, rounds: int) -> int:
         return min(self.privacy.rounds, self.inner.last_round(rounds))
