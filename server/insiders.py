@@ -55,7 +55,7 @@ SUM_HISTORY = 5   # rounds of revealed sums the sum of a securely aggregated rou
 class CountSketch:
     """Count sketches of :data:`SKETCH_BUCKETS` numbers of sets of tensors: each element goes, with
     a sign, into a bucket drawn from the SHA-256 of its tensor's name (the same in every process
-    and run). The hashes of a tensor are drawn once and kept: int32 per element, O(model)."""
+    and run). The hashes of a tensor are drawn once and kept: int64 per element, O(model)."""
 
     def __init__(self, buckets: int = SKETCH_BUCKETS) -> None:
         self.buckets = buckets
@@ -68,16 +68,18 @@ class CountSketch:
             if slots is None or slots.numel() != count:
                 seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
                 generator = torch.Generator().manual_seed(seed)
-                slots = torch.randint(0, 2 * self.buckets, (count,), generator=generator, dtype=torch.int32)
+                slots = torch.randint(0, 2 * self.buckets, (count,), generator=generator, dtype=torch.int64)
                 self._slots[name] = slots
             return slots
 
     def sketch(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The sketch (float64) of ``tensors`` taken together."""
+        """The sketch (float64) of ``tensors`` taken together, summed in float32 straight from a
+        float32 tensor: a float64 copy of every result would cost the server as much as the sum."""
         signed = torch.zeros(2 * self.buckets, dtype=torch.float64)
-        for name, tensor in tensors.items():
-            flat = tensor.detach().reshape(-1).to(torch.float64)
-            signed.index_add_(0, self._slots_of(name, flat.numel()), flat)
+        for name in sorted(tensors):  # in one order: the same sketch whatever order the tensors came in
+            flat = tensors[name].detach().reshape(-1)
+            part = torch.zeros(2 * self.buckets, dtype=torch.float32)
+            signed += part.index_add_(0, self._slots_of(name, flat.numel()), flat.float())
         return signed[:self.buckets] - signed[self.buckets:]
 
 
