@@ -16,7 +16,7 @@ from pathlib import Path
 from torch.nn.utils import parameters_to_vector
 
 from conftest import REPO, load_script
-from fedpart.common.records import RoundRecord
+from fedpart.common.records import ByteCounts, RoundRecord
 
 round_overhead = load_script(REPO / "benchmarks" / "round_overhead.py")
 Usage = round_overhead.Usage
@@ -26,7 +26,7 @@ IDLE = Usage(0.0, 0.0, 0.0, 0.0, 0.0, 0)
 def _record(round_number: int, seconds: float) -> RoundRecord:
     return RoundRecord(round=round_number, sampled=list(range(10)), completed=list(range(10)), seconds=seconds,
                        bytes_down=1000, bytes_up=2000,
-                       bytes_by_part={"body": {"down": 900, "up": 1900}, "control": {"down": 100, "up": 100}})
+                       bytes_by_part={"body": ByteCounts(down=900, up=1900), "control": ByteCounts(down=100, up=100)})
 
 
 def _pause(started: float, seconds: float, floor_rounds: tuple[int, ...], usage: Usage = IDLE,

@@ -35,8 +35,8 @@ def test_resets_in_the_rounds_and_the_evaluation_lose_nothing_and_wait_on_no_tim
     assert result.load["failures"] == []
     # the cuts hit the rounds and the evaluation: what they cut was sent again, nothing was given up
     delivery = [*result.delivery_per_round, result.evaluation_delivery]
-    assert all(counts["given_up"] == 0 for counts in delivery), delivery
-    resent = [counts["tasks_sent_again"] + counts["results_sent_again"] + counts["streams_cut"] for counts in delivery]
+    assert all(counts.given_up == 0 for counts in delivery), delivery
+    resent = [counts.tasks_sent_again + counts.results_sent_again + counts.streams_cut for counts in delivery]
     assert sum(resent[:-1]) >= 1 and resent[-1] >= 1, delivery
     # and nothing waited on a timeout: each round and the evaluation ended far within it
     assert max(result.round_seconds) < TIMEOUT / 2, result.round_seconds
