@@ -113,8 +113,8 @@ def server_resume_command(args: argparse.Namespace, out: str, address: str) -> s
             words += [flag, str(port)]
     if args.threads != 1:
         words += ["--threads", str(args.threads)]
-    if args.yield_to_training:
-        words.append("--yield-to-training")
+    if not args.yield_to_training:
+        words.append("--no-yield-to-training")
     return shlex.join(words)
 
 
@@ -404,10 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--metrics-port", type=port_number, metavar="PORT",
                         help="serve Prometheus metrics (plain HTTP, /metrics) on this port of the --address host "
                              "(needs: pip install 'fedpart[metrics]'; default: off)")
-    server.add_argument("--yield-to-training", action="store_true",
-                        help="client processes train on this host too: the server's threads wait for the "
-                             "scheduler's next tick instead of taking a core from training when they wake up "
-                             "(Linux SCHED_BATCH, same CPU share; fedpart run passes it)")
+    server.add_argument("--yield-to-training", action=argparse.BooleanOptionalAction, default=True,
+                        help="the server's threads wait for the scheduler's next tick instead of taking a core "
+                             "from client processes training on this host when they wake up (Linux "
+                             "SCHED_BATCH, same CPU share; default: on, which changes nothing on a machine of "
+                             "the server's own)")
     server.set_defaults(handler=_server)
 
     client = commands.add_parser("client", help="run a client process hosting one or more clients")
