@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
+from fedpart.common import dp_checks, dp_sgd_checks, secure_aggregation_checks
 from fedpart.common.registry import (
     ALGORITHMS,
     CODECS,
@@ -34,6 +34,11 @@ from fedpart.common.registry import (
     Registry,
     coerce,
 )
+
+FEATURE_CHECKS = (dp_checks, dp_sgd_checks, secure_aggregation_checks)
+"""The features whose config checks live beside them (:mod:`fedpart.common.feature_checks`): each
+module's ``value_errors`` runs with the values, its ``refusals`` where it is ``enabled``. A new
+feature of this kind is one module and its name here."""
 
 # The registries' homes the checks below read (algorithms, codecs, models, datasets: torch) are
 # imported when a config is validated, not with this module: ``fedpart --help`` loads no torch.
@@ -253,7 +258,6 @@ class CompressionConfig:
     down: CodecConfig = field(default_factory=CodecConfig)
 
 
-DP_ACCOUNTANTS = ("rdp", "pld")
 DP_ACCOUNTING_INSTALL = 'pip install "dp-accounting>=0.4"  (or the privacy extra: pip install -e ".[privacy]")'
 
 
@@ -622,9 +626,10 @@ def _check_values(config: RunConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    _check_privacy_values(config)
-    _check_secure_aggregation_values(config)
     _check_engine_values(config)
+    for feature in FEATURE_CHECKS:
+        for message in feature.value_errors(config):
+            raise ConfigError(message)
     _check_heterogeneity_values(config.heterogeneity)
 
 
@@ -661,21 +666,6 @@ def _check_engine_values(config: RunConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    privacy = config.privacy
-    if privacy.secure_aggregation:
-        threshold = privacy.secure_aggregation_threshold
-        if buffer_size < 2 or (threshold is not None and threshold > buffer_size):
-            raise ConfigError(f"privacy.secure_aggregation runs over each buffer of buffered.buffer_size = "
-                              f"{buffer_size} results, fewer than its threshold of "
-                              f"{max(2, threshold or 2)}: raise buffered.buffer_size")
-        if section.staleness != "constant":
-            raise ConfigError(f"buffered.staleness {section.staleness!r} scales each delta by its staleness, and "
-                              "under privacy.secure_aggregation the server never sees one: set buffered.staleness: "
-                              "constant")
-    if privacy.dp.enabled and buffer_size != max(1, int(sampling.fraction * config.clients + 1e-9)):
-        raise ConfigError(f"privacy.dp accounts each fold of buffered.buffer_size = {buffer_size} results as a round "
-                          f"of fixed-size sampling of sampling.fraction * clients: set sampling.fraction to "
-                          f"{buffer_size}/{config.clients} (docs/buffered.md, Privacy)")
 
 
 def _check_heterogeneity_values(section: HeterogeneityConfig) -> None:
@@ -730,236 +720,10 @@ def _check_components(config: RunConfig, server_parts: bool) -> None:
     _check_codec(config.compression.down, "compression.down")
     if server_parts:
         _check_server_optimizer(config)
-    if config.privacy.dp.enabled:
-        for message in dp_refusals(config, server_parts):
-            raise ConfigError(f"privacy.dp: {message}")
-    if config.privacy.dp_sgd.enabled:
-        for message in dp_sgd_refusals(config):
-            raise ConfigError(f"privacy.dp_sgd: {message}")
-    if config.privacy.secure_aggregation:
-        for message in secure_aggregation_refusals(config, server_parts):
-            raise ConfigError(f"privacy.secure_aggregation: {message}")
-
-
-def _check_privacy_values(config: RunConfig) -> None:
-    """The values of ``privacy.dp`` and ``privacy.dp_sgd``; and neither half-on: a value set while
-    its ``enabled`` is false would run without the privacy it describes, saying nothing (the
-    user believes the run private). Raises ConfigError naming the key."""
-    for section, name in ((config.privacy.dp, "privacy.dp"), (config.privacy.dp_sgd, "privacy.dp_sgd")):
-        if not section.enabled:
-            defaults = type(section)()
-            changed = [f.name for f in dataclasses.fields(section)
-                       if f.name != "enabled" and getattr(section, f.name) != getattr(defaults, f.name)]
-            if changed:
-                raise ConfigError(f"{name}.{changed[0]} is set but {name}.enabled is false, so the run would have "
-                                  f"no such privacy: set {name}.enabled: true, or remove {name}.{changed[0]}")
-    dp = config.privacy.dp
-    checks = [
-        (math.isfinite(dp.clip_norm) and dp.clip_norm > 0, "privacy.dp.clip_norm must be a finite number > 0"),
-        (math.isfinite(dp.noise_multiplier) and dp.noise_multiplier >= 0,
-         "privacy.dp.noise_multiplier must be a finite number >= 0"),
-        (dp.delta is None or 0 < dp.delta < 1, "privacy.dp.delta must be in (0, 1)"),
-        (dp.target_epsilon is None or (math.isfinite(dp.target_epsilon) and dp.target_epsilon > 0),
-         "privacy.dp.target_epsilon must be a finite number > 0"),
-        (dp.accountant in DP_ACCOUNTANTS, f"privacy.dp.accountant must be one of {', '.join(DP_ACCOUNTANTS)}, "
-                                          f"got {dp.accountant!r}"),
-        (0 < dp.target_quantile < 1, "privacy.dp.target_quantile must be in (0, 1)"),
-        (math.isfinite(dp.clip_learning_rate) and dp.clip_learning_rate > 0,
-         "privacy.dp.clip_learning_rate must be a finite number > 0"),
-        (dp.count_stddev is None or (math.isfinite(dp.count_stddev) and dp.count_stddev >= 0),
-         "privacy.dp.count_stddev must be a finite number >= 0"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    dp_sgd = config.privacy.dp_sgd
-    checks = [
-        (math.isfinite(dp_sgd.noise_multiplier) and dp_sgd.noise_multiplier >= 0,
-         "privacy.dp_sgd.noise_multiplier must be a finite number >= 0"),
-        (math.isfinite(dp_sgd.max_grad_norm) and dp_sgd.max_grad_norm > 0,
-         "privacy.dp_sgd.max_grad_norm must be a finite number > 0"),
-        (dp_sgd.delta is None or 0 < dp_sgd.delta < 1, "privacy.dp_sgd.delta must be in (0, 1)"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-
-
-def dp_sgd_refusals(config: RunConfig) -> list[str]:
-    """Why ``config`` cannot run with ``privacy.dp_sgd`` on (empty: it can). DP-SGD bounds each
-    example's influence on a step by clipping its own gradient; every setting below needs the
-    whole batch's gradient, or changes it outside the clip: among them each objective term and
-    step rule that says its update couples the examples (``couples_examples``). (Models with
-    BatchNorm, which mixes a batch's examples, are refused by the client when it first trains:
-    Opacus' ModuleValidator.)"""
-    from fedpart.common.algorithms import build_algorithm
-
-    train = config.train
-    refusals = []
-    if train.grad_clip > 0:
-        refusals.append("train.grad_clip clips the batch's gradient, which is redundant beside the per-example clip "
-                        "privacy.dp_sgd.max_grad_norm: set train.grad_clip: 0")
-    if train.amp != "off":
-        refusals.append(f"train.amp {train.amp!r}: mixed precision is not combined with Opacus' per-example gradients "
-                        "here (fp16's gradient scaler would scale them before the clip): set train.amp: off")
-    if train.compile:
-        refusals.append("train.compile: the compiled forward does not run Opacus' per-example gradient hooks: set "
-                        "train.compile: false")
-    try:
-        algorithm = build_algorithm(config.algorithm.name, config.algorithm.options, config.algorithm.objective)
-    except ValueError:
-        return refusals  # the algorithm check reports it
-    objective = algorithm.objective.build()
-    refusals += [f"the objective term {term.name}: {term.couples_examples}"
-                 for term in objective.terms if term.couples_examples]
-    if objective.step_rule.couples_examples:
-        refusals.append(f"algorithm {config.algorithm.name} {objective.step_rule.couples_examples}")
-    return refusals
-
-
-def dp_refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
-    """Why ``config`` cannot run with ``privacy.dp`` on (empty: it can). DP-FedAvg bounds each
-    client's influence on the released model by the clip and hides it under noise; every setting
-    below lets a client's update reach the model or the schedule some other way."""
-    from fedpart.common.algorithms import build_algorithm
-
-    sampling, robust = config.sampling, config.robust
-    refusals = []
-    if config.train.weighting != "uniform":
-        refusals.append(f"train.weighting {config.train.weighting!r} weighs a result by its self-reported sample "
-                        "count, which the clip does not bound: set train.weighting: uniform")
-    if server_parts and not _aggregator_is_linear(robust.aggregator):
-        refusals.append(f"robust.aggregator {robust.aggregator!r} is not a sum, so the noise calibrated to the "
-                        "clip does not cover one client's influence on it: set robust.aggregator: mean")
-    if robust.norm_bound:
-        refusals.append("robust.norm_bound is a second bound beside privacy.dp.clip_norm, which already clips every "
-                        "delta (and its 'reject' depends on each norm): set robust.norm_bound: 0")
-    if sampling.probability is not None:
-        refusals.append("sampling.probability draws again while nobody is picked, which is not the Poisson sampling "
-                        "the accounting assumes: set sampling.scheme: poisson and sampling.fraction instead")
-    if sampling.over_selection:
-        refusals.append("sampling.over_selection folds whichever results come first: set sampling.over_selection: 0")
-    if sampling.scheme == "fixed" and config.privacy.dp.accountant == "pld":
-        refusals.append("dp-accounting's PLD accountant has no event for fixed-size sampling without replacement: "
-                        "set privacy.dp.accountant: rdp, or sampling.scheme: poisson")
-    up = config.compression.up
-    if getattr(_uplink_codec(config), "error_feedback", False):
-        refusals.append(f"compression.up {up.codec} with error feedback keeps what a round did not send and adds it "
-                        "to a later upload, outside the round's clip: set compression.up.error_feedback: false")
-    chosen = _server_optimizer_capabilities(config) if server_parts else frozenset()
-    if "needs_result_norms" in chosen:
-        refusals.append(f"server_optimizer {config.server_optimizer.name} sets its step from each result's delta "
-                        "norm, which is not noised: use plain, fedavgm, fedadam or fedyogi (steps on the noised mean "
-                        "are post-processing)")
-    if "needs_result_counts" in chosen:
-        refusals.append(f"server_optimizer {config.server_optimizer.name} scales its step by the number of results, "
-                        "which is not noised")
-    dp = config.privacy.dp
-    if dp.adaptive_clip:
-        if config.privacy.secure_aggregation:
-            refusals.append("privacy.dp.adaptive_clip counts the results whose delta norm is within the clip, and "
-                            "under privacy.secure_aggregation the server sees no single delta: set "
-                            "privacy.dp.adaptive_clip: false (a fixed privacy.dp.clip_norm)")
-        # the expected clients a round, as fedpart.server.sampling.expected_clients (common imports no server module)
-        expected = (sampling.fraction * config.clients if sampling.scheme == "poisson"
-                    else float(max(1, int(sampling.fraction * config.clients + 1e-9))))
-        try:
-            dp.delta_noise_multiplier(expected)
-        except ValueError as error:
-            refusals.append(f"privacy.dp.adaptive_clip: {error}")
-    try:
-        algorithm = build_algorithm(config.algorithm.name, config.algorithm.options, config.algorithm.objective)
-    except ValueError:
-        return refusals  # the algorithm check reports it
-    for term in algorithm.objective.build().terms:
-        if term.server_step and "needs_result_counts" in SERVER_OPTIMIZERS[term.server_step[0]].capabilities:
-            refusals.append(f"algorithm.objective.{term.name} brings a server step scaled by the number of results, "
-                            f"which is not noised: remove the {term.name} term")
-    collected = algorithm.collected_parts
-    if collected:
-        refusals.append(f"algorithm {config.algorithm.name} uploads its {', '.join(collected)} values whole into a "
-                        "per-client dictionary whose mean becomes the global copy without clipping or noise")
-    return refusals
-
-
-def _check_secure_aggregation_values(config: RunConfig) -> None:
-    """Validate the values of the ``privacy.secure_aggregation*`` keys. Raises ConfigError naming
-    the key."""
-    privacy = config.privacy
-    checks = [
-        (math.isfinite(privacy.secure_aggregation_bound) and privacy.secure_aggregation_bound > 0,
-         "privacy.secure_aggregation_bound must be a finite number > 0"),
-        (privacy.secure_aggregation_threshold is None or privacy.secure_aggregation_threshold >= 2,
-         "privacy.secure_aggregation_threshold must be at least 2 (one share would reveal a secret)"),
-        (privacy.secure_aggregation_neighbours is None or privacy.secure_aggregation_neighbours >= 2,
-         "privacy.secure_aggregation_neighbours must be at least 2"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-
-
-def secure_aggregation_refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
-    """Why ``config`` cannot run with ``privacy.secure_aggregation`` on (empty: it can): the server
-    receives only masked updates and learns their sum, so nothing may need one client's update."""
-    from fedpart.common.algorithms import build_algorithm
-    from fedpart.common.codecs import lossless
-
-    robust = config.robust
-    refusals = []
-    if server_parts and not _aggregator_is_linear(robust.aggregator):
-        refusals.append(f"robust.aggregator {robust.aggregator!r} needs every client's update, the server learns only "
-                        "their sum: set robust.aggregator: mean")
-    if robust.norm_bound:
-        refusals.append("robust.norm_bound needs each update's norm, which the server cannot see: set "
-                        "robust.norm_bound: 0 (each client clips its elements to privacy.secure_aggregation_bound)")
-    if not lossless(_uplink_codec(config)):
-        refusals.append(f"compression.up {config.compression.up.codec!r}: the masked update is a vector of the ring "
-                        "of 2**32 that no codec may round: set compression.up.codec: none")
-    if server_parts and "needs_result_norms" in _server_optimizer_capabilities(config):
-        refusals.append(f"server_optimizer {config.server_optimizer.name} needs each result's delta norm, which the "
-                        "server cannot see")
-    if config.sampling.fraction * config.clients < 2 and config.sampling.probability is None:
-        refusals.append("fewer than 2 clients a round: the sum of one masked update is that client's update")
-    try:
-        algorithm = build_algorithm(config.algorithm.name, config.algorithm.options, config.algorithm.objective)
-    except ValueError:
-        return refusals  # the algorithm check reports it
-    if algorithm.collected_parts:
-        refusals.append(f"algorithm {config.algorithm.name} uploads its {', '.join(algorithm.collected_parts)} values "
-                        "into a per-client dictionary, which a sum cannot give")
-    return refusals
-
-
-def _server_optimizer_capabilities(config: RunConfig) -> frozenset[str]:
-    """The capabilities of the server optimizer ``config`` selects (a name, or a plug-in's path):
-    ``needs_result_norms`` (FedExP's), ``needs_result_counts``."""
-    try:
-        return SERVER_OPTIMIZERS.resolve(config.server_optimizer.name, "server_optimizer.name").capabilities
-    except OptionError:
-        return frozenset()  # the server optimizer check reports it
-
-
-def _aggregator_is_linear(name: str) -> bool:
-    """Whether the robust aggregator ``name`` (a name, or a plug-in's path) has the capability
-    ``linear``: it combines the deltas as their weighted mean, as a sum does."""
-    try:
-        return "linear" in ROBUST_AGGREGATORS.resolve(name, "robust.aggregator").capabilities
-    except OptionError:
-        return True  # the robust aggregator check reports it
-
-
-def _uplink_codec(config: RunConfig) -> Any:
-    """The codec ``compression.up`` builds (None: tensors travel raw; or where the codec check
-    reports it), whose capabilities (``error_feedback``, ``sparse``, ``lossless``) depend on
-    its options."""
-    from fedpart.common.codecs import build_codec
-
-    up = config.compression.up
-    try:
-        return build_codec(up.codec, up.options)
-    except (OptionError, KeyError):
-        return None
+    for feature in FEATURE_CHECKS:
+        if feature.enabled(config):
+            for message in feature.refusals(config, server_parts):
+                raise ConfigError(f"{feature.KEY}: {message}")
 
 
 def check_dp_accounting(config: RunConfig) -> None:

@@ -401,3 +401,43 @@ def test_privacy_refusals_ask_capabilities_not_names(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="compression.up capable_plugins:remembering with error feedback"):
         config_from_dict(small_config(train=uniform, privacy=private,
                                       compression={"up": {"codec": "capable_plugins:remembering"}}))
+
+
+def test_each_feature_check_lives_in_its_module_and_is_asked_only_when_on(monkeypatch):
+    """Every registered feature check names its key, finds nothing wrong with the defaults, is
+    asked for its refusals only where its feature is on, and its first refusal is the error,
+    prefixed by its key: a new feature's check is its module and its name in FEATURE_CHECKS."""
+    from conftest import small_config
+
+    from fedpart.common import config as config_module
+
+    assert {feature.KEY for feature in config_module.FEATURE_CHECKS} == {
+        "privacy.dp", "privacy.dp_sgd", "privacy.secure_aggregation"}
+    defaults = config_from_dict(small_config())
+    for feature in config_module.FEATURE_CHECKS:
+        assert not feature.enabled(defaults) and feature.value_errors(defaults) == []
+
+    asked = []
+
+    class Refusing:
+        KEY = "privacy.example"
+
+        @staticmethod
+        def enabled(config) -> bool:
+            return config.rounds > 1
+
+        @staticmethod
+        def value_errors(config) -> list[str]:
+            return []
+
+        @staticmethod
+        def refusals(config, server_parts: bool = True) -> list[str]:
+            asked.append(server_parts)
+            return ["train.epochs 2 is refused", "a second reason"]
+
+    monkeypatch.setattr(config_module, "FEATURE_CHECKS", (*config_module.FEATURE_CHECKS, Refusing))
+    config_from_dict(small_config(rounds=1))
+    assert asked == []
+    with pytest.raises(ConfigError, match=r"^privacy\.example: train\.epochs 2 is refused$"):
+        config_from_dict(small_config(rounds=2), server_parts=False)
+    assert asked == [False]

@@ -30,11 +30,25 @@ def _module_name(path: Path) -> str:
     return ".".join([PACKAGE, *parts])
 
 
+def _run_time_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:``: imports there name types for
+    annotations and never run, so they are no arrow of the import graph."""
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                pending.extend(child.orelse)
+            else:
+                pending.append(child)
+
+
 def _imports(path: Path) -> set[str]:
     """The fedpart modules ``path`` imports, resolved to modules of the repository where they are
     names inside a module (``from fedpart.common.config import RunConfig`` -> fedpart.common.config)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _run_time_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE + "."):
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
