@@ -81,14 +81,14 @@ def _server(args: argparse.Namespace) -> int:
         return _fail(args, error)
     from fedpart.common.experiment import check_experiment
 
-    check_experiment(config, server_data=True)
+    experiment = check_experiment(config, server_data=True)
     import torch
 
     from fedpart.server.main import serve
 
     torch.set_num_threads(args.threads)
     try:
-        return serve(config, args.address, out, security, resume=bool(args.resume), overwrite=args.overwrite,
+        return serve(config, experiment, args.address, out, security, resume=bool(args.resume), overwrite=args.overwrite,
                      progress=args.progress, health_port=args.health_port, metrics_port=args.metrics_port,
                      resume_command=(lambda _: args.resume_command) if args.resume_command
                      else partial(server_resume_command, args, out),

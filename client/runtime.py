@@ -51,7 +51,7 @@ from fedpart.common.config import config_from_dict
 from fedpart.common.console import ClientActivity, Display, render_client
 from fedpart.common.data.augment import build_augment
 from fedpart.common.exit_codes import ExitCode, Stopped, signals_to
-from fedpart.common.experiment import LocalData, build_run_model, check_experiment, dataset_dims, run_algorithm
+from fedpart.common.experiment import LocalData, check_experiment
 from fedpart.common.limits import HostShare
 from fedpart.common.losses import build_loss
 from fedpart.common.models.zoo import unit_forward_flops
@@ -137,18 +137,17 @@ class ClientProcess:
         """Check the run's config against what is on this machine, build the model, load the data."""
         local = LocalData(self.data_root, "--data-root") if self.data_root is not None else \
             LocalData(self.config.data.root)
-        check_experiment(self.config, clients_data=local)
-        self.algorithm = run_algorithm(self.config)
-        self.model = build_run_model(self.config).to(self.device)
+        experiment = check_experiment(self.config, clients_data=local)
+        self.algorithm = experiment.algorithm
+        self.model = experiment.model.to(self.device)
         # objective state (FedDyn's g_k, Ditto's personal model), kept like the personal parts
         self.objective_store = ClientStore(self.store.root, "objective")
-        input_shape, num_classes = dataset_dims(self.config)
-        self.classification = num_classes > 0
+        self.classification = experiment.classification
         self.loss_fn = build_loss(self.config.train.loss, self.classification)
-        self.unit_flops = unit_forward_flops(self.model, input_shape)
+        self.unit_flops = unit_forward_flops(self.model, experiment.input_shape)
         train = self.config.train
         try:
-            self.speed = TrainingSpeed.configure(self.model, self.device, input_shape, train.amp, train.channels_last,
+            self.speed = TrainingSpeed.configure(self.model, self.device, experiment.input_shape, train.amp, train.channels_last,
                                                  train.compile)
         except SpeedError as error:
             raise ClientError(str(error)) from error

@@ -18,9 +18,10 @@ import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
 from fedpart.common import dp_checks, dp_sgd_checks, secure_aggregation_checks
 from fedpart.common.registry import (
     ALGORITHMS,
@@ -34,6 +35,9 @@ from fedpart.common.registry import (
     Registry,
     coerce,
 )
+
+if TYPE_CHECKING:
+    from fedpart.common.algorithms import Algorithm
 
 FEATURE_CHECKS = (dp_checks, dp_sgd_checks, secure_aggregation_checks)
 """The features whose config checks live beside them (:mod:`fedpart.common.feature_checks`): each
@@ -711,7 +715,7 @@ def _check_components(config: RunConfig, server_parts: bool) -> None:
     algorithm.options = _read_component(ALGORITHMS, algorithm.name, algorithm.options, "algorithm.",
                                         "algorithm.name")
     try:
-        build_algorithm(algorithm.name, algorithm.options, algorithm.objective)  # its terms and step rule
+        built = build_algorithm(algorithm.name, algorithm.options, algorithm.objective)  # its terms and step rule
     except ValueError as error:
         raise ConfigError(str(error)) from error
     if server_parts:
@@ -719,10 +723,10 @@ def _check_components(config: RunConfig, server_parts: bool) -> None:
     _check_codec(config.compression.up, "compression.up")
     _check_codec(config.compression.down, "compression.down")
     if server_parts:
-        _check_server_optimizer(config)
+        _check_server_optimizer(config, built)
     for feature in FEATURE_CHECKS:
         if feature.enabled(config):
-            for message in feature.refusals(config, server_parts):
+            for message in feature.refusals(config, built, server_parts):
                 raise ConfigError(f"{feature.KEY}: {message}")
 
 
@@ -734,25 +738,21 @@ def check_dp_accounting(config: RunConfig) -> None:
                           f"{DP_ACCOUNTING_INSTALL}")
 
 
-def _check_server_optimizer(config: RunConfig) -> None:
+def _check_server_optimizer(config: RunConfig, algorithm: Algorithm) -> None:
     """Validate (and type) ``server_optimizer``; a server step chosen there and one an objective
-    term brings (FedDyn's) cannot both run. Raises ConfigError naming the keys."""
+    term of ``algorithm`` (the run's, built) brings (FedDyn's) cannot both run. Raises
+    ConfigError naming the keys."""
     section = config.server_optimizer
     section.options = _read_component(SERVER_OPTIMIZERS, section.name, section.options, "server_optimizer.",
                                       "server_optimizer.name")
     default = ServerOptimizerConfig().name
     if section.name == default and not section.options:
         return
-    from fedpart.common.algorithms import build_algorithm
-
-    algorithm = config.algorithm
-    try:
-        declared = build_algorithm(algorithm.name, algorithm.options, algorithm.objective).server_step
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
+    declared = algorithm.server_step
     if declared is not None:
         step = declared[0]
-        source = f"algorithm.objective.{step}" if step in algorithm.objective else f"algorithm.name {algorithm.name!r}"
+        named = config.algorithm
+        source = f"algorithm.objective.{step}" if step in named.objective else f"algorithm.name {named.name!r}"
         chosen = f"server_optimizer.name {section.name!r}" if section.name != default else \
             f"server_optimizer.{sorted(section.options)[0]}"
         raise ConfigError(f"{chosen} cannot be combined with {source}: the {step} objective term brings its own "

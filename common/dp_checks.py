@@ -18,6 +18,7 @@ from fedpart.common.feature_checks import (
 from fedpart.common.registry import SERVER_OPTIMIZERS
 
 if TYPE_CHECKING:
+    from fedpart.common.algorithms import Algorithm
     from fedpart.common.config import RunConfig
 
 KEY = "privacy.dp"
@@ -58,13 +59,12 @@ def value_errors(config: RunConfig) -> list[str]:
     return errors
 
 
-def refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
+def refusals(config: RunConfig, algorithm: Algorithm, server_parts: bool = True) -> list[str]:
     """Why ``config`` cannot run with ``privacy.dp`` on (empty: it can). DP-FedAvg bounds each
     client's influence on the released model by the clip and hides it under noise; every setting
-    below lets a client's update reach the model or the schedule some other way. Without the
-    server's parts (a client checking its config) the server-side components are not asked."""
-    from fedpart.common.algorithms import build_algorithm
-
+    below lets a client's update reach the model or the schedule some other way. ``algorithm``:
+    the run's, as the config check built it. Without the server's parts (a client checking its
+    config) the server-side components are not asked."""
     sampling, robust = config.sampling, config.robust
     refusals = []
     if config.train.weighting != "uniform":
@@ -109,10 +109,6 @@ def refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
             dp.delta_noise_multiplier(expected)
         except ValueError as error:
             refusals.append(f"privacy.dp.adaptive_clip: {error}")
-    try:
-        algorithm = build_algorithm(config.algorithm.name, config.algorithm.options, config.algorithm.objective)
-    except ValueError:
-        return refusals  # the algorithm check reports it
     for term in algorithm.objective.build().terms:
         if term.server_step and "needs_result_counts" in SERVER_OPTIMIZERS[term.server_step[0]].capabilities:
             refusals.append(f"algorithm.objective.{term.name} brings a server step scaled by the number of results, "

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from fedpart.common.feature_checks import failed, set_while_disabled
 
 if TYPE_CHECKING:
+    from fedpart.common.algorithms import Algorithm
     from fedpart.common.config import RunConfig
 
 KEY = "privacy.dp_sgd"
@@ -34,15 +35,14 @@ def value_errors(config: RunConfig) -> list[str]:
     ])
 
 
-def refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
+def refusals(config: RunConfig, algorithm: Algorithm, server_parts: bool = True) -> list[str]:
     """Why ``config`` cannot run with ``privacy.dp_sgd`` on (empty: it can). DP-SGD bounds each
     example's influence on a step by clipping its own gradient; every setting below needs the
     whole batch's gradient, or changes it outside the clip: among them each objective term and
     step rule that says its update couples the examples (``couples_examples``). (Models with
     BatchNorm, which mixes a batch's examples, are refused by the client when it first trains:
-    Opacus' ModuleValidator.) DP-SGD asks nothing of the server's parts."""
-    from fedpart.common.algorithms import build_algorithm
-
+    Opacus' ModuleValidator.) ``algorithm``: the run's, as the config check built it. DP-SGD
+    asks nothing of the server's parts."""
     train = config.train
     refusals = []
     if train.grad_clip > 0:
@@ -54,10 +54,6 @@ def refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
     if train.compile:
         refusals.append("train.compile: the compiled forward does not run Opacus' per-example gradient hooks: set "
                         "train.compile: false")
-    try:
-        algorithm = build_algorithm(config.algorithm.name, config.algorithm.options, config.algorithm.objective)
-    except ValueError:
-        return refusals  # the algorithm check reports it
     objective = algorithm.objective.build()
     refusals += [f"the objective term {term.name}: {term.couples_examples}"
                  for term in objective.terms if term.couples_examples]

@@ -1,9 +1,14 @@
-"""What the server and the clients derive identically from a run config: the model and its dims;
-and the check of a whole run config before anything starts (:func:`check_experiment`)."""
+"""What the server and the clients derive identically from a run config, built once per process
+as one value (:class:`Experiment`: the algorithm, the dataset's dims, the initial model) and
+passed down; and the check of a whole run config before anything starts
+(:func:`check_experiment`), which returns it."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+
+import torch
 
 from fedpart.common.algorithms import Algorithm, RoundContext, build_algorithm, has_global_model
 from fedpart.common.checkpoint import load_tensors
@@ -35,9 +40,10 @@ def run_algorithm(config: RunConfig) -> Algorithm:
     return build_algorithm(section.name, section.options, section.objective)
 
 
-def build_run_model(config: RunConfig) -> SplitModel:
+def build_run_model(config: RunConfig, algorithm: Algorithm | None = None) -> SplitModel:
     """The run's model, seeded from ``config.init_seed`` or loaded from ``model.init_checkpoint``, with
-    the extra parts the algorithm declares (added after the checkpoint, at their own start)."""
+    the extra parts ``algorithm`` (the run's, where None) declares (added after the checkpoint, at
+    their own start)."""
     input_shape, num_classes = dataset_dims(config)
     model = build_model(config.model.name, num_classes=num_classes, input_shape=input_shape,
                         seed=config.init_seed, **config.model.options)
@@ -49,7 +55,42 @@ def build_run_model(config: RunConfig) -> SplitModel:
             raise ValueError(f"model.init_checkpoint {config.model.init_checkpoint}: missing {sorted(missing)}, "
                              f"unexpected {sorted(unexpected)}")
         model.load_state_dict(state)
-    return run_algorithm(config).add_parts(model)
+    return (algorithm or run_algorithm(config)).add_parts(model)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """What a run's config derives, built once per process (:func:`build_experiment`) and passed
+    down, so that no part of the process builds the algorithm or the model again: the algorithm
+    (its declaration and objective), the dataset's input shape and classes (0 = regression), and
+    the initial model (seeded or loaded, with the algorithm's extra parts). Parts that change a
+    model take their own copy (:meth:`new_model`)."""
+
+    algorithm: Algorithm
+    input_shape: tuple[int, ...]
+    num_classes: int
+    model: SplitModel
+
+    @property
+    def classification(self) -> bool:
+        """Whether the task is classification (it has classes)."""
+        return self.num_classes > 0
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the initial model's tensors."""
+        return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+
+    def new_model(self) -> SplitModel:
+        """A copy of the initial model, for a part of the process that loads other weights into it."""
+        return copy.deepcopy(self.model)
+
+
+def build_experiment(config: RunConfig) -> Experiment:
+    """The run's :class:`Experiment`, for a config already checked (raises ValueError, TypeError
+    and what building the model raises; :func:`check_experiment` turns them into ConfigErrors)."""
+    input_shape, num_classes = dataset_dims(config)
+    algorithm = run_algorithm(config)
+    return Experiment(algorithm, tuple(input_shape), num_classes, build_run_model(config, algorithm))
 
 
 @dataclass(frozen=True)
@@ -60,9 +101,11 @@ class LocalData:
     option: str = "data.root"
 
 
-def check_experiment(config: RunConfig, clients_data: LocalData | None = None, server_data: bool = False) -> None:
+def check_experiment(config: RunConfig, clients_data: LocalData | None = None,
+                     server_data: bool = False) -> Experiment:
     """Check what :mod:`fedpart.common.config` cannot check from the keys and types alone, before
-    any process starts or any file is written; raises :class:`ConfigError` naming the setting.
+    any process starts or any file is written, and return the :class:`Experiment` built on the
+    way; raises :class:`ConfigError` naming the setting.
 
     - the algorithm and its options, the model and its options (built on the CPU), an initial
       checkpoint that fits it, the schedule of every round;
@@ -75,7 +118,7 @@ def check_experiment(config: RunConfig, clients_data: LocalData | None = None, s
       the accountant's library.
     """
     try:
-        dataset_dims(config)
+        input_shape, num_classes = dataset_dims(config)
     except ValueError as error:
         raise ConfigError(str(error)) from error
     if server_data:
@@ -85,10 +128,11 @@ def check_experiment(config: RunConfig, clients_data: LocalData | None = None, s
     except (ValueError, TypeError) as error:
         raise ConfigError(f"algorithm: {error}") from error
     try:
-        model = build_run_model(config)  # on the CPU: well under a second (the meta device takes longer)
+        model = build_run_model(config, algorithm)  # on the CPU: well under a second
     except (ValueError, TypeError, ImportError, OSError, RuntimeError) as error:
         raise ConfigError(f"model: {error}") from error
     _check_schedule(config, algorithm, model)
+    experiment = Experiment(algorithm, tuple(input_shape), num_classes, model)
     data = config.data
     custom = ":" in data.dataset
     if custom:
@@ -97,7 +141,7 @@ def check_experiment(config: RunConfig, clients_data: LocalData | None = None, s
                 import_callable(data.dataset, "data.dataset")
             except (ValueError, ImportError) as error:
                 raise ConfigError(str(error)) from error
-        return
+        return experiment
     try:
         counts = class_counts(data.dataset, data.options)
     except ValueError as error:
@@ -119,6 +163,7 @@ def check_experiment(config: RunConfig, clients_data: LocalData | None = None, s
                               f"{data.dataset}, which it reads from data.root ({data.root!r}): {missing}; set "
                               "evaluate.global_test: false for a server without the data "
                               f"(--set evaluate.global_test=false), or point data.root at it ({DATA_PAGE})")
+    return experiment
 
 
 def _missing_files(dataset: str, root: str | None, splits: tuple[str, ...]) -> str | None:

@@ -5,7 +5,8 @@ the settings of a feature left behind while the feature is off.
 
 A feature's check module declares ``KEY`` (its config key), ``enabled(config)``,
 ``value_errors(config)`` (its values and their combinations: no component imported, no torch)
-and ``refusals(config, server_parts)`` (what it cannot run with: the components' capabilities),
+and ``refusals(config, algorithm, server_parts)`` (what it cannot run with: the capabilities of
+the components, the run's algorithm built once by the config check),
 and is registered in :data:`fedpart.common.config.FEATURE_CHECKS`.
 """
 

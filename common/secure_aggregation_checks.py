@@ -17,6 +17,7 @@ from fedpart.common.feature_checks import (
 )
 
 if TYPE_CHECKING:
+    from fedpart.common.algorithms import Algorithm
     from fedpart.common.config import RunConfig
 
 KEY = "privacy.secure_aggregation"
@@ -53,12 +54,11 @@ def value_errors(config: RunConfig) -> list[str]:
     return errors
 
 
-def refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
+def refusals(config: RunConfig, algorithm: Algorithm, server_parts: bool = True) -> list[str]:
     """Why ``config`` cannot run with ``privacy.secure_aggregation`` on (empty: it can): the server
     receives only masked updates and learns their sum, so nothing may need one client's update.
-    Without the server's parts (a client checking its config) the server-side components are not
+    ``algorithm``: the run's, as the config check built it. Without the server's parts (a client checking its config) the server-side components are not
     asked."""
-    from fedpart.common.algorithms import build_algorithm
     from fedpart.common.codecs import lossless
 
     robust = config.robust
@@ -77,10 +77,6 @@ def refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
                         "server cannot see")
     if config.sampling.fraction * config.clients < 2 and config.sampling.probability is None:
         refusals.append("fewer than 2 clients a round: the sum of one masked update is that client's update")
-    try:
-        algorithm = build_algorithm(config.algorithm.name, config.algorithm.options, config.algorithm.objective)
-    except ValueError:
-        return refusals  # the algorithm check reports it
     if algorithm.collected_parts:
         refusals.append(f"algorithm {config.algorithm.name} uploads its {', '.join(algorithm.collected_parts)} values "
                         "into a per-client dictionary, which a sum cannot give")

@@ -41,7 +41,7 @@ from fedpart.common.algorithms import Algorithm, Role, RoundContext, learning_ra
 from fedpart.common.config import RunConfig
 from fedpart.common.console import RunProgress
 from fedpart.common.exit_codes import StoppableCondition, Stopped
-from fedpart.common.experiment import build_run_model, run_algorithm
+from fedpart.common.experiment import Experiment, build_experiment
 from fedpart.common.plans import EvalPlan, JoinInfo, ResultInfo, RunOutcome, TaskKind, TrainPlan
 from fedpart.common.protocol import Rejected
 from fedpart.common.records import RoundRecord
@@ -70,11 +70,14 @@ class Coordinator:
     """The round engine: owns the global model and runs the rounds over the registry's
     processes and the board's tasks."""
 
-    def __init__(self, config: RunConfig, log: Callable[[str], None] = print) -> None:
+    def __init__(self, config: RunConfig, log: Callable[[str], None] = print,
+                 experiment: Experiment | None = None) -> None:
+        """``experiment``: the run's, as the process built it once (where None, built here)."""
         self.config = config
         self.log = log
-        self.algorithm: Algorithm = run_algorithm(config)
-        self.model: SplitModel = build_run_model(config)
+        self.experiment = experiment or build_experiment(config)
+        self.algorithm: Algorithm = self.experiment.algorithm
+        self.model: SplitModel = self.experiment.new_model()
         self.global_state: dict[str, torch.Tensor] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.versions: dict[str, int] = {name: 0 for name in self.global_state}
         self.shared_names = self.algorithm.shared_names(self.global_state)
@@ -82,7 +85,7 @@ class Coordinator:
         self.run_id = uuid.uuid4().hex[:12]
         self.ledger = ByteLedger(self.model.schedule_units)  # the service records into it; rounds and resume read it
         self.heads = HeadDictionary()
-        self.policy: Policy = build_policy(config, log, run_id=lambda: self.run_id, blame=self._blame,
+        self.policy: Policy = build_policy(config, log, self.experiment, run_id=lambda: self.run_id, blame=self._blame,
                                            round_uploads=lambda r: self.round_plan(r, 0).upload_deltas)
 
         # the lock of the whole state machine; the round loop waits on it, and a stop ends its waits

@@ -10,7 +10,7 @@ import torch
 from fedpart.common.config import RunConfig
 from fedpart.common.data.datasets import load_dataset
 from fedpart.common.evaluation import split_metrics
-from fedpart.common.experiment import build_run_model, dataset_dims
+from fedpart.common.experiment import Experiment
 from fedpart.common.losses import build_loss
 from fedpart.common.records import ModelMetrics
 
@@ -18,7 +18,7 @@ from fedpart.common.records import ModelMetrics
 class GlobalEvaluator:
     """Tests global states on the server-held test set."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, experiment: Experiment) -> None:
         data = config.data
         try:
             dataset = load_dataset(data.dataset, data.root, **data.options)
@@ -27,9 +27,9 @@ class GlobalEvaluator:
                              "(set evaluate.global_test: false if the server holds no data)") from error
         self.x = dataset.features(dataset.x_test)
         self.y = dataset.targets(dataset.y_test)
-        self.classification = dataset_dims(config)[1] > 0
+        self.classification = experiment.classification
         self.loss_fn = build_loss(config.train.loss, self.classification)
-        self.model = build_run_model(config)
+        self.model = experiment.new_model()
 
     def evaluate(self, state: Mapping[str, torch.Tensor]) -> ModelMetrics:
         """The loss (and a classifier's accuracy) of ``state`` on the whole test split."""

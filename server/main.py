@@ -31,6 +31,7 @@ from fedpart.common.algorithms import has_global_model
 from fedpart.common.config import RunConfig
 from fedpart.common.console import Display, ProgressLines, render_run, stamp
 from fedpart.common.exit_codes import ExitCode, Stopped, signals_to
+from fedpart.common.experiment import Experiment
 from fedpart.common.limits import raise_open_file_limit
 from fedpart.common.plans import RunOutcome
 from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
@@ -273,12 +274,14 @@ def _group_by_names(named: dict[int, list[str]]) -> list[tuple[list[int], list[s
     return [(ids, list(names)) for names, ids in groups.items()]
 
 
-def serve(config: RunConfig, address: str, out_dir: str | Path, security: ServerSecurity | None = None,
+def serve(config: RunConfig, experiment: Experiment, address: str, out_dir: str | Path,
+          security: ServerSecurity | None = None,
           resume: bool = False, overwrite: bool = False, progress: str = "auto",
           health_port: int | None = None, metrics_port: int | None = None,
           resume_command: Callable[[str], str] | None = None, new_credentials: bool = False) -> int:
     """Run a whole federated experiment as the coordinator; returns the exit code
-    (:class:`~fedpart.common.exit_codes.ExitCode`). With ``resume``, continue the run in
+    (:class:`~fedpart.common.exit_codes.ExitCode`). ``experiment``: what the config derives, as
+    :func:`~fedpart.common.experiment.check_experiment` built it. With ``resume``, continue the run in
     ``out_dir`` after its last completed round; with ``overwrite``, replace the run in
     ``out_dir`` once the server listens. ``progress``: ``auto`` (a live view on a terminal, plain
     lines otherwise), ``plain`` or ``json`` (progress lines for ``fedpart run``). ``health_port``:
@@ -305,12 +308,12 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
         check_new_run_dir(out_dir, overwrite)
     display = Display(logger="fedpart.server")
     engine = BufferedCoordinator if config.server.engine == "buffered" else Coordinator
-    coordinator = engine(config, log=display.log)  # builds model and algorithm: bad settings fail here
+    coordinator = engine(config, log=display.log, experiment=experiment)
     if progress == "auto":
         display.view = lambda: render_run(coordinator.progress())
     evaluator = None
-    if config.evaluate.global_test and has_global_model(coordinator.algorithm):
-        evaluator = GlobalEvaluator(config)
+    if config.evaluate.global_test and has_global_model(experiment.algorithm):
+        evaluator = GlobalEvaluator(config, experiment)
     if saved is not None:
         coordinator.restore(saved)
     raise_open_file_limit()

@@ -47,9 +47,7 @@ from typing import Any
 
 import torch
 
-from fedpart.common.algorithms import Role
 from fedpart.common.config import DP_ACCOUNTING_INSTALL, ConfigError, RunConfig
-from fedpart.common.experiment import build_run_model, run_algorithm
 from fedpart.common.privacy import clip_deltas
 from fedpart.common.records import RoundPrivacy
 from fedpart.server.aggregation import CompensatedSum
@@ -304,12 +302,6 @@ class DifferentialPrivacy:
             self._seed = dp.noise_seed
             log("warning: privacy.dp.noise_seed is set: anyone who knows it can recompute the noise and take it out "
                 "of the model (for experiments only)")
-        algorithm = run_algorithm(config)
-        integers = sorted(name for name, tensor in build_run_model(config).state_dict().items()
-                          if algorithm.role(name) is Role.GLOBAL and not tensor.is_floating_point())
-        if integers:
-            raise ConfigError(f"privacy.dp: the model aggregates tensors that are not floating point "
-                              f"({', '.join(integers[:3])}), which Gaussian noise cannot be added to")
         self.rounds = config.rounds  # the last round to run: fewer where privacy.dp.target_epsilon says so
         if dp.target_epsilon is not None:
             self.rounds = self.budget.rounds_within(dp.target_epsilon, config.rounds)

@@ -431,7 +431,8 @@ def test_each_feature_check_lives_in_its_module_and_is_asked_only_when_on(monkey
             return []
 
         @staticmethod
-        def refusals(config, server_parts: bool = True) -> list[str]:
+        def refusals(config, algorithm, server_parts: bool = True) -> list[str]:
+            assert algorithm.name == config.algorithm.name
             asked.append(server_parts)
             return ["train.epochs 2 is refused", "a second reason"]
 

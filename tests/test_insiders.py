@@ -142,9 +142,9 @@ def test_under_secure_aggregation_the_policy_gives_the_monitor_the_revealed_sum(
 
     config = config_from_dict(small_config(clients=4, privacy={"secure_aggregation": True}))
     lines: list[str] = []
-    policy = RobustScreening(Combine(config), config, lines.append)  # the layer inside secure aggregation's
-    assert policy.monitor is not None and not policy.quarantine and policy.adaptive_bound is None
     state = build_run_model(config).state_dict()
+    policy = RobustScreening(Combine(config, None), config, lines.append, state)  # the layer inside secure aggregation's
+    assert policy.monitor is not None and not policy.quarantine and policy.adaptive_bound is None
     name = next(iter(state))
     entries = []
     for round_number, value in enumerate([1e-3, 1e-3, 1.0, 1.0], start=1):

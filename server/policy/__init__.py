@@ -20,6 +20,7 @@ import inspect
 from collections.abc import Callable
 
 from fedpart.common.config import RunConfig
+from fedpart.common.experiment import Experiment, build_experiment
 from fedpart.server.policy.base import Folding, Policy, RoundFailed, RoundSteps
 from fedpart.server.policy.aggregate import RoundAggregate, RoundResults, Screened
 from fedpart.server.policy.combine import Combine
@@ -30,15 +31,19 @@ LAYERS = ("screening", "dp", "secure_aggregation")
 __all__ = ["Folding", "Policy", "RoundAggregate", "RoundFailed", "RoundResults", "RoundSteps", "Screened", "build_policy", "LAYERS"]
 
 
-def build_policy(config: RunConfig, log: Callable[[str], None], **engine: object) -> Policy:
-    """The run's policy: the core in the layers the config turns on. ``engine`` holds what a
-    layer may need of the round engine (``run_id``: a function giving the run's id; ``blame``:
-    records a client named for what it sent; ``round_uploads``: the tensors a round's results
-    upload deltas of); each layer's ``wrap`` takes the ones it names."""
-    policy: Policy = Combine(config)
+def build_policy(config: RunConfig, log: Callable[[str], None], experiment: Experiment | None = None,
+                 **engine: object) -> Policy:
+    """The run's policy: the core in the layers the config turns on. ``experiment``: the run's,
+    as the process built it once (where None, built here). ``engine`` holds what a layer may need
+    of the round engine (``run_id``: a function giving the run's id; ``blame``: records a client
+    named for what it sent; ``round_uploads``: the tensors a round's results upload deltas of);
+    each layer's ``wrap`` takes the ones it names, and ``experiment`` where it names it."""
+    experiment = experiment or build_experiment(config)
+    policy: Policy = Combine(config, experiment.algorithm.server_step)
+    offered = {**engine, "experiment": experiment}
     for name in LAYERS:
         layer = importlib.import_module(name if "." in name else f"{__name__}.{name}")
         if layer.applies(config):
-            wanted = {key: value for key, value in engine.items() if key in inspect.signature(layer.wrap).parameters}
+            wanted = {key: value for key, value in offered.items() if key in inspect.signature(layer.wrap).parameters}
             policy = layer.wrap(policy, config, log, **wanted)
     return policy

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from fedpart.common.config import RunConfig, robust_aggregator_options
-from fedpart.common.experiment import run_algorithm
 from fedpart.common.records import RoundRecord
 from fedpart.common.registry import ROBUST_AGGREGATORS
 from fedpart.server.aggregation import Aggregator, HeadDictionary
@@ -27,13 +26,14 @@ class Combine(Policy):
     """Counts each result for its samples, combines a round's results with the configured
     aggregator and moves the global model with the run's server optimizer."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, server_step: tuple[str, dict[str, Any]] | None) -> None:
+        """``server_step``: the step the algorithm's objective brings (FedDyn's), if any."""
         super().__init__(None)
         self.robust = config.robust
         self.weighting = config.train.weighting
         section = config.server_optimizer
         self.optimizer: ServerOptimizer = build_server_optimizer(
-            section.name, section.options, run_algorithm(config).server_step, config.clients)
+            section.name, section.options, server_step, config.clients)
 
     def combiner(self) -> Aggregator:
         """A fresh aggregator of the configured kind, its options read from the ``robust`` section."""

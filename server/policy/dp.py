@@ -14,7 +14,9 @@ from dataclasses import replace
 
 import torch
 
-from fedpart.common.config import RunConfig
+from fedpart.common.algorithms import Role
+from fedpart.common.config import ConfigError, RunConfig
+from fedpart.common.experiment import Experiment
 from fedpart.common.records import RoundRecord
 from fedpart.server.policy.base import Policy
 from fedpart.server.policy.aggregate import RoundAggregate, Screened
@@ -27,8 +29,15 @@ def applies(config: RunConfig) -> bool:
     return config.privacy.dp.enabled
 
 
-def wrap(inner: Policy, config: RunConfig, log: Callable[[str], None]) -> Policy:
-    """The DP-FedAvg layer around ``inner``."""
+def wrap(inner: Policy, config: RunConfig, log: Callable[[str], None], experiment: Experiment) -> Policy:
+    """The DP-FedAvg layer around ``inner``; raises ConfigError where the model aggregates a
+    tensor that is not floating point (Gaussian noise cannot be added to it)."""
+    algorithm = experiment.algorithm
+    integers = sorted(name for name, tensor in experiment.model.state_dict().items()
+                      if algorithm.role(name) is Role.GLOBAL and not tensor.is_floating_point())
+    if integers:
+        raise ConfigError(f"privacy.dp: the model aggregates tensors that are not floating point "
+                          f"({', '.join(integers[:3])}), which Gaussian noise cannot be added to")
     return DPFedAvg(inner, config, log)
 
 

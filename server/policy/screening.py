@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 
 from fedpart.common.config import RunConfig
-from fedpart.common.experiment import build_run_model
+from fedpart.common.experiment import Experiment
 from fedpart.server.aggregation import HeadDictionary
 from fedpart.server.insiders import InsiderMonitor, Observation
 from fedpart.server.policy.base import Policy
@@ -49,15 +49,18 @@ def applies(config: RunConfig) -> bool:
     return True
 
 
-def wrap(inner: Policy, config: RunConfig, log: Callable[[str], None]) -> Policy:
+def wrap(inner: Policy, config: RunConfig, log: Callable[[str], None], experiment: Experiment) -> Policy:
     """The screening layer around ``inner``."""
-    return RobustScreening(inner, config, log)
+    return RobustScreening(inner, config, log, experiment.model.state_dict())
 
 
 class RobustScreening(Policy):
     """Caps sample counts, bounds single results, watches for insiders (see the module)."""
 
-    def __init__(self, inner: Policy, config: RunConfig, log: Callable[[str], None]) -> None:
+    def __init__(self, inner: Policy, config: RunConfig, log: Callable[[str], None],
+                 initial: Mapping[str, torch.Tensor]) -> None:
+        """``initial``: the run's initial model tensors (the first round's adaptive bound scales
+        with their norms)."""
         super().__init__(inner)
         self.robust = config.robust
         private, secure = config.privacy.dp.enabled, config.privacy.secure_aggregation
@@ -65,7 +68,6 @@ class RobustScreening(Policy):
         bounds = not private and not secure
         self.adaptive_bound: AdaptiveBound | None = None
         if self.robust.adaptive_bound and bounds:
-            initial = build_run_model(config).state_dict()
             self.adaptive_bound = AdaptiveBound(self.robust.adaptive_bound, self.robust.first_round_bound, initial)
         self.norm_bound = self.robust.norm_bound if bounds else 0.0
         self.monitor: InsiderMonitor | None = None
