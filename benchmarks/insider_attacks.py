@@ -95,8 +95,7 @@ class RawSession:
         reply = self.stub.Join(pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name=name,
                                               clients=[pb.HostedClient(id=c) for c in clients]), timeout=timeout)
         self.session = reply.session
-        self.raw_config = json.loads(reply.run_config_json)
-        self.config: RunConfig = config_from_dict(self.raw_config)
+        self.config: RunConfig = config_from_dict(json.loads(reply.run_config_json))
         self.held: dict[str, int] = {}
         self.state: dict[str, torch.Tensor] = {}  # the global tensors as last received
 
@@ -133,6 +132,8 @@ class Insider(RawSession):
         self.client = client
         self.attack = attack
         self.run_dir = run_dir
+        # the server sends clients none of its own knobs: the oracle reads them where the server writes them
+        self.server_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if run_dir else None
         self.report = report
         self.reports = 0
         self.model = build_run_model(self.config)
@@ -203,7 +204,9 @@ class Insider(RawSession):
             return {name: -10 * delta for name, delta in update.items()}
         if self.attack == "nan":
             return {name: torch.full_like(delta, math.nan) for name, delta in update.items()}
-        factors = self.config.robust
+        if self.server_config is None:
+            raise SystemExit("insider: the bound attacks read the server's settings and run state: give --run-dir")
+        factors = config_from_dict(self.server_config).robust
         bound, first = (factors.adaptive_bound, factors.first_round_bound) if self.attack == "bound" else (OLD_BOUND,
                                                                                                            OLD_BOUND)
         limit = self._bound(list(update), bound, first, round_number)
@@ -216,7 +219,7 @@ class Insider(RawSession):
         bound = AdaptiveBound(factor, first_factor, self.initial)
         if round_number > 1:
             try:
-                state = read_run_state(self.run_dir, self.raw_config).server_optimizer
+                state = read_run_state(self.run_dir, self.server_config).server_optimizer
             except ResumeError as error:
                 raise SystemExit(f"insider: the bound oracle needs the server's run state: {error}") from error
             bound.load_state({k: v for k, v in state.items() if k.startswith(AdaptiveBound.STATE_PREFIX)})

@@ -485,6 +485,23 @@ class RunConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
+    def for_clients(self) -> RunConfig:
+        """What a client process is sent of the run's config (in its JoinReply): the experiment
+        (seeds, data, model, algorithm, training, evaluation, compression, privacy, sampling, the
+        buffered engine, heterogeneity) and, of the ``server`` section, the settings a client's
+        calls follow (:data:`CLIENT_SERVER_SETTINGS`). The server's own knobs keep their defaults:
+        robust screening and the insider monitor (an insider would learn the bounds it is judged
+        by), the server optimizer, checkpoints, the server's timeouts and capacities, and
+        ``privacy.dp.noise_seed`` (whoever knows it can take the noise out)."""
+        server = ServerConfig(**{key: getattr(self.server, key) for key in CLIENT_SERVER_SETTINGS})
+        privacy = dataclasses.replace(self.privacy, dp=dataclasses.replace(self.privacy.dp, noise_seed=None))
+        return dataclasses.replace(self, server=server, robust=RobustConfig(), server_optimizer=ServerOptimizerConfig(),
+                                   checkpoint=CheckpointConfig(), privacy=privacy)
+
+
+CLIENT_SERVER_SETTINGS = ("engine", "call_timeout", "heartbeat_timeout", "result_chunk_bytes")
+"""The settings of the ``server`` section a client process follows: the engine (what its secure
+aggregation keeps), its calls' deadline, its heartbeat interval, the size of its result messages."""
 
 # Sections whose extra keys are free options for the selected component.
 _OPEN_SECTIONS: dict[type, str] = {

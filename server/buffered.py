@@ -46,9 +46,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-
 from fedpart.common.algorithms import learning_rate
 from fedpart.common.config import BufferedConfig, RunConfig
+from fedpart.common.experiment import Experiment
 from fedpart.common.plans import ResultInfo, TaskKind
 from fedpart.common.protocol import Rejected
 from fedpart.common.records import BufferedVersion, DeliveryCounts, RoundRecord
@@ -248,8 +248,9 @@ class HeldFolding(TaskFolding):
 class BufferedCoordinator(Coordinator):
     """The FedBuff round engine: one :meth:`run_round` per server version (see the module)."""
 
-    def __init__(self, config: RunConfig, log: Callable[[str], None] = print) -> None:
-        super().__init__(config, log)
+    def __init__(self, config: RunConfig, log: Callable[[str], None] = print,
+                 experiment: Experiment | None = None) -> None:
+        super().__init__(config, log, experiment)
         self.concurrency, self.buffer_size = config.buffered.resolved(config.clients, config.sampling.fraction)
         self.staleness_weight = staleness_weight(config.buffered)
         self.schedule = Schedule(config.clients, self.concurrency, self.buffer_size, config.sampling_seed, self.clock)

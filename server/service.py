@@ -107,6 +107,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def __init__(self, coordinator: Coordinator, ledger: ByteLedger, guard: CallGuard, fold_pool: Executor | None,
                  upload_slots: int, download_slots: int) -> None:
         self.coordinator = coordinator
+        self.client_config_json = coordinator.config.for_clients().to_json()  # what a Join is sent
         self.registry = coordinator.registry
         self.board = coordinator.board
         self.ledger = ledger
@@ -131,7 +132,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 if isinstance(error, NotYet):
                     context.set_trailing_metadata(((NOT_YET_KEY, "1"),))
                 await context.abort(error.code, str(error))
-            reply = pb.JoinReply(session=session, run_config_json=self.coordinator.config.to_json(),
+            reply = pb.JoinReply(session=session, run_config_json=self.client_config_json,
                                  run_id=self.coordinator.run_id)
             self._count_process_call(request, reply)
             return reply

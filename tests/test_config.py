@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -442,3 +443,14 @@ def test_each_feature_check_lives_in_its_module_and_is_asked_only_when_on(monkey
     with pytest.raises(ConfigError, match=r"^privacy\.example: train\.epochs 2 is refused$"):
         config_from_dict(small_config(rounds=2), server_parts=False)
     assert asked == [False]
+
+
+def test_clients_are_not_sent_the_dp_noise_seed():
+    """Whoever knows the seed of the server's noise can take it out of the model again."""
+    from conftest import small_config
+
+    config = config_from_dict(small_config(train={**small_config()["train"], "weighting": "uniform"},
+                                           privacy={"dp": {"enabled": True, "noise_seed": 7}}))
+    sent = config_from_dict(config.for_clients().to_dict(), server_parts=False)
+    assert config.privacy.dp.noise_seed == 7 and sent.privacy.dp.noise_seed is None
+    assert sent.privacy.dp == dataclasses.replace(config.privacy.dp, noise_seed=None)
