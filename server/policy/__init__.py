@@ -18,16 +18,28 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from fedpart.common.config import RunConfig
-from fedpart.server.policy.base import Folding, Policy, RoundFailed, RoundSteps
-from fedpart.server.policy.aggregate import RoundAggregate, RoundResults, Screened
-from fedpart.server.policy.combine import Combine
+if TYPE_CHECKING:
+    from fedpart.common.config import RunConfig
+    from fedpart.server.policy.base import Policy
 
 LAYERS = ("screening", "dp", "secure_aggregation")
 """The layers, innermost first: modules, each with ``applies`` and ``wrap``."""
 
 __all__ = ["Folding", "Policy", "RoundAggregate", "RoundFailed", "RoundResults", "RoundSteps", "Screened", "build_policy", "LAYERS"]
+
+# The names this package re-exports, by module: imported at their first use, so that importing one
+# module of the package (a piece a layer or the round engine uses, such as its validation rules)
+# does not import the layers, and through them the round engine, first.
+_EXPORTS = {"Folding": "base", "Policy": "base", "RoundFailed": "base", "RoundSteps": "base",
+            "RoundAggregate": "aggregate", "RoundResults": "aggregate", "Screened": "aggregate"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
 
 
 def build_policy(config: RunConfig, log: Callable[[str], None], **engine: object) -> Policy:
@@ -35,6 +47,8 @@ def build_policy(config: RunConfig, log: Callable[[str], None], **engine: object
     layer may need of the round engine (``run_id``: a function giving the run's id; ``blame``:
     records a client named for what it sent; ``round_uploads``: the tensors a round's results
     upload deltas of); each layer's ``wrap`` takes the ones it names."""
+    from fedpart.server.policy.combine import Combine
+
     policy: Policy = Combine(config)
     for name in LAYERS:
         layer = importlib.import_module(name if "." in name else f"{__name__}.{name}")
