@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedpart.common.config import (
+from fedpart.common.config.run_config import (
     ConfigError,
     RunConfig,
     apply_overrides,
@@ -301,7 +301,7 @@ def test_scientific_notation_with_dot_is_a_number(tmp_path):
 
 
 def test_an_unknown_algorithm_is_refused_with_the_known_names():
-    from fedpart.common.registry import ALGORITHMS
+    from fedpart.common.components.registry import ALGORITHMS
 
     known = ", ".join(ALGORITHMS.selectable())
     with pytest.raises(ConfigError) as error:
@@ -359,7 +359,7 @@ def test_a_server_optimizer_that_needs_result_norms_is_refused_by_secure_aggrega
 
 CAPABLE_PLUGINS = '''
 from fedpart.api import CODECS, ROBUST_AGGREGATORS
-from fedpart.server.aggregation import WeightedMean
+from fedpart.server.policy.aggregation import WeightedMean
 
 
 class Exact:

@@ -32,7 +32,7 @@ def _module_name(path: Path) -> str:
 
 def _imports(path: Path) -> set[str]:
     """The fedpart modules ``path`` imports, resolved to modules of the repository where they are
-    names inside a module (``from fedpart.common.config import RunConfig`` -> fedpart.common.config)."""
+    names inside a module (``from fedpart.common.config.run_config import RunConfig`` -> fedpart.common.config.run_config)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE + "."):
@@ -86,8 +86,8 @@ def test_no_import_cycle():
 CLIENT_SIDE = """
 import json, sys
 import fedpart.client.runtime
-from fedpart.common.config import RunConfig, config_from_dict
-from fedpart.common.experiment import build_run_model
+from fedpart.common.config.run_config import RunConfig, config_from_dict
+from fedpart.common.config.experiment import build_run_model
 raw = json.loads(RunConfig().to_json())
 raw["privacy"]["secure_aggregation"] = True
 build_run_model(config_from_dict(raw, server_parts=False))
@@ -119,8 +119,8 @@ import importlib, json, pkgutil, sys
 import fedpart.common
 for module in pkgutil.walk_packages(fedpart.common.__path__, "fedpart.common."):
     importlib.import_module(module.name)
-from fedpart.common.config import ConfigError, RunConfig, config_from_dict
-from fedpart.common.experiment import check_experiment
+from fedpart.common.config.run_config import ConfigError, RunConfig, config_from_dict
+from fedpart.common.config.experiment import check_experiment
 raw = json.loads(RunConfig().to_json())
 raw.update(server_optimizer={"name": "fedadam", "lr": 0.1}, robust={**raw["robust"], "aggregator": "trimmed_mean"})
 check_experiment(config_from_dict(raw), server_data=True)
@@ -165,15 +165,15 @@ def _reachable(graph: dict[str, set[str]], module: str) -> set[str]:
 
 
 def test_the_records_and_their_readers_need_no_server():
-    """The run's records (common/records.py) import the standard library only, and the report
+    """The run's records (common/process/records.py) import the standard library only, and the report
     (report/) reads run directories through those types with no module of the server, directly
     or through others: a report runs on any machine. One module of the server writes a run
     directory's records (run_directory.py)."""
     graph = _graph()
-    assert graph[f"{PACKAGE}.common.records"] == set()
+    assert graph[f"{PACKAGE}.common.process.records"] == set()
     server = {m: sorted(r for r in _reachable(graph, m) if _folder(r) == "server")
               for m in graph if _folder(m) == "report"}
     assert not {m: found for m, found in server.items() if found}
     writers = [p.relative_to(REPO).as_posix() for p in sorted((REPO / "server").rglob("*.py"))
                if "def append_round" in p.read_text() or "def write_summary" in p.read_text()]
-    assert writers == ["server/run_directory.py"]
+    assert writers == ["server/output/run_directory.py"]

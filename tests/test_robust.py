@@ -34,15 +34,15 @@ from conftest import (
     write_config,
 )
 from fedpart.client.local_data import load_client_data
-from fedpart.common.checkpoint import load_tensors
-from fedpart.common.config import ConfigError, RunConfig, config_from_dict
-from fedpart.common.experiment import build_run_model
-from fedpart.common.records import RoundRecord, RoundRobust
+from fedpart.common.process.checkpoint import load_tensors
+from fedpart.common.config.run_config import ConfigError, RunConfig, config_from_dict
+from fedpart.common.config.experiment import build_run_model
+from fedpart.common.process.records import RoundRecord, RoundRobust
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.server.aggregation import CoordinateMedian, CoordinateTrimmedMean, WeightedMean
-from fedpart.server.coordinator import Coordinator
+from fedpart.server.policy.aggregation import CoordinateMedian, CoordinateTrimmedMean, WeightedMean
+from fedpart.server.engine.coordinator import Coordinator
 from fedpart.server.main import start_grpc
-from fedpart.server.robust import (
+from fedpart.server.policy.robust import (
     AdaptiveBound,
     ResultRefused,
     delta_norm,
@@ -52,7 +52,7 @@ from fedpart.server.robust import (
 )
 from fedpart.server.policy import build_policy
 from fedpart.server.policy.screening import RobustScreening
-from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
+from fedpart.server.engine.run_state import ResumeError, read_run_state, write_run_state
 
 BOUND = 60.0  # seconds: every wait in these tests is bounded
 HUGE_SAMPLES = 2**62

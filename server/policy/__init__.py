@@ -1,6 +1,6 @@
 """The server's policy for a round's results: screen each result, combine the round's results,
 step the global model (Flower's strategy), kept out of the round engines
-(:mod:`fedpart.server.coordinator`, :mod:`fedpart.server.buffered`), which call only the methods
+(:mod:`fedpart.server.engine.coordinator`, :mod:`fedpart.server.engine.buffered`), which call only the methods
 of :class:`~fedpart.server.policy.base.Policy`.
 
 A pure core (:mod:`~fedpart.server.policy.combine`: the configured aggregator and server
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fedpart.common.config import RunConfig
+    from fedpart.common.config.run_config import RunConfig
     from fedpart.server.policy.base import Policy
 
 LAYERS = ("screening", "dp", "secure_aggregation")
