@@ -34,19 +34,10 @@ from fedpart.common.components.registry import (
     Registry,
     coerce,
 )
+from fedpart.common.wire.sizes import DEFAULT_CHUNK_BYTES, GRPC_LARGEST_MESSAGE
 
 # The registries' homes the checks below read (algorithms, codecs, models, datasets: torch) are
 # imported when a config is validated, not with this module: ``fedpart --help`` loads no torch.
-
-DEFAULT_CHUNK_BYTES = 256 << 10
-"""Largest gRPC message of a task stream (tensor bytes and their framing). Larger task messages
-raise the server's peak memory at thousands of processes and save no CPU
-(``benchmarks/server_scale.py --set server.chunk_bytes=...``; docs/benchmarks.md, "Server at
-scale"). Results come in messages of ``server.result_chunk_bytes`` or less."""
-
-GRPC_LARGEST_MESSAGE = 4 << 20
-"""gRPC's default limit on the size of a received message, which fedpart's server and clients
-keep: no task or result message may be larger."""
 
 
 class ConfigError(ValueError):
@@ -860,7 +851,8 @@ def dp_refusals(config: RunConfig, server_parts: bool = True) -> list[str]:
             refusals.append("privacy.dp.adaptive_clip counts the results whose delta norm is within the clip, and "
                             "under privacy.secure_aggregation the server sees no single delta: set "
                             "privacy.dp.adaptive_clip: false (a fixed privacy.dp.clip_norm)")
-        # the expected clients a round, as fedpart.server.engine.sampling.expected_clients (common imports no server module)
+        # the expected clients a round, as fedpart.server.engine.sampling.expected_clients
+        # (common imports no server module)
         expected = (sampling.fraction * config.clients if sampling.scheme == "poisson"
                     else float(max(1, int(sampling.fraction * config.clients + 1e-9))))
         try:

@@ -25,7 +25,7 @@ import torch
 from google.protobuf.message import DecodeError, Message
 
 from fedpart.common.wire.codecs import CodecError, Encoded, decode, payload_nbytes
-from fedpart.common.config.run_config import DEFAULT_CHUNK_BYTES
+from fedpart.common.wire.sizes import DEFAULT_CHUNK_BYTES
 from fedpart.proto import fedpart_pb2 as pb
 
 TensorSpec = pb.TensorSpec  # a tensor's name, dtype, shape, version and encoding on the wire
