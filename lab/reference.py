@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from fedpart.common.components.registry import BY_COMPONENT, BY_FUNCTION, BY_NAME, KINDS, REQUIRED, Component, Option, Registry
+from fedpart.common.components.registry import (BY_COMPONENT, BY_FUNCTION, BY_NAME, KINDS, REQUIRED, Component, Option,
+                                                Registry)
 
 
 def _option_row(option: Option) -> str:

@@ -16,7 +16,8 @@ from fedpart.common.components.registry import (
 
 
 def _registry(**capabilities: str) -> Registry:
-    registry = Registry("test part", "fedpart.common.components.registry", "Parts of a test.", capabilities=capabilities)
+    registry = Registry("test part", "fedpart.common.components.registry", "Parts of a test.",
+                        capabilities=capabilities)
     KINDS.pop("test part")  # a scratch kind: not one of fedpart's
     return registry
 

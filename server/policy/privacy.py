@@ -2,12 +2,12 @@
 
 McMahan et al., "Learning Differentially Private Recurrent Language Models" (ICLR 2018): each
 client's uploaded deltas are clipped to ``privacy.dp.clip_norm`` C in L2 over all of them (on the
-client, before any codec, and again here on what the server decoded: :func:`fedpart.common.privacy.clipping.clip_deltas`);
-the server adds Gaussian noise of standard deviation ``z * C`` (``z`` =
-``privacy.dp.noise_multiplier``) to every coordinate of the round's SUM of clipped deltas and
-divides by the expected number of clients, a fixed denominator, so that one client moves the
-released mean by at most C / denominator whatever the others sent (:class:`NoisedSum`). A round
-with no result releases noise alone.
+client, before any codec, and again here on what the server decoded:
+:func:`fedpart.common.privacy.clipping.clip_deltas`); the server adds Gaussian noise of standard
+deviation ``z * C`` (``z`` = ``privacy.dp.noise_multiplier``) to every coordinate of the round's SUM
+of clipped deltas and divides by the expected number of clients, a fixed denominator, so that one
+client moves the released mean by at most C / denominator whatever the others sent
+(:class:`NoisedSum`). A round with no result releases noise alone.
 
 The budget is Google's dp-accounting library, never a formula of fedpart's own
 (:class:`PrivacyBudget`): per round, the sampled Gaussian mechanism of the sampling actually used.

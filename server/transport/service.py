@@ -48,8 +48,8 @@ from fedpart.server.output.accounting import PROCESS, ByteLedger
 from fedpart.server.transport.auth import CallGuard
 from fedpart.server.engine.coordinator import Coordinator
 from fedpart.server.engine.task_board import DuplicateResult, Task
-from fedpart.server.transport.transfers import (LogicalTensors, TaskPayloads, UploadSlots, bytes_by_part, logical_header_bytes,
-                                      result_chunk_bytes)
+from fedpart.server.transport.transfers import (LogicalTensors, TaskPayloads, UploadSlots, bytes_by_part,
+                                                logical_header_bytes, result_chunk_bytes)
 from fedpart.server.policy.validation import check_first_chunk, check_header, check_later_chunk
 
 # Longest deadline a unary call may ask for (join, heartbeat, leave answer at once).

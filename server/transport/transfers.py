@@ -51,8 +51,8 @@ import torch
 
 from fedpart.common.wire.codecs import Codec, encode, seeded_generator
 from fedpart.common.ml.split_model import tensor_part, tensor_unit
-from fedpart.common.wire.tensors import (DTYPES, ChunkBytes, _fitting_length, _piece_bytes, encode_chunks, encoding_bytes,
-                                 measure_chunk, spec_nbytes, varint_size, wire_form)
+from fedpart.common.wire.tensors import (DTYPES, ChunkBytes, _fitting_length, _piece_bytes, encode_chunks,
+                                         encoding_bytes, measure_chunk, spec_nbytes, varint_size, wire_form)
 from fedpart.proto import fedpart_pb2 as pb
 
 Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
