@@ -58,17 +58,17 @@ import grpc
 import torch
 import yaml
 
-from fedpart.common.config import RunConfig, config_from_dict
+from fedpart.common.config.run_config import RunConfig, config_from_dict
 from fedpart.common.data.datasets import load_dataset
 from fedpart.common.data.partition import make_partition
-from fedpart.common.experiment import build_run_model
-from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.common.records import NamedInsider, RunSummary, read_summary
-from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
+from fedpart.common.config.experiment import build_run_model
+from fedpart.common.wire.protocol import PROTOCOL_VERSION
+from fedpart.common.process.records import NamedInsider, RunSummary, read_summary
+from fedpart.common.wire.tensors import decode_chunks, encode_chunks, make_spec
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
-from fedpart.server.robust import AdaptiveBound
-from fedpart.server.run_state import ResumeError, read_run_state
+from fedpart.server.policy.robust import AdaptiveBound
+from fedpart.server.engine.run_state import ResumeError, read_run_state
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_ROOT = REPO.parent / "shared" / "data"

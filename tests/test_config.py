@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedpart.common.config import (
+from fedpart.common.config.run_config import (
     ConfigError,
     RunConfig,
     apply_overrides,
@@ -302,7 +302,7 @@ def test_scientific_notation_with_dot_is_a_number(tmp_path):
 
 
 def test_an_unknown_algorithm_is_refused_with_the_known_names():
-    from fedpart.common.registry import ALGORITHMS
+    from fedpart.common.components.registry import ALGORITHMS
 
     known = ", ".join(ALGORITHMS.selectable())
     with pytest.raises(ConfigError) as error:
@@ -360,7 +360,7 @@ def test_a_server_optimizer_that_needs_result_norms_is_refused_by_secure_aggrega
 
 CAPABLE_PLUGINS = '''
 from fedpart.api import CODECS, ROBUST_AGGREGATORS
-from fedpart.server.aggregation import WeightedMean
+from fedpart.server.policy.aggregation import WeightedMean
 
 
 class Exact:
@@ -410,7 +410,7 @@ def test_each_feature_check_lives_in_its_module_and_is_asked_only_when_on(monkey
     prefixed by its key: a new feature's check is its module and its name in FEATURE_CHECKS."""
     from conftest import small_config
 
-    from fedpart.common import config as config_module
+    from fedpart.common.config import run_config as config_module
 
     assert {feature.KEY for feature in config_module.FEATURE_CHECKS} == {
         "privacy.dp", "privacy.dp_sgd", "privacy.secure_aggregation"}

@@ -1,4 +1,4 @@
-"""fedpart's log lines are stdlib logging records (common/console.py): levels from the line's
+"""fedpart's log lines are stdlib logging records (common/process/console.py): levels from the line's
 text, the display as the default handler, handlers of an embedding program, and ``--quiet`` /
 ``--verbose`` for a command and the processes it starts."""
 
@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from conftest import WAIT, child_env, fedpart_command, run_fedpart, small_config, write_config
-from fedpart.common.console import DISPLAY_HANDLER, LOG_LEVEL_ENV, LOGGER, Display, level_of, set_log_level
+from fedpart.common.process.console import DISPLAY_HANDLER, LOG_LEVEL_ENV, LOGGER, Display, level_of, set_log_level
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ neighbour and a commitment to every share, CHECK answers the neighbours whose sh
 do not open or do not match their commitments, MASK answers the update clipped, quantized and
 masked with the peers the step names (int32 tensors of the uploaded tensors' shapes), UNMASK
 answers the shares the server needs to remove the masks of the sum. The steps themselves are
-:class:`fedpart.common.secagg.ClientParty`'s; this module keeps one party per client and round.
+:class:`fedpart.common.privacy.secagg.ClientParty`'s; this module keeps one party per client and round.
 A process that restarts loses its parties: its clients count as dropped out of that round.
 """
 
@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from fedpart.client.mods import Execute, Reply, WorkerContext
-from fedpart.common.plans import SecAggAnswer, SecAggStage, SecAggStep, TaskInfo, TaskKind
-from fedpart.common.secagg import ClientParty, SecAggError, quantize, round_tag
+from fedpart.common.wire.plans import SecAggAnswer, SecAggStage, SecAggStep, TaskInfo, TaskKind
+from fedpart.common.privacy.secagg import ClientParty, SecAggError, quantize, round_tag
 
 
 class SecureStepError(RuntimeError):

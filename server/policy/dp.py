@@ -5,7 +5,7 @@ is clipped here, and a lossy codec's rounding of a clipped delta too; under adap
 clip moves from round to round), every result weighs 1, and a round's deltas are combined into
 their noised sum over the expected number of clients; the budget comes from Google's
 dp-accounting and may end the run early (``privacy.dp.target_epsilon``). The mechanism is
-:mod:`fedpart.server.privacy`'s."""
+:mod:`fedpart.server.policy.privacy`'s."""
 
 from __future__ import annotations
 
@@ -13,15 +13,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
-
-from fedpart.common.algorithms import Role
-from fedpart.common.config import ConfigError, RunConfig
-from fedpart.common.experiment import Experiment
-from fedpart.common.records import RoundRecord
-from fedpart.server.policy.base import Policy
+from fedpart.common.config.experiment import Experiment
+from fedpart.common.config.run_config import ConfigError, RunConfig
+from fedpart.common.ml.algorithms import Role
+from fedpart.common.process.records import RoundRecord
 from fedpart.server.policy.aggregate import RoundAggregate, Screened
-from fedpart.server.privacy import DifferentialPrivacy
-from fedpart.server.robust import ResultRefused
+from fedpart.server.policy.base import Policy
+from fedpart.server.policy.privacy import DifferentialPrivacy
+from fedpart.server.policy.robust import ResultRefused
 
 
 def applies(config: RunConfig) -> bool:
@@ -52,7 +51,7 @@ class DPFedAvg(Policy):
         """The inner screening (sample caps), then the deltas clipped to the clip norm (counted as
         clipped where the result was over it by more than a codec's rounding; under adaptive
         clipping, over the round's clip at all), weight 1. The clipped deltas keep their norm
-        before clipping (:class:`~fedpart.server.privacy.ClippedDeltas`), which adaptive clipping
+        before clipping (:class:`~fedpart.server.policy.privacy.ClippedDeltas`), which adaptive clipping
         counts when they are folded."""
         screened = self.inner.screen(client, deltas, samples)
         if not screened.deltas:

@@ -5,9 +5,9 @@ result may weigh, and which results do not count.
   weighted means), are capped at the client's partition split where the server can compute the
   seeded partition itself, and at ``robust.max_samples``; a capped evaluation count keeps what the
   client reported as ``reported_train_samples`` / ``reported_test_samples``.
-- Norm bounds (:mod:`fedpart.server.robust`): the adaptive bound by default, ``robust.norm_bound``
+- Norm bounds (:mod:`fedpart.server.policy.robust`): the adaptive bound by default, ``robust.norm_bound``
   where set, to clip or refuse.
-- The insider monitor (:mod:`fedpart.server.insiders`) judges each folded (and each refused)
+- The insider monitor (:mod:`fedpart.server.policy.insiders`) judges each folded (and each refused)
   result by its norm and direction, names a client that is an outlier round after round, and with
   ``robust.monitor_action: refuse`` refuses its results until one is not.
 
@@ -24,14 +24,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
-
-from fedpart.common.config import RunConfig
-from fedpart.common.experiment import Experiment
-from fedpart.server.aggregation import HeadDictionary
-from fedpart.server.insiders import InsiderMonitor, Observation
-from fedpart.server.policy.base import Policy
+from fedpart.common.config.experiment import Experiment
+from fedpart.common.config.run_config import RunConfig
 from fedpart.server.policy.aggregate import RoundAggregate, Screened
-from fedpart.server.robust import (
+from fedpart.server.policy.aggregation import HeadDictionary
+from fedpart.server.policy.base import Policy
+from fedpart.server.policy.insiders import InsiderMonitor, Observation
+from fedpart.server.policy.robust import (
     AdaptiveBound,
     MeasuredDeltas,
     PartitionSizes,
@@ -41,7 +40,7 @@ from fedpart.server.robust import (
     scaled,
     screening_norm,
 )
-from fedpart.server.validation import SAMPLE_COUNTS, reported
+from fedpart.server.policy.validation import SAMPLE_COUNTS, reported
 
 
 def applies(config: RunConfig) -> bool:
