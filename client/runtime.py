@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import socket
 from collections import deque
@@ -48,7 +49,7 @@ from fedpart.client.speed import SpeedError, TrainingSpeed
 from fedpart.client.store import ClientStore
 from fedpart.client.training import train_local
 from fedpart.common.config.run_config import config_from_dict
-from fedpart.common.process.console import ClientActivity, Display, render_client
+from fedpart.common.process.console import ClientActivity, Display, Log, render_client
 from fedpart.common.data.augment import build_augment
 from fedpart.common.process.exit_codes import ExitCode, Stopped, signals_to
 from fedpart.common.config.experiment import LocalData, build_run_model, check_experiment, dataset_dims, run_algorithm
@@ -78,8 +79,8 @@ class _ClientEvents(SessionEvents):
     def __init__(self, process: ClientProcess) -> None:
         self.process = process
 
-    def log(self, message: str) -> None:
-        self.process.log(message)
+    def log(self, message: str, level: int = logging.INFO) -> None:
+        self.process.log(message, level)
 
     def answered(self, task: TaskInfo, sent: Sent, nbytes: int) -> None:
         if sent is not Sent.REFUSED:
@@ -118,9 +119,7 @@ class ClientProcess:
         self.cache: dict[str, torch.Tensor] = {}  # global tensors, on the device
         self.activity = ClientActivity()
         self.display = Display(lambda: render_client(self.activity), logger="fedpart.client")
-
-    def log(self, message: str) -> None:
-        self.display.log(message, source=f"[client {self.name}] ")
+        self.log = Log(self.display, source=f"[client {self.name}] ")
 
     def _join_request(self) -> pb.JoinRequest:
         """The join, announcing the personal state an earlier process of the same run left on disk."""

@@ -39,7 +39,7 @@ import torch
 
 from fedpart.common.ml.algorithms import Algorithm, Role, RoundContext, learning_rate
 from fedpart.common.config.run_config import RunConfig
-from fedpart.common.process.console import RunProgress
+from fedpart.common.process.console import Log, RunProgress
 from fedpart.common.process.exit_codes import StoppableCondition, Stopped
 from fedpart.common.config.experiment import build_run_model, run_algorithm
 from fedpart.common.wire.plans import EvalPlan, JoinInfo, ResultInfo, RunOutcome, TaskKind, TrainPlan
@@ -72,7 +72,7 @@ class Coordinator:
 
     def __init__(self, config: RunConfig, log: Callable[[str], None] = print) -> None:
         self.config = config
-        self.log = log
+        self.log = Log.of(log)
         self.algorithm: Algorithm = run_algorithm(config)
         self.model: SplitModel = build_run_model(config)
         self.global_state: dict[str, torch.Tensor] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -140,9 +140,9 @@ class Coordinator:
         credentials are dropped, and the run state records the new file's ``fingerprint``."""
         with self._cond:
             self.security["credentials_sha256"] = fingerprint
-        self.log(f"warning: the credentials file changed: {len(removed)} credential(s) revoked "
-                 f"({', '.join(p.name for p in removed) or 'none'}), {len(added)} added "
-                 f"({', '.join(p.name for p in added) or 'none'})")
+        self.log.warning(f"the credentials file changed: {len(removed)} credential(s) revoked "
+                         f"({', '.join(p.name for p in removed) or 'none'}), {len(added)} added "
+                         f"({', '.join(p.name for p in added) or 'none'})")
         self.registry.revoke(set(removed))
 
     def task_tensors(self, task: Task, held: Mapping[str, int]) -> tuple[list[TensorSpec], list[torch.Tensor]]:
@@ -212,7 +212,7 @@ class Coordinator:
                 commit()
                 self._finish(task)
             for note in notes:
-                self.log(f"warning: client {task.client_id}: {note}")
+                self.log.warning(f"client {task.client_id}: {note}")
             return
         if task.kind == TaskKind.TRAIN:
             self._accept_training(task, result, tensors, commit)
@@ -236,7 +236,7 @@ class Coordinator:
         folding.fold(lambda results: self._fold_training(results, task, screened, values),
                      lambda results: folding.record_training(results, result, screened))
         for note in screened.notes:
-            self.log(f"warning: round {task.round} client {task.client_id}: {note}")
+            self.log.warning(f"round {task.round} client {task.client_id}: {note}")
 
     def _screen(self, task: Task, result: ResultInfo, deltas: dict[str, torch.Tensor]) -> Screened:
         """The policy's screening of a training result with ``deltas``; :class:`Rejected` (counted
@@ -298,7 +298,7 @@ class Coordinator:
     def _blame(self, line: str) -> None:
         """A client named for what it sent (a policy layer's checks): a failure of the run."""
         self._record_failure(line)
-        self.log(f"warning: {line}")
+        self.log.warning(line)
 
     def _finish(self, task: Task) -> None:
         """Close an answered task (it may already be closed when its result was folded as the
@@ -401,12 +401,12 @@ class Coordinator:
         if failed is not None:
             results.metrics = {}
             refusals.append(f"round {round_number}: {failed}; the global model is kept")
-            self.log(f"error: {refusals[-1]}")
+            self.log.error(refusals[-1])
         results.robust.non_finite = sorted(name for name, tensor in updated.items() if not all_finite(tensor))
         for name in results.robust.non_finite:  # never installed: the previous value stays
             del updated[name]
             refusals.append(f"round {round_number}: the aggregated {name!r} is not finite; its previous value is kept")
-            self.log(f"error: {refusals[-1]}")
+            self.log.error(refusals[-1])
         with self._cond:
             self._failures.extend(refusals)
             for name, tensor in updated.items():

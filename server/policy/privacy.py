@@ -51,6 +51,7 @@ from fedpart.common.ml.algorithms import Role
 from fedpart.common.config.run_config import DP_ACCOUNTING_INSTALL, ConfigError, RunConfig
 from fedpart.common.config.experiment import build_run_model, run_algorithm
 from fedpart.common.privacy.clipping import clip_deltas
+from fedpart.common.process.console import Log
 from fedpart.common.process.records import RoundPrivacy
 from fedpart.server.policy.aggregation import CompensatedSum
 from fedpart.server.engine.sampling import expected_clients, round_target
@@ -302,8 +303,8 @@ class DifferentialPrivacy:
             self._seed = secrets.randbits(63)  # never written anywhere: the noise cannot be taken out again
         else:
             self._seed = dp.noise_seed
-            log("warning: privacy.dp.noise_seed is set: anyone who knows it can recompute the noise and take it out "
-                "of the model (for experiments only)")
+            Log.of(log).warning("privacy.dp.noise_seed is set: anyone who knows it can recompute the noise and "
+                                "take it out of the model (for experiments only)")
         algorithm = run_algorithm(config)
         integers = sorted(name for name, tensor in build_run_model(config).state_dict().items()
                           if algorithm.role(name) is Role.GLOBAL and not tensor.is_floating_point())
