@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import socket
 from collections import deque
@@ -61,11 +62,11 @@ from fedpart.client.store import ClientStore
 from fedpart.client.training import train_local
 from fedpart.common.config.experiment import LocalData, check_experiment
 from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.process.console import ClientActivity, Display, Log, render_client
 from fedpart.common.data.augment import build_augment
 from fedpart.common.ml.losses import build_loss
 from fedpart.common.ml.split_model import tensor_part
 from fedpart.common.models.zoo import unit_forward_flops
-from fedpart.common.process.console import ClientActivity, Display, render_client
 from fedpart.common.process.exit_codes import ExitCode, Stopped, signals_to
 from fedpart.common.process.limits import HostShare
 from fedpart.common.wire.client_ids import format_id_ranges
@@ -90,8 +91,8 @@ class _ClientEvents(SessionEvents):
     def __init__(self, process: ClientProcess) -> None:
         self.process = process
 
-    def log(self, message: str) -> None:
-        self.process.log(message)
+    def log(self, message: str, level: int = logging.INFO) -> None:
+        self.process.log(message, level)
 
     def answered(self, task: TaskInfo, sent: Sent, nbytes: int) -> None:
         if sent is not Sent.REFUSED:
@@ -130,9 +131,7 @@ class ClientProcess:
         self.cache: dict[str, torch.Tensor] = {}  # global tensors, on the device
         self.activity = ClientActivity()
         self.display = Display(lambda: render_client(self.activity), logger="fedpart.client")
-
-    def log(self, message: str) -> None:
-        self.display.log(message, source=f"[client {self.name}] ")
+        self.log = Log(self.display, source=f"[client {self.name}] ")
 
     def _join_request(self) -> pb.JoinRequest:
         """The join, announcing the personal state an earlier process of the same run left on disk."""

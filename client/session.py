@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -187,8 +188,8 @@ class SessionEvents:
     """What a session tells its process as it goes; each is a no-op here. ``fedpart client``
     logs, the load generator counts."""
 
-    def log(self, message: str) -> None:
-        """A line for the process's log."""
+    def log(self, message: str, level: int = logging.INFO) -> None:
+        """A line for the process's log, at ``level``."""
 
     def call_failed(self, rpc: str, error: grpc.RpcError) -> None:
         """A call ended with ``error`` (it may be tried again)."""
@@ -488,8 +489,8 @@ class Session:
                                         "had dropped this process and its tasks")
                         await self._rejoin(session)
                     else:
-                        self.events.log(f"warning: result for client {info.client_id} round {info.round} not "
-                                        f"taken: {error.details()}")
+                        self.events.log(f"result for client {info.client_id} round {info.round} not taken: "
+                                        f"{error.details()}", logging.WARNING)
                     self.events.answered(info, Sent.REFUSED, counted.nbytes)
                     return Sent.REFUSED
                 self._server_back()

@@ -13,6 +13,7 @@ for its clients) tells the clients so, writes ``summary.json`` with what it know
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shlex
 import threading
@@ -28,7 +29,7 @@ import grpc
 from fedpart.common.config.experiment import Experiment
 from fedpart.common.config.run_config import RunConfig
 from fedpart.common.ml.algorithms import has_global_model
-from fedpart.common.process.console import Display, ProgressLines, render_run, stamp
+from fedpart.common.process.console import Display, Log, ProgressLines, render_run, stamp
 from fedpart.common.process.exit_codes import ExitCode, Stopped, signals_to
 from fedpart.common.process.limits import raise_open_file_limit
 from fedpart.common.process.records import RoundRecord
@@ -174,7 +175,7 @@ class GrpcServer:
                 changed = await loop.run_in_executor(
                     None, credentials.reload, lambda principals: check_reloaded_credentials(principals, clients))
             except SecurityError as error:
-                coordinator.log(f"error: {error}; the server keeps the credentials it had")
+                coordinator.log.error(f"{error}; the server keeps the credentials it had")
                 continue
             if changed is not None:
                 coordinator.credentials_changed(*changed, credentials.fingerprint)
@@ -322,7 +323,7 @@ def serve(config: RunConfig, experiment: Experiment, address: str, out_dir: str 
         check_new_run_dir(out_dir, overwrite)
     display = Display(logger="fedpart.server")
     engine = BufferedCoordinator if config.server.engine == "buffered" else Coordinator
-    coordinator = engine(config, log=display.log, experiment=experiment)
+    coordinator = engine(config, log=Log(display), experiment=experiment)
     if progress == "auto":
         display.view = lambda: render_run(coordinator.progress())
     evaluator = None
@@ -361,7 +362,7 @@ def serve(config: RunConfig, experiment: Experiment, address: str, out_dir: str 
         # printed whatever the log level: launchers and scripts read the address from it
         display.print(stamp(f"fedpart server listening on {server.address} (run {coordinator.run_id}, "
                             f"out {run_dir.path})"))
-        display.log(f"{'warning: ' if not security.tls else ''}transport: {security.describe()}")
+        display.log(f"transport: {security.describe()}", level=logging.INFO if security.tls else logging.WARNING)
         if server.health_address is not None:
             display.log(f"health checks (grpc.health.v1 Check, plaintext) on {server.health_address}")
         if metrics_port is not None:
@@ -410,7 +411,7 @@ class ServerRun:
                                                          f"{self.config.rounds}; continue with: "
                                                          f"{self.coordinator.security['command']}")
         except TimeoutError as error:
-            self.display.log(f"error: {error}")
+            self.display.error(str(error))
             code, ended_early = ExitCode.UNREACHABLE, (FAILED, f"gave up: {error}")
         except Exception as error:  # noqa: BLE001 - a bug: say so, keep what is known, exit 1
             self.display.print(traceback.format_exc().rstrip())
@@ -445,7 +446,7 @@ class ServerRun:
         failures = self._failures()
         if missing:
             failures.append(f"{missing} of {config.clients} clients did not report an evaluation")
-            self.display.log(f"error: {failures[-1]}")
+            self.display.error(failures[-1])
         code = ExitCode.FAILURES if failures else ExitCode.COMPLETED
         summary = build_summary(config, coordinator.model, self.records, evaluations, global_metrics,
                                 coordinator.ledger, failures, self.seconds(), note=coordinator.stop_note(),

@@ -13,13 +13,15 @@ live progress display on a terminal.
   changes), which the launcher parses (:meth:`RunProgress.parse`) and renders itself.
 
 Log lines are stdlib :mod:`logging` records of the ``fedpart`` logger (``fedpart.server``,
-``fedpart.client``, ``fedpart.launcher``), at the level their text says: a line that starts
-``error:`` is an ERROR, ``warning:`` a WARNING, anything else INFO (:func:`level_of`). The
-:data:`DISPLAY_HANDLER` on the ``fedpart`` logger prints each through the display that logged it,
-so the live view stays below them; the records do not propagate to the root logger. ``--quiet`` /
-``--verbose`` set the logger's level (:func:`set_log_level`; the processes a command starts inherit
-it through :data:`LOG_LEVEL_ENV`). A program that embeds fedpart may add its own handlers to the
-``fedpart`` logger, and remove :data:`DISPLAY_HANDLER` to take the lines over.
+``fedpart.client``, ``fedpart.launcher``), at the level their writer gives as an argument
+(``display.log(text, level=...)``; a component's :class:`Log`: ``log(text)``, ``log.warning(text)``,
+``log.error(text)``); a WARNING's line reads ``warning: ...`` and an ERROR's ``error: ...``
+(:func:`with_level`), so that the level shows in the text too. The :data:`DISPLAY_HANDLER` on the
+``fedpart`` logger prints each through the display that logged it, so the live view stays below
+them; the records do not propagate to the root logger. ``--quiet`` / ``--verbose`` set the logger's
+level (:func:`set_log_level`; the processes a command starts inherit it through
+:data:`LOG_LEVEL_ENV`). A program that embeds fedpart may add its own handlers to the ``fedpart``
+logger, and remove :data:`DISPLAY_HANDLER` to take the lines over.
 
 ``rich`` is imported only when a live view starts, so a command's ``--help`` stays light.
 """
@@ -157,14 +159,14 @@ def render_client(activity: ClientActivity) -> Any:
     return grid
 
 
-def level_of(message: str) -> int:
-    """The level of a log line from its text: fedpart writes problems as ``error: ...`` and
-    ``warning: ...``."""
-    if message.startswith("error:"):
-        return logging.ERROR
-    if message.startswith("warning:"):
-        return logging.WARNING
-    return logging.INFO
+def with_level(message: str, level: int = logging.INFO) -> str:
+    """``message`` as a line of ``level`` reads: ``error: ...`` from ERROR up, ``warning: ...``
+    for a WARNING, as it is below."""
+    if level >= logging.ERROR:
+        return f"error: {message}"
+    if level >= logging.WARNING:
+        return f"warning: {message}"
+    return message
 
 
 class DisplayHandler(logging.Handler):
@@ -246,10 +248,45 @@ class Display:
             else:
                 print(text, file=self.stream, flush=True)
 
-    def log(self, message: str, source: str = "") -> None:
-        """Log ``message`` (prefixed with ``source``) at the level its text says (:func:`level_of`);
-        :data:`DISPLAY_HANDLER` prints it here, stamped (:func:`stamp`)."""
-        self.logger.log(level_of(message), f"{source}{message}", extra={"display": self})
+    def log(self, message: str, source: str = "", level: int = logging.INFO) -> None:
+        """Log ``message`` at ``level``, prefixed with ``source`` (``[client NAME] warning: ...``:
+        :func:`with_level`); :data:`DISPLAY_HANDLER` prints it here, stamped (:func:`stamp`)."""
+        self.logger.log(level, f"{source}{with_level(message, level)}", extra={"display": self})
+
+    def warning(self, message: str, source: str = "") -> None:
+        self.log(message, source, logging.WARNING)
+
+    def error(self, message: str, source: str = "") -> None:
+        self.log(message, source, logging.ERROR)
+
+
+class Log:
+    """A component's log, the level an argument: ``log(text)`` at INFO, ``log.warning(text)``,
+    ``log.error(text)``, ``log(text, level)``. It logs through a :class:`Display` (``source``
+    before each line), or writes each line as the display prints it (``warning: ...``) to a plain
+    ``write(line)``: ``print``, or a list's ``append`` in a test."""
+
+    def __init__(self, write: Callable[[str], None] | Display = print, source: str = "") -> None:
+        self._display = write if isinstance(write, Display) else None
+        self._write = write
+        self.source = source
+
+    @classmethod
+    def of(cls, target: Log | Display | Callable[[str], None]) -> Log:
+        """``target`` as a :class:`Log` (a Log is its own)."""
+        return target if isinstance(target, Log) else cls(target)
+
+    def __call__(self, message: str, level: int = logging.INFO) -> None:
+        if self._display is not None:
+            self._display.log(message, self.source, level)
+        else:
+            self._write(f"{self.source}{with_level(message, level)}")
+
+    def warning(self, message: str) -> None:
+        self(message, logging.WARNING)
+
+    def error(self, message: str) -> None:
+        self(message, logging.ERROR)
 
 
 class ProgressLines:

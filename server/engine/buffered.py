@@ -320,7 +320,7 @@ class BufferedCoordinator(Coordinator):
                 self._flights.pop(client, None)
                 self._refill(buffer)
                 self._failures.append(line)
-            self.log(f"warning: {line}")
+            self.log.warning(line)
             return
         with self._cond:
             self._folded(buffer, task)
@@ -416,8 +416,8 @@ class BufferedCoordinator(Coordinator):
                     self._drop_closed(buffer)
                     now = time.monotonic()
                     if now >= deadline:
-                        self.log(f"warning: version {buffer.version} folds {len(buffer.folded)} of its "
-                                 f"{self.buffer_size} results after server.round_timeout")
+                        self.log.warning(f"version {buffer.version} folds {len(buffer.folded)} of its "
+                                         f"{self.buffer_size} results after server.round_timeout")
                         break
                     if not self._admissible(buffer):
                         self._cond.wait(min(deadline - now, REAP_INTERVAL_SECONDS))

@@ -40,7 +40,7 @@ from fedpart.common.config.experiment import Experiment, build_experiment
 from fedpart.common.config.run_config import RunConfig
 from fedpart.common.ml.algorithms import Algorithm, Role, RoundContext, learning_rate
 from fedpart.common.ml.split_model import SplitModel, tensor_part
-from fedpart.common.process.console import RunProgress
+from fedpart.common.process.console import Log, RunProgress
 from fedpart.common.process.exit_codes import StoppableCondition, Stopped
 from fedpart.common.process.records import RoundRecord
 from fedpart.common.wire.plans import (
@@ -87,7 +87,7 @@ class Coordinator:
                  experiment: Experiment | None = None) -> None:
         """``experiment``: the run's, as the process built it once (where None, built here)."""
         self.config = config
-        self.log = log
+        self.log = Log.of(log)
         self.experiment = experiment or build_experiment(config)
         self.algorithm: Algorithm = self.experiment.algorithm
         self.model: SplitModel = self.experiment.new_model()
@@ -156,9 +156,9 @@ class Coordinator:
         credentials are dropped, and the run state records the new file's ``fingerprint``."""
         with self._cond:
             self.security["credentials_sha256"] = fingerprint
-        self.log(f"warning: the credentials file changed: {len(removed)} credential(s) revoked "
-                 f"({', '.join(p.name for p in removed) or 'none'}), {len(added)} added "
-                 f"({', '.join(p.name for p in added) or 'none'})")
+        self.log.warning(f"the credentials file changed: {len(removed)} credential(s) revoked "
+                         f"({', '.join(p.name for p in removed) or 'none'}), {len(added)} added "
+                         f"({', '.join(p.name for p in added) or 'none'})")
         self.registry.revoke(set(removed))
 
     def task_tensors(self, task: Task, held: Mapping[str, int]) -> tuple[list[TensorSpec], list[torch.Tensor]]:
@@ -228,7 +228,7 @@ class Coordinator:
                 commit()
                 self._finish(task)
             for note in notes:
-                self.log(f"warning: client {task.client_id}: {note}")
+                self.log.warning(f"client {task.client_id}: {note}")
             return
         if task.kind == TaskKind.TRAIN:
             self._accept_training(task, result, tensors, commit)
@@ -252,7 +252,7 @@ class Coordinator:
         folding.fold(lambda results: self._fold_training(results, task, screened, values),
                      lambda results: folding.record_training(results, result, screened))
         for note in screened.notes:
-            self.log(f"warning: round {task.round} client {task.client_id}: {note}")
+            self.log.warning(f"round {task.round} client {task.client_id}: {note}")
 
     def _screen(self, task: Task, result: ResultInfo, deltas: dict[str, torch.Tensor]) -> Screened:
         """The policy's screening of a training result with ``deltas``; :class:`Rejected` (counted
@@ -314,7 +314,7 @@ class Coordinator:
     def _blame(self, line: str) -> None:
         """A client named for what it sent (a policy layer's checks): a failure of the run."""
         self._record_failure(line)
-        self.log(f"warning: {line}")
+        self.log.warning(line)
 
     def _finish(self, task: Task) -> None:
         """Close an answered task (it may already be closed when its result was folded as the
@@ -417,12 +417,12 @@ class Coordinator:
         if failed is not None:
             results.metrics = {}
             refusals.append(f"round {round_number}: {failed}; the global model is kept")
-            self.log(f"error: {refusals[-1]}")
+            self.log.error(refusals[-1])
         results.robust.non_finite = sorted(name for name, tensor in updated.items() if not all_finite(tensor))
         for name in results.robust.non_finite:  # never installed: the previous value stays
             del updated[name]
             refusals.append(f"round {round_number}: the aggregated {name!r} is not finite; its previous value is kept")
-            self.log(f"error: {refusals[-1]}")
+            self.log.error(refusals[-1])
         with self._cond:
             self._failures.extend(refusals)
             for name, tensor in updated.items():

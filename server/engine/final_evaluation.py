@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from fedpart.common.config.run_config import RunConfig
+from fedpart.common.process.console import Log
 from fedpart.common.wire.plans import EvalPlan
 from fedpart.server.engine.registry import REAP_INTERVAL_SECONDS, ProcessRegistry
 from fedpart.server.engine.task_board import Task, TaskBoard
@@ -32,7 +33,7 @@ class FinalEvaluation:
         self.config = config
         self.registry = registry
         self.board = board
-        self.log = log
+        self.log = Log.of(log)
         self.new_task = new_task
         self.reports: dict[int, dict[str, float]] = {}  # each evaluated client's report
         self.active = False
@@ -59,8 +60,8 @@ class FinalEvaluation:
         if tries < self.config.server.delivery_attempts:
             self._again[task.client_id] = f"asked {tries} of at most {self.config.server.delivery_attempts} times"
         else:
-            self.log(f"warning: client {task.client_id}: no evaluation report after {tries} tasks "
-                     "(server.delivery_attempts); it is not asked again")
+            self.log.warning(f"client {task.client_id}: no evaluation report after {tries} tasks "
+                             "(server.delivery_attempts); it is not asked again")
         self._cond.notify_all()
 
     def run(self, plan: EvalPlan, round_number: int) -> dict[int, dict[str, float]]:

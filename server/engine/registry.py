@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from fedpart.common.process.console import Log
 from fedpart.common.wire.client_ids import format_id_ranges
 from fedpart.common.config.run_config import RunConfig
 from fedpart.common.wire.plans import JoinInfo, RunOutcome
@@ -100,7 +101,7 @@ class ProcessRegistry:
         self.clients = config.clients
         self.heartbeat_timeout = config.server.heartbeat_timeout
         self.join_timeout = config.server.join_timeout
-        self.log = log
+        self.log = Log.of(log)
         self.admission = AdmissionLog(log)
         self.events: ProcessEvents | None = None  # the task board, once it exists
         self.done = False                         # the run is over: no joins, polls answer DONE
@@ -205,7 +206,7 @@ class ProcessRegistry:
                 return
             self._left.append(f"process {process.name} (clients {format_id_ranges(process.clients)}) left: {reason}")
             self._gone(process)
-        self.log(f"error: client process {process.name} left: {reason}")
+        self.log.error(f"client process {process.name} left: {reason}")
 
     def revoke(self, revoked: set[Principal]) -> list[ProcessState]:
         """Drop the live processes that joined with a ``revoked`` credential (their clients become
@@ -392,4 +393,4 @@ class ProcessRegistry:
     def _reap_if_silent(self, process: ProcessState, now: float) -> None:
         if process.alive and not process.connected and now - process.last_seen > self.heartbeat_timeout:
             self._gone(process)
-            self.log(f"warning: process {process.name} went silent; its clients are unavailable")
+            self.log.warning(f"process {process.name} went silent; its clients are unavailable")

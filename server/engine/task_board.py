@@ -33,6 +33,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fedpart.common.process.console import Log
 from fedpart.common.wire.client_ids import format_id_ranges
 from fedpart.common.wire.plans import ResultInfo, TaskInfo, TaskKind
 from fedpart.common.wire.protocol import Rejected, UnknownSession
@@ -90,7 +91,7 @@ class TaskBoard:
         """``dropped`` is told (under the lock) of every task :meth:`fail_task` drops: its result
         was refused or its sending failed."""
         self.registry = registry
-        self.log = log
+        self.log = Log.of(log)
         self.attempts = attempts
         self._record_failure = record_failure
         self._dropped = dropped
@@ -240,10 +241,10 @@ class TaskBoard:
             where = f"{process.name} at {process.peer or 'an unknown address'}" if process is not None else "no process"
             by_process.setdefault(where, []).append(task.client_id)
         hosts = "; ".join(f"{format_id_ranges(ids)} on {where}" for where, ids in by_process.items())
-        self.log(f"warning: round {open_tasks[0].round} has waited {waited:.0f} s for {len(open_tasks)} of "
-                 f"{len(task_ids)} clients: {hosts}; it closes in at most {left:.0f} s (server.round_timeout; "
-                 "remedies: sampling.over_selection, server.round_deadline_factor, server.engine: buffered, "
-                 "docs/operating-a-run.md)")
+        self.log.warning(f"round {open_tasks[0].round} has waited {waited:.0f} s for {len(open_tasks)} of "
+                         f"{len(task_ids)} clients: {hosts}; it closes in at most {left:.0f} s "
+                         "(server.round_timeout; remedies: sampling.over_selection, "
+                         "server.round_deadline_factor, server.engine: buffered, docs/operating-a-run.md)")
 
     def close(self, task_ids: set[int]) -> set[int]:
         """Close those of ``task_ids`` still queued or outstanding (a late result is refused);
@@ -348,7 +349,7 @@ class TaskBoard:
             self._close_task(task)
             self._record_failure(f"round {task.round} client {task.client_id}: {reason}")
             self._dropped(task)
-        self.log(f"warning: round {task.round} client {task.client_id} dropped: {reason}")
+        self.log.warning(f"round {task.round} client {task.client_id} dropped: {reason}")
         return True
 
     # ------------------------------------------------------------------ what the registry reports
@@ -421,7 +422,7 @@ class TaskBoard:
         self._counts(task).given_up += 1
         self._close_task(task)
         self._record_failure(f"round {task.round} client {task.client_id}: {reason}")
-        self.log(f"warning: round {task.round} client {task.client_id} dropped: {reason}")
+        self.log.warning(f"round {task.round} client {task.client_id} dropped: {reason}")
 
     def _counts(self, task: Task) -> DeliveryCounts:
         counts = self._delivery.get(task.round)

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fedpart.common.process.console import Log
 from fedpart.common.process.records import Insiders, Outlier, SumCheck
 
 SKETCH_BUCKETS = 1024
@@ -117,7 +118,7 @@ class InsiderMonitor:
         self.norm_ratio = norm_ratio
         self.min_cosine = min_cosine
         self.rounds = rounds
-        self.log = log
+        self.log = Log.of(log)
         self.sketches = CountSketch()
         self._history = [History() for _ in range(clients)]
         self._sums: list[float] = []  # norms of the latest revealed sums (secure aggregation)
@@ -152,7 +153,7 @@ class InsiderMonitor:
                 history.outliers += 1
                 outliers[str(client)] = Outlier(norm_ratio=ratio, cosine=angle, streak=history.streak)
                 if history.streak >= self.rounds:
-                    self.log(f"warning: round {round_number}: client {client} is an outlier in its last "
+                    self.log.warning(f"round {round_number}: client {client} is an outlier in its last "
                              f"{history.streak} results (rounds {history.since}-{round_number}): delta norm "
                              f"{ratio:.3g} x the round's median, cosine {_signed(angle)} to the round's robust "
                              f"centre (robust.monitor_norm_ratio {self.norm_ratio:g}, robust.monitor_cosine "
@@ -177,7 +178,7 @@ class InsiderMonitor:
             history.streak += 1
             history.outliers += 1
             if history.streak >= self.rounds:
-                self.log(f"warning: round {round_number}: the revealed sum of the round's updates is an outlier in "
+                self.log.warning(f"round {round_number}: the revealed sum of the round's updates is an outlier in "
                          f"{history.streak} rounds in a row (rounds {history.since}-{round_number}): its norm is "
                          f"{ratio:.3g} x the median of the {len(earlier)} sums before it (secure aggregation shows "
                          "no single update, so no client can be named)")

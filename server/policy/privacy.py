@@ -52,6 +52,7 @@ from fedpart.common.config.run_config import (
     RunConfig,
 )
 from fedpart.common.privacy.clipping import clip_deltas
+from fedpart.common.process.console import Log
 from fedpart.common.process.records import RoundPrivacy
 from fedpart.server.engine.sampling import expected_clients, round_target
 from fedpart.server.policy.aggregation import CompensatedSum
@@ -303,8 +304,8 @@ class DifferentialPrivacy:
             self._seed = secrets.randbits(63)  # never written anywhere: the noise cannot be taken out again
         else:
             self._seed = dp.noise_seed
-            log("warning: privacy.dp.noise_seed is set: anyone who knows it can recompute the noise and take it out "
-                "of the model (for experiments only)")
+            Log.of(log).warning("privacy.dp.noise_seed is set: anyone who knows it can recompute the noise and "
+                                "take it out of the model (for experiments only)")
         self.rounds = config.rounds  # the last round to run: fewer where privacy.dp.target_epsilon says so
         if dp.target_epsilon is not None:
             self.rounds = self.budget.rounds_within(dp.target_epsilon, config.rounds)

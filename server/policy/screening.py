@@ -26,6 +26,7 @@ from dataclasses import replace
 import torch
 from fedpart.common.config.experiment import Experiment
 from fedpart.common.config.run_config import RunConfig
+from fedpart.common.process.console import Log
 from fedpart.server.policy.aggregate import RoundAggregate, Screened
 from fedpart.server.policy.aggregation import HeadDictionary
 from fedpart.server.policy.base import Policy
@@ -80,7 +81,7 @@ class RobustScreening(Policy):
                 self.partition_sizes = partition_sizes(config)
             except (OSError, ValueError, ImportError) as error:
                 cap = self.robust.max_samples or "none"
-                log(f"warning: the server cannot compute the partition ({error}); reported sample counts "
+                Log.of(log).warning(f"the server cannot compute the partition ({error}); reported sample counts "
                     f"(training results and evaluation reports) are capped only by robust.max_samples ({cap})")
 
     def sample_cap(self, client_id: int, split: str = "train") -> int | None:

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from fedpart.common.config.run_config import RunConfig
+from fedpart.common.process.console import Log
 from fedpart.common.wire.plans import ResultInfo, SecAggAnswer, SecAggStage, SecAggStep
 from fedpart.common.wire.protocol import InvalidResult
 from fedpart.server.policy.base import RoundFailed
@@ -89,7 +90,7 @@ class SecureRound:
         self.configured_threshold = privacy.secure_aggregation_threshold
         self.shapes = {name: tuple(tensor.shape) for name, tensor in uploads.items()}
         self.elements = sum(int(np.prod(shape)) for shape in self.shapes.values())
-        self.log = log
+        self.log = Log.of(log)
         self.blame = blame
         self.keys: dict[int, tuple[bytes, bytes, bytes]] = {}  # U1: cipher key, mask key, seed commitment
         self.weights: dict[int, int] = {}
@@ -170,10 +171,10 @@ class SecureRound:
                        f"neighbours than the threshold of {self.threshold} leaves room for ({counts})")
         if graph.disputed:
             pairs = ", ".join(f"{a} and {b}" for a, b in graph.disputed)
-            self.log(f"warning: {prefix} shares disputed between clients {pairs} (one side of each pair lies; the "
+            self.log.warning(f"{prefix} shares disputed between clients {pairs} (one side of each pair lies; the "
                      "server cannot tell which): those pairs do not mask together")
         if graph.short:
-            self.log(f"warning: {prefix} clients {list(graph.short)} keep fewer than {self.threshold - 1} undisputed "
+            self.log.warning(f"{prefix} clients {list(graph.short)} keep fewer than {self.threshold - 1} undisputed "
                      "neighbours that checked their shares: left out of this round's sum")
 
     def unmasking_steps(self) -> dict[int, SecAggStep]:

@@ -18,6 +18,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fedpart.common.process.console import Log
+
 WINDOW_SECONDS = 60.0
 LINES_PER_WINDOW = 5
 ALERT_AT = 10
@@ -51,7 +53,7 @@ class AdmissionLog:
     Safe to call from any thread."""
 
     def __init__(self, log: Callable[[str], None], clock: Callable[[], float] = time.monotonic) -> None:
-        self.log = log
+        self.log = Log.of(log)
         self.clock = clock
         self.refused: Counter[str] = Counter()  # by kind
         self.takeovers = 0
@@ -63,13 +65,13 @@ class AdmissionLog:
         """A call or join of ``subject`` from ``peer`` was refused (``line`` says why)."""
         with self._lock:
             self.refused[kind] += 1
-        self._event(subject, peer, f"warning: refused {line} (from {peer})")
+        self._event(subject, peer, f"refused {line} (from {peer})")
 
     def takeover(self, subject: str, peer: str, line: str) -> None:
         """A join from ``peer`` took over a session of ``subject`` whose process was gone."""
         with self._lock:
             self.takeovers += 1
-        self._event(subject, peer, f"warning: {line} (from {peer})")
+        self._event(subject, peer, f"{line} (from {peer})")
 
     def _event(self, subject: str, peer: str, line: str) -> None:
         now = self.clock()
@@ -90,7 +92,7 @@ class AdmissionLog:
                 count = len(state.events)
                 state.peers.clear()
         if say:
-            self.log(line)
+            self.log.warning(line)
         if alert:
             self.log(f"alert: {subject}: {count} refused joins, refused calls or takeovers in the last "
                      f"{WINDOW_SECONDS:.0f} s, from {peers}; a client command started twice or a stolen token: "
