@@ -226,6 +226,39 @@ def test_one_live_process_per_credential(secure) -> None:
     assert "restarted took over credential 'process_0' from owner" in lines and "(from ipv4:127.0.0.1:" in lines
 
 
+def test_a_result_on_the_wire_shows_its_process_connected_until_it_is_cut(secure) -> None:
+    """A process killed while its result is on the wire, with no poll or heartbeat of it open
+    (a slow link holds the next heartbeat behind the upload): while the stream is open a second
+    process with its credential is refused as the live one's; once the stream is cut short the
+    restarted process takes over at once, not after ``server.heartbeat_timeout``."""
+    harness = secure()
+    stub, session, header, uploads = _train_task(harness)
+    registry = harness.coordinator.registry
+    assert not registry.process(session).connected
+    first, *_ = _result(session, header, uploads, chunk_bytes=1024)
+    release = threading.Event()
+
+    def killed_mid_upload() -> Iterator[pb.ResultChunk]:
+        yield first
+        release.wait(BOUND)
+
+    upload = stub.SubmitResult.future(killed_mid_upload(), timeout=BOUND)
+    try:
+        deadline = time.monotonic() + BOUND
+        while not registry.process(session).connected:
+            assert time.monotonic() < deadline, "the upload never arrived"
+            time.sleep(0.02)
+        assert _code(lambda: _join(harness.stub(0), [0, 1], name="second")) == grpc.StatusCode.ALREADY_EXISTS
+        upload.cancel()  # the process dies: its connection closes mid-stream
+        while not registry.process(session).disconnected:
+            assert time.monotonic() < deadline, "the server never saw the stream cut"
+            time.sleep(0.02)
+    finally:
+        release.set()
+    restarted = _join(harness.stub(0), [0, 1], name="restarted")
+    assert [p.session for p in registry._processes.values() if p.alive and 0 in p.clients] == [restarted.session]
+
+
 def test_a_stolen_session_is_useless_without_its_credential(secure) -> None:
     harness = secure()
     victim = harness.stub(0)

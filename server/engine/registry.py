@@ -7,9 +7,10 @@ exactly the ids its credential names. One live process per credential (on an ope
 client id): a join for a credential that another process holds is
 
 - refused (:class:`~fedpart.common.wire.protocol.Held`, the client exits with code 2) while the holder
-  is connected: a long poll of it waits, or while it trains a heartbeat the server holds open;
+  is connected: a long poll of it waits, a result of it is on the wire, or while it trains a
+  heartbeat the server holds open;
 - taken (a *take-over*: the holder is gone, its tasks move to the new process) once the holder's
-  connection closed with such a call cancelled and nothing was heard from it since (a process
+  connection closed with such a call cut short and nothing was heard from it since (a process
   killed and started again), or once it was silent for ``server.heartbeat_timeout`` and reaped;
 - told to try again (:class:`~fedpart.common.wire.protocol.NotYet`) in between: the holder is silent
   but not gone yet (it may be loading its data, or stopped).
@@ -256,8 +257,8 @@ class ProcessRegistry:
         process.disconnected = cancelled
 
     def hold(self, session: str, principal: Principal | None) -> ProcessState | None:
-        """A heartbeat of ``session`` that the server holds open starts (see :meth:`waiting`);
-        None when the caller does not hold the session."""
+        """A heartbeat of ``session`` that the server holds open, or a result stream of it, starts
+        (see :meth:`waiting`); None when the caller does not hold the session."""
         with self._cond:
             process = self.session(session, principal)
             if process is not None:
@@ -265,7 +266,8 @@ class ProcessRegistry:
             return process
 
     def unhold(self, process: ProcessState, cancelled: bool) -> None:
-        """A held heartbeat ended: its time was up, or it was ``cancelled`` (see :meth:`waiting`)."""
+        """A held heartbeat or a result stream ended: its time was up or the result came whole, or
+        it was ``cancelled`` (cut short by its connection closing, see :meth:`waiting`)."""
         with self._cond:
             self.waiting(process, False, cancelled)
 

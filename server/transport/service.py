@@ -300,14 +300,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             received.add(_with_secagg(bytes_by_part(first.size, parts), received.secagg_header_bytes), "up")
             reply = pb.SubmitReply(accepted=True)
             settled = False  # handed to the fold (inline or on a fold thread), refused, or counted as cut
+            ended_early = False  # the stream broke off: the process died, or its connection did
+            uploader = self.registry.hold(result.session, principal)  # an upload shows it connected
 
-            def cut_unless_settled(_: grpc.aio.ServicerContext) -> None:
+            def at_end(_: grpc.aio.ServicerContext) -> None:
                 # a call the client cancelled or the transport reset may be abandoned by gRPC
                 # while it waits for an upload slot or a chunk: the call's end is the one sure signal
+                nonlocal ended_early
                 if not settled:
+                    ended_early = True
                     self.board.stream_cut(task, "the result stream ended early", received.total())
+                if uploader is not None:
+                    self.registry.unhold(uploader, cancelled=ended_early)
 
-            context.add_done_callback(cut_unless_settled)
+            context.add_done_callback(at_end)
             try:
                 check_header(result, header.tensors, self.coordinator.expected_uploads(task))
                 named_chunk_bytes = self.logical_result_chunk_bytes if task.result_chunk_bytes else 0
@@ -329,7 +335,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except DuplicateResult:
                 return DUPLICATE
             except IncompleteMessage as error:
-                settled = True
+                settled = ended_early = True
                 self.board.stream_cut(task, f"the result stream ended early ({error})", received.total())
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"the result stream ended early ({error}); "
                                                                  "send it again")
@@ -340,7 +346,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 await context.abort(RESULT_REJECTED, f"result rejected: {error}")
             except BaseException:  # cancelled, or the stream broke off: its client sends it again
                 if not settled:
-                    settled = True
+                    settled = ended_early = True
                     self.board.stream_cut(task, "the result stream ended early", received.total())
                 raise
             return reply
