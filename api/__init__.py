@@ -28,7 +28,7 @@ names and gives a deprecation period when one changes. ``docs/plugins.md`` docum
 """
 
 from fedpart.api.exported import METADATA_KEY, load_model, read_export_metadata
-from fedpart.common.algorithms import (
+from fedpart.common.ml.algorithms import (
     ALGORITHMS,
     Algorithm,
     PartFactory,
@@ -47,13 +47,13 @@ from fedpart.common.algorithms import (
     train_everything,
     with_parts,
 )
-from fedpart.common.codecs import Codec, CodecError, Encoded
+from fedpart.common.wire.codecs import Codec, CodecError, Encoded
 from fedpart.common.data.datasets import DATASET_NAMES, load_dataset
 from fedpart.common.data.partition import make_partition
 from fedpart.common.data.types import ArrayDataset, ClientSplit
-from fedpart.common.losses import LossFn
+from fedpart.common.ml.losses import LossFn
 from fedpart.common.models.zoo import MODEL_NAMES, build_model
-from fedpart.common.objectives import (
+from fedpart.common.ml.objectives import (
     STEP_RULES,
     TERMS,
     ObjectiveContext,
@@ -61,8 +61,8 @@ from fedpart.common.objectives import (
     StepRule,
     Term,
 )
-from fedpart.common.plans import Phase
-from fedpart.common.registry import (
+from fedpart.common.wire.plans import Phase
+from fedpart.common.components.registry import (
     CODECS,
     DATASETS,
     MODELS,
@@ -75,9 +75,9 @@ from fedpart.common.registry import (
     Options,
     Registry,
 )
-from fedpart.common.split_model import HEAD, ModelOutput, SplitModel
-from fedpart.server.aggregation import Aggregator
-from fedpart.server.optimizers import OPTIMIZERS, RoundDelta, ServerOptimizer, StatefulOptimizer, apply_deltas
+from fedpart.common.ml.split_model import HEAD, ModelOutput, SplitModel
+from fedpart.server.policy.aggregation import Aggregator
+from fedpart.server.policy.optimizers import OPTIMIZERS, RoundDelta, ServerOptimizer, StatefulOptimizer, apply_deltas
 
 __all__ = [
     # the registries of components and their options

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from fedpart.common.checkpoint import load_tensors
+from fedpart.common.process.checkpoint import load_tensors
 
 METADATA_KEY = "fedpart"
 EXPORT_FORMAT = 1
@@ -61,7 +61,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> torch.nn
     A built-in model needs nothing else; a custom model (``package.module:function``) needs its
     module importable, as it was for the run.
     """
-    from fedpart.common.algorithms import build_algorithm
+    from fedpart.common.ml.algorithms import build_algorithm
     from fedpart.common.models.zoo import build_model
 
     metadata = read_export_metadata(path)

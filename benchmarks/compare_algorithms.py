@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedpart.common.algorithms import ALGORITHMS
-from fedpart.common.records import ClientStats, read_rounds, read_summary
+from fedpart.common.ml.algorithms import ALGORITHMS
+from fedpart.common.process.records import ClientStats, read_rounds, read_summary
 from fedpart.deploy.launcher import failure, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from fedpart.common.records import read_summary
+from fedpart.common.process.records import read_summary
 from fedpart.deploy.launcher import failure, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ is personalized (after fine-tuning, every client), which exists only at a run's 
 engine also trains a run of as many versions as fit in T / 2 (the whole buffered run, where it
 fits), and reaches the target at least twice as fast when that run's personalized accuracy is at
 least the synchronous run's. How many versions
-fit in a time comes from a dry run of the engines' own schedule (:class:`~fedpart.server.buffered.Schedule`,
-:class:`~fedpart.server.virtual_clock.VirtualClock`): a schedule does not depend on what the
+fit in a time comes from a dry run of the engines' own schedule (:class:`~fedpart.server.engine.buffered.Schedule`,
+:class:`~fedpart.server.engine.virtual_clock.VirtualClock`): a schedule does not depend on what the
 clients learn, and each run's recorded clock is checked against it.
 
 Printed (and written with ``--markdown``, ``--json``): the runs, time to target, accuracy, bytes per
@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from fedpart.common.config import RunConfig, apply_overrides, config_from_dict
+from fedpart.common.config.run_config import RunConfig, apply_overrides, config_from_dict
 from fedpart.deploy.launcher import failure, run_bounded
 from fedpart.report.runs import Run, read_run, read_runs
 
@@ -82,9 +82,9 @@ def timeline(config: RunConfig, last: int | None = None, coordinator: Any = None
     """The virtual time at the end of each round (sync) or version (buffered) of ``config`` run
     to round ``last`` (default ``config.rounds``) when every task completes: the engines' own
     schedule, run dry. ``coordinator``: one built for ``config`` (its plans and clock), reused."""
-    from fedpart.server.buffered import Schedule
-    from fedpart.server.coordinator import Coordinator
-    from fedpart.server.sampling import sample_clients
+    from fedpart.server.engine.buffered import Schedule
+    from fedpart.server.engine.coordinator import Coordinator
+    from fedpart.server.engine.sampling import sample_clients
 
     last = last or config.rounds
     coordinator = coordinator or Coordinator(config, log=lambda line: None)  # plans and the clock; serves nothing
@@ -110,7 +110,7 @@ def versions_within(settings: dict[str, Any], seconds: float, most: int) -> int:
     ``seconds`` of virtual time. A run's last versions dispatch fewer tasks, so each length is run
     dry on its own (with the plans of a run of ``most`` versions: the study's schedules do not
     depend on the number of rounds)."""
-    from fedpart.server.coordinator import Coordinator
+    from fedpart.server.engine.coordinator import Coordinator
 
     config = config_of({**settings, "rounds": most})
     coordinator = Coordinator(config, log=lambda line: None)

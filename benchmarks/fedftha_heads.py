@@ -54,15 +54,15 @@ import numpy as np
 import torch
 import yaml
 
-from fedpart.common.checkpoint import load_tensors
-from fedpart.common.config import RunConfig, apply_overrides, load_config
+from fedpart.common.process.checkpoint import load_tensors
+from fedpart.common.config.run_config import RunConfig, apply_overrides, load_config
 from fedpart.common.data.datasets import load_dataset
 from fedpart.common.data.partition import make_partition
-from fedpart.common.evaluation import EVAL_BATCH
-from fedpart.common.experiment import build_run_model
-from fedpart.common.records import read_rounds, read_summary
-from fedpart.common.split_model import SplitModel
-from fedpart.server.aggregation import WeightedMean
+from fedpart.common.ml.evaluation import EVAL_BATCH
+from fedpart.common.config.experiment import build_run_model
+from fedpart.common.process.records import read_rounds, read_summary
+from fedpart.common.ml.split_model import SplitModel
+from fedpart.server.policy.aggregation import WeightedMean
 
 REPRODUCE = Path(__file__).resolve().with_name("reproduce.py")
 PROBE_ITERATIONS = 200  # L-BFGS iterations of the linear probe
@@ -245,7 +245,7 @@ class FinalState:
 
 
 def read_final_state(run: Path) -> FinalState:
-    """The last round's tensors from the run's ``server_state`` (``fedpart.server.run_state``)."""
+    """The last round's tensors from the run's ``server_state`` (``fedpart.server.engine.run_state``)."""
     state = json.loads((run / "server_state" / "state.json").read_text())
     tensors = load_tensors(run / "server_state" / state["tensors"])
     heads: dict[int, Head] = {}

@@ -11,7 +11,7 @@ Variants:
 - **torch ops (before)**: the fold the server used before it was compiled, copied here for the
   comparison only: the same blocks, each folded by nine torch ops (TwoSum over float64 rows),
   one result at a time.
-- **compiled, 1 thread**: :class:`fedpart.server.aggregation.WeightedMean` fed from one thread
+- **compiled, 1 thread**: :class:`fedpart.server.policy.aggregation.WeightedMean` fed from one thread
   (one compiled pass a block).
 - **compiled, N threads**: the same mean fed by a pool of ``--threads`` Python threads, one
   result per task, as the server's fold threads feed it with ``server.fold_workers``.
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from fedpart.common.models.zoo import build_model
-from fedpart.server.aggregation import FOLD_BLOCK_ELEMENTS, WeightedMean
+from fedpart.server.policy.aggregation import FOLD_BLOCK_ELEMENTS, WeightedMean
 
 Result = tuple[dict[str, torch.Tensor], int]
 

@@ -61,13 +61,13 @@ from torch import nn
 from fedpart.client.local_data import ClientData, load_client_data
 from fedpart.client.placement import describe, resolve_device
 from fedpart.client.speed import AMP_DTYPES
-from fedpart.common.algorithms import RoundContext
-from fedpart.common.config import config_from_dict
-from fedpart.common.experiment import build_run_model, run_algorithm
-from fedpart.common.limits import client_threads
+from fedpart.common.ml.algorithms import RoundContext
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.config.experiment import build_run_model, run_algorithm
+from fedpart.common.process.limits import client_threads
 from fedpart.common.models.zoo import build_model
-from fedpart.common.records import RoundRecord, read_rounds
-from fedpart.common.client_ids import split_clients
+from fedpart.common.process.records import RoundRecord, read_rounds
+from fedpart.common.wire.client_ids import split_clients
 from fedpart.deploy.launcher import stop_processes
 
 MODELS = ("cnn4", "mobilenet", "resnet18")

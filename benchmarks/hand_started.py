@@ -7,7 +7,7 @@ Workload: the quickstart (digits, mlp, 10 clients, FedBABU) with ``train.epochs`
 - **by hand**: what the README's "Across machines" shows, on one host: ``fedpart certs``, then
   ``fedpart server`` with TLS and credentials, then P ``fedpart client`` processes started one
   after another with their token and nothing else (no thread flag): the processes find each
-  other and share the host's cores by themselves (``fedpart.common.limits.HostShare``).
+  other and share the host's cores by themselves (``fedpart.common.process.limits.HostShare``).
 - **by hand, every core each** (``--every-core``): the same with ``--threads`` set to all the
   cores of the host in every client process, which is what each took before they found each other.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from fedpart.common.records import read_rounds
+from fedpart.common.process.records import read_rounds
 
 CLI = [sys.executable, "-m", "fedpart"]
 REPO = Path(__file__).resolve().parents[1]

@@ -58,17 +58,17 @@ import grpc
 import torch
 import yaml
 
-from fedpart.common.config import RunConfig, config_from_dict
+from fedpart.common.config.run_config import RunConfig, config_from_dict
 from fedpart.common.data.datasets import load_dataset
 from fedpart.common.data.partition import make_partition
-from fedpart.common.experiment import build_run_model
-from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.common.records import NamedInsider, RunSummary, read_summary
-from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
+from fedpart.common.config.experiment import build_run_model
+from fedpart.common.wire.protocol import PROTOCOL_VERSION
+from fedpart.common.process.records import NamedInsider, RunSummary, read_summary
+from fedpart.common.wire.tensors import decode_chunks, encode_chunks, make_spec
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
-from fedpart.server.robust import AdaptiveBound
-from fedpart.server.run_state import ResumeError, read_run_state
+from fedpart.server.policy.robust import AdaptiveBound
+from fedpart.server.engine.run_state import ResumeError, read_run_state
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_ROOT = REPO.parent / "shared" / "data"
@@ -95,8 +95,7 @@ class RawSession:
         reply = self.stub.Join(pb.JoinRequest(protocol=PROTOCOL_VERSION, process_name=name,
                                               clients=[pb.HostedClient(id=c) for c in clients]), timeout=timeout)
         self.session = reply.session
-        self.raw_config = json.loads(reply.run_config_json)
-        self.config: RunConfig = config_from_dict(self.raw_config)
+        self.config: RunConfig = config_from_dict(json.loads(reply.run_config_json))
         self.held: dict[str, int] = {}
         self.state: dict[str, torch.Tensor] = {}  # the global tensors as last received
 
@@ -133,6 +132,8 @@ class Insider(RawSession):
         self.client = client
         self.attack = attack
         self.run_dir = run_dir
+        # the server sends clients none of its own knobs: the oracle reads them where the server writes them
+        self.server_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if run_dir else None
         self.report = report
         self.reports = 0
         self.model = build_run_model(self.config)
@@ -203,7 +204,9 @@ class Insider(RawSession):
             return {name: -10 * delta for name, delta in update.items()}
         if self.attack == "nan":
             return {name: torch.full_like(delta, math.nan) for name, delta in update.items()}
-        factors = self.config.robust
+        if self.server_config is None:
+            raise SystemExit("insider: the bound attacks read the server's settings and run state: give --run-dir")
+        factors = config_from_dict(self.server_config).robust
         bound, first = (factors.adaptive_bound, factors.first_round_bound) if self.attack == "bound" else (OLD_BOUND,
                                                                                                            OLD_BOUND)
         limit = self._bound(list(update), bound, first, round_number)
@@ -216,7 +219,7 @@ class Insider(RawSession):
         bound = AdaptiveBound(factor, first_factor, self.initial)
         if round_number > 1:
             try:
-                state = read_run_state(self.run_dir, self.raw_config).server_optimizer
+                state = read_run_state(self.run_dir, self.server_config).server_optimizer
             except ResumeError as error:
                 raise SystemExit(f"insider: the bound oracle needs the server's run state: {error}") from error
             bound.load_state({k: v for k, v in state.items() if k.startswith(AdaptiveBound.STATE_PREFIX)})

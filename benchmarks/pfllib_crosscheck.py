@@ -184,7 +184,7 @@ def read_pfllib_dataset(dataset_dir: Path, client_id: int, split: str) -> tuple[
 def read_schedule(run_dir: Path) -> list[list[int]]:
     """The clients fedpart sampled in each round, in round order (``metrics.jsonl``). A round that
     folded fewer clients than it sampled is refused: replaying it would not be the same run."""
-    from fedpart.common.records import read_rounds
+    from fedpart.common.process.records import read_rounds
 
     schedule = []
     for record in read_rounds(run_dir / "metrics.jsonl"):
@@ -280,7 +280,7 @@ def fedpart_overrides(algorithm: str, seed: int, setting: Setting) -> list[str]:
 
 def run_fedpart(algorithm: str, seed: int, setting: Setting, run_dir: Path, timeout: float) -> None:
     """``fedpart run`` into ``run_dir`` (kept when it already holds a completed run)."""
-    from fedpart.common.records import read_summary
+    from fedpart.common.process.records import read_summary
     from fedpart.deploy.launcher import failure, run_bounded
 
     if (run_dir / "summary.json").is_file() and read_summary(run_dir / "summary.json").status == "completed":
@@ -296,7 +296,7 @@ def run_fedpart(algorithm: str, seed: int, setting: Setting, run_dir: Path, time
 
 def fedpart_results(run_dir: Path) -> dict[str, Any]:
     """The accuracies of a finished fedpart run, from its ``summary.json``."""
-    from fedpart.common.records import read_summary
+    from fedpart.common.process.records import read_summary
 
     summary = read_summary(run_dir / "summary.json")
     accuracy = summary.accuracy
@@ -389,7 +389,7 @@ def test_clients(models: Sequence[torch.nn.Module], clients: Sequence[ClientArra
 def run_pfllib(algorithm: str, seed: int, setting: Setting, pfllib_dir: Path, run_dir: Path,
                clients: Sequence[ClientArrays], global_test: tuple[np.ndarray, np.ndarray]) -> dict[str, Any]:
     """PFLlib's ``algorithm`` replaying the fedpart run in ``run_dir``; its accuracies."""
-    from fedpart.common.checkpoint import load_tensors
+    from fedpart.common.process.checkpoint import load_tensors
 
     schedule = read_schedule(run_dir)
     initial = load_tensors(run_dir / "checkpoints" / "round_0000.safetensors")
@@ -553,7 +553,7 @@ def _global_test(config: Any) -> tuple[np.ndarray, np.ndarray]:
 def cross_check(algorithm: str, seed: int, args: argparse.Namespace, setting: Setting,
                 data_cache: dict[str, Any], log: Callable[[str], None]) -> Pair:
     """One algorithm and seed in both systems (each side reused from ``--out`` when there)."""
-    from fedpart.common.config import load_config
+    from fedpart.common.config.run_config import load_config
 
     run_dir = args.out / "fedpart" / f"{algorithm}_s{seed}"
     started = time.perf_counter()

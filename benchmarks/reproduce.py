@@ -57,7 +57,7 @@ from typing import Any
 
 import yaml
 
-from fedpart.common.config import apply_overrides
+from fedpart.common.config.run_config import apply_overrides
 from fedpart.deploy.launcher import failure, run_bounded
 from fedpart.report.runs import ReportError, Run, read_run
 

@@ -14,8 +14,8 @@ What is measured:
   the single evaluation after the last round.
 - **floor**: the same work with no framework. P spawn worker processes (P = the number of client
   processes fedpart starts), the same client -> process assignment
-  (``fedpart.common.client_ids.split_clients``) and the same torch thread count per process
-  (:func:`~fedpart.common.limits.client_threads` of P, as ``fedpart run`` gives each client
+  (``fedpart.common.wire.client_ids.split_clients``) and the same torch thread count per process
+  (:func:`~fedpart.common.process.limits.client_threads` of P, as ``fedpart run`` gives each client
   process: the cores of this process's affinity and cgroup quota divided by P); each worker
   loads its clients' data and pays torch's one-off optimizer import before the first round
   (not timed; fedpart's clients do both before they report ready). A round's time is wall time
@@ -89,11 +89,11 @@ import torch
 import yaml
 from torch.nn.utils import parameters_to_vector
 
-from fedpart.common.checkpoint import load_tensors
-from fedpart.common.limits import client_threads
+from fedpart.common.process.checkpoint import load_tensors
+from fedpart.common.process.limits import client_threads
 from fedpart.common.models.zoo import build_model
-from fedpart.common.records import RoundRecord, read_rounds
-from fedpart.common.client_ids import split_clients
+from fedpart.common.process.records import RoundRecord, read_rounds
+from fedpart.common.wire.client_ids import split_clients
 
 MODEL = "cnn2"
 INPUT_SHAPE = (1, 28, 28)

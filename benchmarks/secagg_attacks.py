@@ -40,7 +40,7 @@ from pathlib import Path
 
 import yaml
 
-from fedpart.common.records import read_summary
+from fedpart.common.process.records import read_summary
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.deploy.launcher import stop_processes
 

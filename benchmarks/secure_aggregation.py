@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from fedpart.common.records import RoundRecord, read_rounds
+from fedpart.common.process.records import RoundRecord, read_rounds
 from fedpart.deploy.launcher import failure, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ Workload per row ``N x K``: FedAvg, ``--model`` (default cnn2, 582,026 float32 p
 ``--rounds`` rounds, then the final evaluation of every client. The server holds no data:
 ``evaluate.global_test`` and ``robust.partition_sizes`` are off (the only features for which the
 server reads the dataset), so the numbers are the coordinator's own. The clients are K virtual
-client processes (``fedpart.client.virtual``: the client protocol without training, each with its
+client processes (``lab.virtual``: the client protocol without training, each with its
 own TCP connection) multiplexed over ``--generators`` OS processes, started together: each
 generator loads, prints ``ready``, and connects when the driver says go.
 
@@ -27,7 +27,7 @@ Columns:
   it (every client evaluated and the summary written);
 - *floor s*: the same bytes in one process: ``results x result bytes`` through one loopback TCP
   connection (a plain socket pair) plus the fold of as many model-sized float32 deltas with the
-  server's :class:`~fedpart.server.aggregation.WeightedMean` on one core, each the least of 3
+  server's :class:`~fedpart.server.policy.aggregation.WeightedMean` on one core, each the least of 3
   measurements; *round/floor* is the mean round time over it. For reference, a plain float32
   ``add_`` of the same tensors (the bare summation) is printed beside it.
 
@@ -39,7 +39,7 @@ for measuring a setting against the default in two invocations. Linux only (``/p
 process is stopped by PID when a row ends, however it ends.
 
 Connection faults (issue 20): ``--cuts N`` and ``--evaluation-cuts M`` put a fault relay
-(``python -m fedpart.deploy.relay``, a process of its own) between the load generators and the
+(``python -m lab.relay``, a process of its own) between the load generators and the
 server, which resets the connection that carries each of N seeded random bytes of the rounds'
 traffic and M of the final evaluation's (``reset_at``: offsets in the relay's whole traffic, so a
 cut lands in whatever flows then: a task stream, a result upload, a waiting poll). Where those
@@ -79,13 +79,13 @@ from typing import TextIO
 import torch
 import yaml
 
-from fedpart.common.config import apply_overrides, config_from_dict
-from fedpart.common.experiment import build_run_model
-from fedpart.common.records import DeliveryCounts, RunSummary, read_rounds, read_summary
-from fedpart.common.client_ids import split_clients
+from fedpart.common.config.run_config import apply_overrides, config_from_dict
+from fedpart.common.config.experiment import build_run_model
+from fedpart.common.process.records import DeliveryCounts, RunSummary, read_rounds, read_summary
+from fedpart.common.wire.client_ids import split_clients
 from fedpart.deploy.launcher import stop_processes
-from fedpart.server.aggregation import WeightedMean
-from fedpart.server.sampling import sample_clients
+from fedpart.server.policy.aggregation import WeightedMean
+from fedpart.server.engine.sampling import sample_clients
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SAMPLE_SECONDS = 0.05
@@ -311,7 +311,7 @@ def _sum_loads(loads: list[dict]) -> dict:
 def _relay_command(target: str, offsets: tuple[int, ...], processes: int) -> list[str]:
     """The fault relay's command line: room for every virtual process's connection and as many
     new ones while the old close, and a reset at each of ``offsets`` of its traffic."""
-    command = [sys.executable, "-m", "fedpart.deploy.relay", "--listen", "127.0.0.1:0", "--target", target,
+    command = [sys.executable, "-m", "lab.relay", "--listen", "127.0.0.1:0", "--target", target,
                "--max-connections", str(2 * processes + 64)]
     if offsets:
         command += ["--reset-at", ",".join(map(str, offsets))]
@@ -328,7 +328,10 @@ def run_row(row: Row, args: argparse.Namespace, work: Path, model_bytes: int) ->
                             args.fault_seed)
     out = work / "run"
     started: list[subprocess.Popen] = []
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # the relay and the load generators are the lab's (python -m lab.relay): the repository's root
+    # on their path
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
     sampler = None
     relay_lines = relay_sampler = None
     generator_samplers: list[ProcSampler] = []
@@ -351,7 +354,7 @@ def run_row(row: Row, args: argparse.Namespace, work: Path, model_bytes: int) ->
         generators = []
         for index, (ids, processes) in enumerate(_generator_slices(row, args.generators)):
             generator = subprocess.Popen(
-                [sys.executable, "-m", "fedpart.client.virtual", "--insecure", "--server", address, "--clients", ids,
+                [sys.executable, "-m", "lab.virtual", "--insecure", "--server", address, "--clients", ids,
                  "--processes", str(processes), "--reconnect-timeout", str(RECONNECT_SECONDS), "--hold",
                  "--stats", str(work / f"load_{index}.json")],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -37,7 +37,7 @@ import round_overhead as floor  # noqa: E402 - scripts beside this one
 from fedpart.client.local_data import ClientData  # noqa: E402
 from fedpart.client.training import train_local  # noqa: E402
 from fedpart.common.models.zoo import build_model, unit_forward_flops  # noqa: E402
-from fedpart.common.plans import Phase, TrainPlan  # noqa: E402
+from fedpart.common.wire.plans import Phase, TrainPlan  # noqa: E402
 
 CLIENT = 0
 ROUND = 1

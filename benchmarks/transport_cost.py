@@ -14,7 +14,7 @@ Transports:
 - **grpc-aio** (what fedpart uses): a client-streaming call of ``grpc.aio``
   on both sides, the result in messages of ``server.result_chunk_bytes`` (1 MiB), each made as
   ``bytes`` from the sender's buffer (gRPC Python sends ``bytes``), the server's HTTP/2 receive
-  window of a 10-client run (:func:`fedpart.server.transfers.receive_window`); the receiver counts
+  window of a 10-client run (:func:`fedpart.server.transport.transfers.receive_window`); the receiver counts
   the bytes of the messages it is handed.
 - **ssl-asyncio**: the receiver an ``asyncio`` TLS server whose ``BufferedProtocol`` has the
   bytes decrypted into one reused buffer per connection; the sender a blocking Python ``ssl``
@@ -89,7 +89,7 @@ async def _grpc_receiver(certs: Path, size: int) -> None:
     import grpc
 
     from fedpart.server.main import receive_window_options
-    from fedpart.server.transfers import receive_window
+    from fedpart.server.transport.transfers import receive_window
 
     async def upload(messages, context) -> bytes:
         received = 0
@@ -252,7 +252,7 @@ def _pacer(rate: float) -> Callable[[], float]:
 async def _grpc_sender(port: int, certs: Path, index: int, size: int, rate: float) -> None:
     import grpc
 
-    from fedpart.common.config import ServerConfig
+    from fedpart.common.config.run_config import ServerConfig
 
     chunk = ServerConfig.result_chunk_bytes
     credentials = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes(),

@@ -5,7 +5,7 @@ message also travels inside gRPC's 5-byte message prefix, HTTP/2 frames (HEADERS
 the token and the status, DATA, WINDOW_UPDATE, SETTINGS, keepalive PINGs) and, with TLS, TLS
 records and the handshakes. This runs the quickstart (``fedpart server`` and ``--processes``
 ``fedpart client`` processes on 127.0.0.1, TLS with per-process tokens unless ``--plaintext``)
-with every client connection through ``fedpart.deploy.relay``, which counts the TCP payload it
+with every client connection through ``lab.relay``, which counts the TCP payload it
 forwards per direction, and prints per algorithm and direction: the relay's bytes, the ledger's
 physical bytes (what crossed the connections, as protobuf), their ratio, and the ledger's logical
 bytes (each client its own device) for comparison::
@@ -34,10 +34,11 @@ from typing import Any
 
 import yaml
 
-from fedpart.common.client_ids import split_clients
-from fedpart.common.records import DIRECTIONS, read_summary
+from fedpart.common.wire.client_ids import split_clients
+from fedpart.common.process.records import DIRECTIONS, read_summary
 from fedpart.deploy.certs import write_run_credentials
-from fedpart.deploy.relay import RelayThread
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the lab (lab/relay.py), beside the package
+from lab.relay import RelayThread  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "fedpart"]

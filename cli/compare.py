@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedpart.common.config import ConfigError, RunConfig, load_config
+from fedpart.common.config.run_config import ConfigError, RunConfig, load_config
 from fedpart.report.link import Link
 from fedpart.report.runs import ReportError
 
@@ -115,7 +115,7 @@ def plan_runs(config_path: Path, algorithms: list[str], sets: list[str], out: Pa
               engines: list[str] | None = None) -> list[PlannedRun]:
     """Every run's config, validated (algorithm options included), and its new run directory:
     one run per algorithm, and per seed with ``seeds``, and per round engine with ``engines``."""
-    from fedpart.common.experiment import run_algorithm
+    from fedpart.common.config.experiment import run_algorithm
 
     if vary_partition and seeds is None:
         raise ConfigError("--vary-partition varies the partition with each of --seeds: give --seeds too")

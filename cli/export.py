@@ -22,10 +22,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedpart.common.records import ClientResult, RunSummary, Section, read_summary
+from fedpart.common.process.records import ClientResult, RunSummary, Section, read_summary
 
 if TYPE_CHECKING:
-    from fedpart.common.config import RunConfig
+    from fedpart.common.config.run_config import RunConfig
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -55,7 +55,7 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 def run_export(args: argparse.Namespace) -> int:
     """Export the run ``args.run_dir``'s personalized models into ``args.out``; returns 0.
     Raises :class:`ExportError` when there is nothing to export or ``--out`` is not empty."""
-    from fedpart.common.config import load_config
+    from fedpart.common.config.run_config import load_config
 
     run_dir, out = Path(args.run_dir), Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -138,8 +138,8 @@ def _write_models(config: RunConfig, summary: RunSummary, run_id: str, found: di
                   out: Path) -> list[dict[str, Any]]:
     """Write one exported model per client; returns the manifest's client entries."""
     from fedpart.api.exported import EXPORT_FORMAT, write_exported_model
-    from fedpart.common.checkpoint import load_tensors
-    from fedpart.common.experiment import dataset_dims
+    from fedpart.common.process.checkpoint import load_tensors
+    from fedpart.common.config.experiment import dataset_dims
 
     input_shape, num_classes = dataset_dims(config)
     per_client = {entry.id: entry for entry in summary.per_client or []}

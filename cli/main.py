@@ -3,7 +3,7 @@
 and tables from run directories) and ``compare`` (one config once per algorithm, and per seed
 with ``--seeds``, then the report).
 
-Exit codes: docs/operating-a-run.md, "Exit codes" (``fedpart.common.exit_codes``)."""
+Exit codes: docs/operating-a-run.md, "Exit codes" (``fedpart.common.process.exit_codes``)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 # Nothing heavy at import time (console is standard library only): ``fedpart --help`` and
 # ``fedpart CMD --help`` load neither torch nor grpc; each command imports what it needs when it runs.
-from fedpart.common.console import PROGRESS_MODES, set_log_level
+from fedpart.common.process.console import PROGRESS_MODES, set_log_level
 from fedpart.cli.export import add_export_parser
 
 if TYPE_CHECKING:
-    from fedpart.common.config import RunConfig
+    from fedpart.common.config.run_config import RunConfig
 
 DEFAULT_CONFIG = "quickstart"
 VERBOSE_ENV = "FEDPART_VERBOSE"  # "1": as --verbose; set by --verbose, so the processes a command starts inherit it
@@ -33,7 +33,7 @@ VERBOSE_ENV = "FEDPART_VERBOSE"  # "1": as --verbose; set by --verbose, so the p
 
 def resolve_config_path(name: str | None) -> Path:
     """A config file path, or the name of a bundled config (``quickstart``, ``mnist_cnn2``, ...)."""
-    from fedpart.common.config import ConfigError
+    from fedpart.common.config.run_config import ConfigError
 
     name = name or DEFAULT_CONFIG
     path = Path(name)
@@ -52,13 +52,13 @@ def default_out_dir(name: str) -> str:
 
 
 def _server(args: argparse.Namespace) -> int:
-    from fedpart.common.limits import yield_to_training
+    from fedpart.common.process.limits import yield_to_training
 
     if args.yield_to_training:
         yield_to_training()  # before any thread starts (torch's import starts one): they all inherit it
-    from fedpart.common.config import ConfigError, load_config
-    from fedpart.common.security import ServerSecurity
-    from fedpart.common.addresses import AddressInUse, check_address, check_listen_address
+    from fedpart.common.config.run_config import ConfigError, load_config
+    from fedpart.common.wire.security import ServerSecurity
+    from fedpart.common.wire.addresses import AddressInUse, check_address, check_listen_address
 
     # what needs no torch first, so that a mistake is said within a second
     check_listen_address(args.address, "--address")
@@ -79,16 +79,16 @@ def _server(args: argparse.Namespace) -> int:
             check_address(address)
     except AddressInUse as error:
         return _fail(args, error)
-    from fedpart.common.experiment import check_experiment
+    from fedpart.common.config.experiment import check_experiment
 
-    check_experiment(config, server_data=True)
+    experiment = check_experiment(config, server_data=True)
     import torch
 
     from fedpart.server.main import serve
 
     torch.set_num_threads(args.threads)
     try:
-        return serve(config, args.address, out, security, resume=bool(args.resume), overwrite=args.overwrite,
+        return serve(config, experiment, args.address, out, security, resume=bool(args.resume), overwrite=args.overwrite,
                      progress=args.progress, health_port=args.health_port, metrics_port=args.metrics_port,
                      resume_command=(lambda _: args.resume_command) if args.resume_command
                      else partial(server_resume_command, args, out),
@@ -126,9 +126,9 @@ def _fail(args: argparse.Namespace, error: BaseException, code: int = 2) -> int:
 
 def resume_config(args: argparse.Namespace) -> RunConfig:
     """The config of the run ``--resume RUN_DIR`` continues: RUN_DIR/config.yaml, with ``--set``
-    changing only the server's timeouts and limits (:func:`~fedpart.server.run_state.is_operational`)."""
-    from fedpart.common.config import ConfigError, load_config
-    from fedpart.server.run_state import is_operational
+    changing only the server's timeouts and limits (:func:`~fedpart.server.engine.run_state.is_operational`)."""
+    from fedpart.common.config.run_config import ConfigError, load_config
+    from fedpart.server.engine.run_state import is_operational
 
     if args.overwrite:
         raise ConfigError("--resume continues the run in RUN_DIR; --overwrite would replace it")
@@ -147,11 +147,11 @@ def resume_config(args: argparse.Namespace) -> RunConfig:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from fedpart.common.client_ids import parse_id_ranges
-    from fedpart.common.config import ConfigError
-    from fedpart.common.limits import HostShare, cpu_budget
-    from fedpart.common.security import ClientSecurity
-    from fedpart.common.addresses import check_dial_address
+    from fedpart.common.wire.client_ids import parse_id_ranges
+    from fedpart.common.config.run_config import ConfigError
+    from fedpart.common.process.limits import HostShare, cpu_budget
+    from fedpart.common.wire.security import ClientSecurity
+    from fedpart.common.wire.addresses import check_dial_address
 
     # every option checked before anything connects
     check_dial_address(args.server, "--server")
@@ -199,7 +199,7 @@ def _client(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fedpart.common.config import load_config
+    from fedpart.common.config.run_config import load_config
     from fedpart.deploy.launcher import run_local
 
     if args.resume:
@@ -216,8 +216,8 @@ def _run(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     """One health check; prints the status. 0: SERVING; 1: another status, or a service the
     server does not know; 4: no answer within --timeout."""
-    from fedpart.common.exit_codes import ExitCode
-    from fedpart.common.security import ClientSecurity
+    from fedpart.common.process.exit_codes import ExitCode
+    from fedpart.common.wire.security import ClientSecurity
 
     if args.timeout <= 0:
         raise ValueError("--timeout must be a positive number of seconds")
@@ -225,7 +225,7 @@ def _health(args: argparse.Namespace) -> int:
                                            args.cert, args.key, args.insecure, credential_required=False)
     import grpc
 
-    from fedpart.server.health import check_health
+    from fedpart.server.transport.health import check_health
 
     try:
         status = check_health(args.server, security, args.service, args.timeout)
@@ -296,7 +296,7 @@ def _configs(args: argparse.Namespace) -> int:
 
 
 def _algorithms(args: argparse.Namespace) -> int:
-    from fedpart.common.algorithms import ALGORITHMS
+    from fedpart.common.ml.algorithms import ALGORITHMS
 
     for name, component in ALGORITHMS.builtin().items():
         print(f"{name:<26} {first_sentence(component.description)}".rstrip())
@@ -314,7 +314,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from fedpart.common.config import load_config
+    from fedpart.common.config.run_config import load_config
     from fedpart.cli.compare import compare, parse_algorithms, parse_engines, parse_seeds
 
     path = resolve_config_path(args.config)
@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_grpc_logging(args.verbose)
     if args.quiet or args.verbose:
         set_log_level("quiet" if args.quiet else "verbose")
-    from fedpart.common.exit_codes import ExitCode, Stopped, stop_on_signals
+    from fedpart.common.process.exit_codes import ExitCode, Stopped, stop_on_signals
 
     try:
         with stop_on_signals():

@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 from cryptography import x509
 
-from fedpart.common.security import ClientSecurity, is_loopback
+from fedpart.common.wire.security import ClientSecurity, is_loopback
 
 DIAGNOSIS_SECONDS = 5.0  # the whole diagnosis: name resolution, connections, handshakes, replies
 # HTTP/2 (RFC 9113): the client's connection preface, then an empty SETTINGS frame. A server's

@@ -12,9 +12,9 @@ import torch
 
 from fedpart.client.local_data import ClientData
 from fedpart.client.training import Augment, LossFn, batches
-from fedpart.common.evaluation import EVAL_BATCH, split_metrics
-from fedpart.common.plans import EvalPlan
-from fedpart.common.split_model import HEAD, SplitModel
+from fedpart.common.ml.evaluation import EVAL_BATCH, split_metrics
+from fedpart.common.wire.plans import EvalPlan
+from fedpart.common.ml.split_model import HEAD, SplitModel
 
 
 @torch.no_grad()

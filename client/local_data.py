@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fedpart.common.config import RunConfig
+from fedpart.common.config.run_config import RunConfig
 from fedpart.common.data.datasets import load_dataset
-from fedpart.common.experiment import dataset_dims
+from fedpart.common.config.experiment import dataset_dims
 from fedpart.common.data.partition import make_partition
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from fedpart.common.wire import DTYPES
+from fedpart.common.wire.tensors import DTYPES
 from fedpart.proto import fedpart_pb2 as pb
 
 AUTO = "auto"

@@ -12,13 +12,14 @@ aggregation, DP-SGD's ledger, compression) are mods around it (:mod:`fedpart.cli
 sent again (its first delivery was lost, or the process restarted) trains again from the same start
 and gives the same result. Stopped by SIGINT
 or SIGTERM it tells the server (``Leave``) before it exits. Exit codes:
-:mod:`fedpart.common.exit_codes`.
+:mod:`fedpart.common.process.exit_codes`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import socket
 from collections import deque
@@ -29,11 +30,23 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-
 from fedpart.client.evaluation import evaluate_and_personalize
 from fedpart.client.local_data import ClientData, load_client_data
-from fedpart.client.placement import DeviceError, PeakMemory, Transfers, describe, resolve_device
-from fedpart.client.mods import Reply, WorkerContext, build_mods, compose, pack, train_options
+from fedpart.client.mods import (
+    Reply,
+    WorkerContext,
+    build_mods,
+    compose,
+    pack,
+    train_options,
+)
+from fedpart.client.placement import (
+    DeviceError,
+    PeakMemory,
+    Transfers,
+    describe,
+    resolve_device,
+)
 from fedpart.client.session import (
     CONNECT_SECONDS,
     RECONNECT_SECONDS,
@@ -47,20 +60,20 @@ from fedpart.client.session import (
 from fedpart.client.speed import SpeedError, TrainingSpeed
 from fedpart.client.store import ClientStore
 from fedpart.client.training import train_local
-from fedpart.common.config import config_from_dict
-from fedpart.common.console import ClientActivity, Display, render_client
+from fedpart.common.config.experiment import LocalData, check_experiment
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.process.console import ClientActivity, Display, Log, render_client
 from fedpart.common.data.augment import build_augment
-from fedpart.common.exit_codes import ExitCode, Stopped, signals_to
-from fedpart.common.experiment import LocalData, build_run_model, check_experiment, dataset_dims, run_algorithm
-from fedpart.common.limits import HostShare
-from fedpart.common.losses import build_loss
+from fedpart.common.ml.losses import build_loss
+from fedpart.common.ml.split_model import tensor_part
 from fedpart.common.models.zoo import unit_forward_flops
-from fedpart.common.plans import RunOutcome, TaskInfo, TaskKind
-from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.common.client_ids import format_id_ranges
-from fedpart.common.security import ClientSecurity
-from fedpart.common.split_model import tensor_part
-from fedpart.common.wire import TensorAssembler
+from fedpart.common.process.exit_codes import ExitCode, Stopped, signals_to
+from fedpart.common.process.limits import HostShare
+from fedpart.common.wire.client_ids import format_id_ranges
+from fedpart.common.wire.plans import RunOutcome, TaskInfo, TaskKind
+from fedpart.common.wire.protocol import PROTOCOL_VERSION
+from fedpart.common.wire.security import ClientSecurity
+from fedpart.common.wire.tensors import TensorAssembler
 from fedpart.proto import fedpart_pb2 as pb
 
 T = TypeVar("T")
@@ -78,8 +91,8 @@ class _ClientEvents(SessionEvents):
     def __init__(self, process: ClientProcess) -> None:
         self.process = process
 
-    def log(self, message: str) -> None:
-        self.process.log(message)
+    def log(self, message: str, level: int = logging.INFO) -> None:
+        self.process.log(message, level)
 
     def answered(self, task: TaskInfo, sent: Sent, nbytes: int) -> None:
         if sent is not Sent.REFUSED:
@@ -118,9 +131,7 @@ class ClientProcess:
         self.cache: dict[str, torch.Tensor] = {}  # global tensors, on the device
         self.activity = ClientActivity()
         self.display = Display(lambda: render_client(self.activity), logger="fedpart.client")
-
-    def log(self, message: str) -> None:
-        self.display.log(message, source=f"[client {self.name}] ")
+        self.log = Log(self.display, source=f"[client {self.name}] ")
 
     def _join_request(self) -> pb.JoinRequest:
         """The join, announcing the personal state an earlier process of the same run left on disk."""
@@ -137,18 +148,17 @@ class ClientProcess:
         """Check the run's config against what is on this machine, build the model, load the data."""
         local = LocalData(self.data_root, "--data-root") if self.data_root is not None else \
             LocalData(self.config.data.root)
-        check_experiment(self.config, clients_data=local)
-        self.algorithm = run_algorithm(self.config)
-        self.model = build_run_model(self.config).to(self.device)
+        experiment = check_experiment(self.config, clients_data=local)
+        self.algorithm = experiment.algorithm
+        self.model = experiment.model.to(self.device)
         # objective state (FedDyn's g_k, Ditto's personal model), kept like the personal parts
         self.objective_store = ClientStore(self.store.root, "objective")
-        input_shape, num_classes = dataset_dims(self.config)
-        self.classification = num_classes > 0
+        self.classification = experiment.classification
         self.loss_fn = build_loss(self.config.train.loss, self.classification)
-        self.unit_flops = unit_forward_flops(self.model, input_shape)
+        self.unit_flops = unit_forward_flops(self.model, experiment.input_shape)
         train = self.config.train
         try:
-            self.speed = TrainingSpeed.configure(self.model, self.device, input_shape, train.amp, train.channels_last,
+            self.speed = TrainingSpeed.configure(self.model, self.device, experiment.input_shape, train.amp, train.channels_last,
                                                  train.compile)
         except SpeedError as error:
             raise ClientError(str(error)) from error
@@ -164,7 +174,7 @@ class ClientProcess:
 
     def run(self) -> int:
         """Serve tasks until the server says the run is over; returns the exit code (0: the run
-        completed, 5: the server ended it early). A :class:`~fedpart.common.exit_codes.Stopped`
+        completed, 5: the server ended it early). A :class:`~fedpart.common.process.exit_codes.Stopped`
         (SIGINT, SIGTERM; in the main thread they are taken at the next wait for the session or
         within a few training steps) or an error is told to the server (``Leave``) and raised
         again."""
@@ -244,7 +254,7 @@ class ClientProcess:
 
     def _share_cores(self) -> None:
         """Take this process's share of the host's cores, which changes when client processes
-        start or stop beside it (:class:`~fedpart.common.limits.HostShare`)."""
+        start or stop beside it (:class:`~fedpart.common.process.limits.HostShare`)."""
         if self.host_share is None:
             return
         threads, sharing = self.host_share.threads()
@@ -348,7 +358,7 @@ class ClientProcess:
 
 
 class _Assembler(TensorAssembler):
-    """A :class:`~fedpart.common.wire.TensorAssembler` as the session's task reader."""
+    """A :class:`~fedpart.common.wire.tensors.TensorAssembler` as the session's task reader."""
 
     def finish(self) -> dict[str, torch.Tensor]:
         return self.tensors()

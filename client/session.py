@@ -4,10 +4,10 @@ A :class:`Session` owns one process's conversation with the coordinator (``proto
 the join, heartbeats while no long poll waits, the long poll for the next task, the result upload,
 the goodbye, and what to do when any of them fails. What a task means is its *worker*'s business:
 ``fedpart client`` trains and evaluates (:mod:`fedpart.client.runtime`), the load generator answers
-without computing (:mod:`fedpart.client.virtual`); both run on this one session, so a protocol
+without computing (:mod:`lab.virtual`); both run on this one session, so a protocol
 change is made here once and the load tests exercise the real protocol.
 
-Delivery is at least once (docs/architecture.md, Faults; :mod:`fedpart.server.task_board`):
+Delivery is at least once (docs/architecture.md, Faults; :mod:`fedpart.server.engine.task_board`):
 
 - every poll lists the tasks this process holds (received, not yet answered); a task the server
   gave the process but the list lacks was lost on the way, and the server sends it again;
@@ -18,8 +18,8 @@ Delivery is at least once (docs/architecture.md, Faults; :mod:`fedpart.server.ta
   for ``connect_timeout`` before the first join and ``reconnect_timeout`` once the server was seen.
 
 A dead connection (a vanished peer, a NAT that dropped its mapping, a black-holed route) is found
-by keepalive pings within :data:`~fedpart.common.protocol.KEEPALIVE_SECONDS` +
-:data:`~fedpart.common.protocol.KEEPALIVE_TIMEOUT_SECONDS`, and the call on it fails and is tried
+by keepalive pings within :data:`~fedpart.common.wire.protocol.KEEPALIVE_SECONDS` +
+:data:`~fedpart.common.wire.protocol.KEEPALIVE_TIMEOUT_SECONDS`, and the call on it fails and is tried
 again on a new connection.
 
 A session runs on an asyncio event loop. The load generator runs thousands of them on one loop;
@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -44,10 +45,10 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from fedpart.common.exit_codes import ExitCode, StopRequest
-from fedpart.common.limits import yield_to_training
-from fedpart.common.plans import ResultInfo, SecAggAnswer, TaskInfo, TaskKind
-from fedpart.common.protocol import (
+from fedpart.common.process.exit_codes import ExitCode, StopRequest
+from fedpart.common.process.limits import yield_to_training
+from fedpart.common.wire.plans import ResultInfo, SecAggAnswer, TaskInfo, TaskKind
+from fedpart.common.wire.protocol import (
     JOIN_REFUSED_CODES,
     KEEPALIVE_SECONDS,
     KEEPALIVE_TIMEOUT_SECONDS,
@@ -56,9 +57,9 @@ from fedpart.common.protocol import (
     UNKNOWN_SESSION,
     method_path,
 )
-from fedpart.common.security import ClientSecurity
-from fedpart.common.serde import result_header, task_info
-from fedpart.common.wire import IncompleteMessage, ReceivedChunk, WireError, read_chunk
+from fedpart.common.wire.security import ClientSecurity
+from fedpart.common.wire.serde import result_header, task_info
+from fedpart.common.wire.tensors import IncompleteMessage, ReceivedChunk, WireError, read_chunk
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 
@@ -150,13 +151,13 @@ def why(error: grpc.RpcError) -> str:
 
 
 class TaskReader(Protocol):
-    """Takes in the tensor pieces of one task stream (see :class:`~fedpart.common.wire.TensorAssembler`)."""
+    """Takes in the tensor pieces of one task stream (see :class:`~fedpart.common.wire.tensors.TensorAssembler`)."""
 
     def add(self, pieces: list[tuple[int, memoryview]]) -> None: ...
 
     def finish(self) -> Any:
         """What the worker makes of the tensors; raises
-        :class:`~fedpart.common.wire.IncompleteMessage` when bytes are missing."""
+        :class:`~fedpart.common.wire.tensors.IncompleteMessage` when bytes are missing."""
 
 
 @dataclass
@@ -187,8 +188,8 @@ class SessionEvents:
     """What a session tells its process as it goes; each is a no-op here. ``fedpart client``
     logs, the load generator counts."""
 
-    def log(self, message: str) -> None:
-        """A line for the process's log."""
+    def log(self, message: str, level: int = logging.INFO) -> None:
+        """A line for the process's log, at ``level``."""
 
     def call_failed(self, rpc: str, error: grpc.RpcError) -> None:
         """A call ended with ``error`` (it may be tried again)."""
@@ -350,7 +351,7 @@ class Session:
         server counts a waiting poll as one, so thousands of idle processes do not send thousands
         of heartbeats. An open call is how the server tells a live process from a killed one: a
         process killed and started again takes its clients back at once, a second process with
-        the same credential is refused (``server/registry.py``)."""
+        the same credential is refused (``server/engine/registry.py``)."""
         loop = asyncio.get_running_loop()
         await asyncio.sleep(first_after)
         while True:
@@ -488,8 +489,8 @@ class Session:
                                         "had dropped this process and its tasks")
                         await self._rejoin(session)
                     else:
-                        self.events.log(f"warning: result for client {info.client_id} round {info.round} not "
-                                        f"taken: {error.details()}")
+                        self.events.log(f"result for client {info.client_id} round {info.round} not taken: "
+                                        f"{error.details()}", logging.WARNING)
                     self.events.answered(info, Sent.REFUSED, counted.nbytes)
                     return Sent.REFUSED
                 self._server_back()
@@ -577,8 +578,8 @@ class _Counted:
 class SessionThread:
     """An event loop on a thread of its own, for a process whose main thread does the work:
     :meth:`call` runs a session's coroutine there and waits for it. The thread yields to the
-    training thread (:func:`~fedpart.common.limits.yield_to_training`). A stop handed to
-    :attr:`stops` (SIGINT, SIGTERM: :func:`~fedpart.common.exit_codes.signals_to`) ends the wait
+    training thread (:func:`~fedpart.common.process.limits.yield_to_training`). A stop handed to
+    :attr:`stops` (SIGINT, SIGTERM: :func:`~fedpart.common.process.exit_codes.signals_to`) ends the wait
     under way or the next one: the coroutine is cancelled and the stop raised, once."""
 
     def __init__(self) -> None:

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from fedpart.client.local_data import ClientData
-from fedpart.common.config import AMP_MODES
-from fedpart.common.split_model import SplitModel
+from fedpart.common.config.run_config import AMP_MODES
+from fedpart.common.ml.split_model import SplitModel
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 COMPILED_SETS_PER_UNIT = 4  # recompile limit per schedule unit: a generous bound on the trainable sets

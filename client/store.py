@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from fedpart.common.checkpoint import load_tensors, save_tensors
-from fedpart.common.split_model import tensor_part
+from fedpart.common.process.checkpoint import load_tensors, save_tensors
+from fedpart.common.ml.split_model import tensor_part
 
 
 PERSONAL = "personal"

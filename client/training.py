@@ -6,7 +6,7 @@ unit the plan ever trains in the round; the algorithm's unit schedule says which
 units train at each local step (FedBug's gradual unfreezing, from the phase's ``params``), and
 the longest frozen prefix of body units runs under ``torch.no_grad()``, so its backward pass is
 never built. The loss and the update come from the
-:class:`~fedpart.common.objectives.Objective` (terms and a step rule); the loop has no branch
+:class:`~fedpart.common.ml.objectives.Objective` (terms and a step rule); the loop has no branch
 for any algorithm. The loop never waits for the device: the loss is summed on the device and
 read once at the end, batches are index slices of on-device tensors, and the speed options
 (mixed precision, channels-last, a compiled forward; :mod:`fedpart.client.speed`) apply per step.
@@ -26,11 +26,11 @@ import torch
 from fedpart.client import dp_sgd as dpsgd
 from fedpart.client.local_data import ClientData
 from fedpart.client.speed import TrainingSpeed
-from fedpart.common.algorithms import UnitSchedule, every_unit
-from fedpart.common.config import DPSGDConfig
-from fedpart.common.objectives import Objective, ObjectiveContext, ObjectiveSpec
-from fedpart.common.plans import TrainPlan
-from fedpart.common.split_model import SplitModel
+from fedpart.common.ml.algorithms import UnitSchedule, every_unit
+from fedpart.common.config.run_config import DPSGDConfig
+from fedpart.common.ml.objectives import Objective, ObjectiveContext, ObjectiveSpec
+from fedpart.common.wire.plans import TrainPlan
+from fedpart.common.ml.split_model import SplitModel
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Augment = Callable[[torch.Tensor], torch.Tensor]

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedpart.common.security import hash_token
+from fedpart.common.wire.security import hash_token
 
 VALID_DAYS = 365
 
@@ -86,7 +86,7 @@ def _write(path: Path, data: bytes, private: bool) -> Path:
 
 def write_run_credentials(out: Path, server_names: list[str], clients: int, processes: int) -> list[Path]:
     """Write CA, server and per-process credentials for a run into ``out``; returns the files."""
-    from fedpart.common.client_ids import split_clients
+    from fedpart.common.wire.client_ids import split_clients
 
     names = [n.strip() for n in server_names if n.strip()]
     if not names:

@@ -2,7 +2,7 @@
 process per device of ``--devices``).
 
 Everything is checked first, in this process, before any process starts: the whole config
-(``fedpart.common.experiment.check_experiment``, with the clients' data and the server's own
+(``fedpart.common.config.experiment.check_experiment``, with the clients' data and the server's own
 needs on this machine), the devices of ``--devices``, and the run directory (an earlier run is
 refused unless ``--overwrite``). The launcher then makes throw-away credentials for the run
 (``fedpart certs`` into a private temporary directory, removed afterwards), so the local run uses
@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 
 from fedpart.client.placement import AUTO, resolve_devices
-from fedpart.common.client_ids import split_clients
-from fedpart.common.config import RunConfig
-from fedpart.common.console import Display, RunProgress, render_run, stamp
-from fedpart.common.exit_codes import ExitCode, Stopped
+from fedpart.common.wire.client_ids import split_clients
+from fedpart.common.config.run_config import RunConfig
+from fedpart.common.process.console import Display, RunProgress, render_run, stamp
+from fedpart.common.process.exit_codes import ExitCode, Stopped
 
 STARTUP_SECONDS = 120.0
 STOP_SECONDS = 30.0
@@ -147,10 +147,10 @@ def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_di
     started again on their state directories). Raises ConfigError (or DeviceError, or ImportError
     without prometheus-client), before anything starts, for a config, device, run directory or
     option that cannot be run."""
-    from fedpart.common.experiment import LocalData, check_experiment
-    from fedpart.server.metrics import check_metrics_available
-    from fedpart.server.run_directory import check_new_run_dir
-    from fedpart.server.run_state import read_run_state
+    from fedpart.common.config.experiment import LocalData, check_experiment
+    from fedpart.server.output.metrics import check_metrics_available
+    from fedpart.server.output.run_directory import check_new_run_dir
+    from fedpart.server.engine.run_state import read_run_state
 
     if metrics_port is not None:
         check_metrics_available()
@@ -223,7 +223,7 @@ class Launch:
     def _start_clients(self, address: str, env: dict[str, str]) -> None:
         """One client process per (id range, device), each writing into its log (the server has
         written the run directory by now; a resumed run's logs go on). The processes find each
-        other on this host and share its cores (``fedpart.common.limits.HostShare``)."""
+        other on this host and share its cores (``fedpart.common.process.limits.HostShare``)."""
         logs = self.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for index, (ids, device) in enumerate(self.placed):

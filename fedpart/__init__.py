@@ -3,7 +3,8 @@
 The package's parts live in folders of the repository mapped into this namespace
 (pyproject.toml): ``fedpart.proto`` (the wire protocol), ``fedpart.common`` (what server and
 client share), ``fedpart.server``, ``fedpart.client``, ``fedpart.api`` (the public plugin surface
-and the loader of exported models), ``fedpart.deploy`` (the local launcher, the run credentials
-and the fault relay, beside the images, compose files and manifests), ``fedpart.report`` (reports
+and the loader of exported models), ``fedpart.deploy`` (the local launcher and the run credentials,
+beside the images, compose files and manifests), ``fedpart.report`` (reports
 over run directories) and ``fedpart.cli`` (the ``fedpart`` command).
-``python -m fedpart`` is the ``fedpart`` command."""
+``python -m fedpart`` is the ``fedpart`` command. The instruments of the tests and measurements
+(the fault relay, the load generator) live in the repository's ``lab/``, outside this package."""

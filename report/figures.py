@@ -20,7 +20,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, PercentFormatter
 
-from fedpart.common.records import ByteCounts, RoundRecord
+from fedpart.common.process.records import ByteCounts, RoundRecord
 from fedpart.report.link import Link, cumulative_seconds, round_times, uses_logical_bytes
 from fedpart.report.runs import Run, group_runs, round_bytes, round_bytes_by_part
 

@@ -31,7 +31,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from fedpart.common.records import RoundClient, RoundRecord
+from fedpart.common.process.records import RoundClient, RoundRecord
 
 BITS_PER_BYTE = 8
 ROUND_TRIPS = 2  # per client and round: fetching the task, uploading the result

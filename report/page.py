@@ -8,7 +8,7 @@ import html
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fedpart.common.records import RunSummary
+from fedpart.common.process.records import RunSummary
 from fedpart.report.link import Link
 from fedpart.report.runs import Run
 from fedpart.report.tables import cells, columns, readable_rows

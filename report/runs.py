@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from fedpart.common.records import ByteCounts, RoundRecord, RunSummary
+from fedpart.common.process.records import ByteCounts, RoundRecord, RunSummary
 
 
 class ReportError(ValueError):

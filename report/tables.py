@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fedpart.common.records import DIRECTIONS, ModelMetrics
+from fedpart.common.process.records import DIRECTIONS, ModelMetrics
 from fedpart.report.link import (Link, cumulative_seconds, round_times, time_to_accuracy,
                                         uses_logical_bytes)
 from fedpart.report.runs import SEED_SOURCES, Run, group_runs, round_bytes

@@ -7,12 +7,13 @@ is bound, and the run directory is written (an earlier run removed, with ``--ove
 once the server listens. A run that ends early (SIGINT / SIGTERM, or the server gives up waiting
 for its clients) tells the clients so, writes ``summary.json`` with what it knows marked
 ``interrupted`` or ``failed``, and keeps its ``server_state/`` for ``--resume``. Exit codes:
-:mod:`fedpart.common.exit_codes`.
+:mod:`fedpart.common.process.exit_codes`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shlex
 import threading
@@ -25,30 +26,45 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
-
-from fedpart.common.addresses import AddressInUse, check_address
-from fedpart.common.algorithms import has_global_model
-from fedpart.common.config import RunConfig
-from fedpart.common.console import Display, ProgressLines, render_run, stamp
-from fedpart.common.exit_codes import ExitCode, Stopped, signals_to
-from fedpart.common.limits import raise_open_file_limit
-from fedpart.common.plans import RunOutcome
-from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
-from fedpart.common.records import RoundRecord
-from fedpart.common.client_ids import format_id_ranges
-from fedpart.common.security import Principal, SecurityError, ServerSecurity
-from fedpart.server.auth import CallGuard, Credentials, TokenGate, fingerprint
-from fedpart.server.buffered import BufferedCoordinator
-from fedpart.server.console_text import format_round, format_table
-from fedpart.server.coordinator import Coordinator
-from fedpart.server.global_eval import GlobalEvaluator
-from fedpart.server.health import RunHealth
-from fedpart.server.metrics import MetricsServer, RunCollector, check_metrics_available
-from fedpart.server.run_directory import FAILED, INTERRUPTED, RunDirectory, build_summary, check_new_run_dir
-from fedpart.server.run_state import check_resume_security, mark_finished, read_run_state, write_run_state
-from fedpart.server.sampling import round_target
-from fedpart.server.service import CoordinatorService, add_to_server
-from fedpart.server.transfers import receive_window
+from fedpart.common.config.experiment import Experiment
+from fedpart.common.config.run_config import RunConfig
+from fedpart.common.ml.algorithms import has_global_model
+from fedpart.common.process.console import Display, Log, ProgressLines, render_run, stamp
+from fedpart.common.process.exit_codes import ExitCode, Stopped, signals_to
+from fedpart.common.process.limits import raise_open_file_limit
+from fedpart.common.process.records import RoundRecord
+from fedpart.common.wire.addresses import AddressInUse, check_address
+from fedpart.common.wire.client_ids import format_id_ranges
+from fedpart.common.wire.plans import RunOutcome
+from fedpart.common.wire.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
+from fedpart.common.wire.security import Principal, SecurityError, ServerSecurity
+from fedpart.server.engine.buffered import BufferedCoordinator
+from fedpart.server.engine.coordinator import Coordinator
+from fedpart.server.engine.global_eval import GlobalEvaluator
+from fedpart.server.engine.run_state import (
+    check_resume_security,
+    mark_finished,
+    read_run_state,
+    write_run_state,
+)
+from fedpart.server.engine.sampling import round_target
+from fedpart.server.output.console_text import format_round, format_table
+from fedpart.server.output.metrics import (
+    MetricsServer,
+    RunCollector,
+    check_metrics_available,
+)
+from fedpart.server.output.run_directory import (
+    FAILED,
+    INTERRUPTED,
+    RunDirectory,
+    build_summary,
+    check_new_run_dir,
+)
+from fedpart.server.transport.auth import CallGuard, Credentials, TokenGate, fingerprint
+from fedpart.server.transport.health import RunHealth
+from fedpart.server.transport.service import CoordinatorService, add_to_server
+from fedpart.server.transport.transfers import receive_window
 
 # How long the server keeps answering after the run so that every process hears DONE.
 SHUTDOWN_GRACE_SECONDS = 10.0
@@ -159,7 +175,7 @@ class GrpcServer:
                 changed = await loop.run_in_executor(
                     None, credentials.reload, lambda principals: check_reloaded_credentials(principals, clients))
             except SecurityError as error:
-                coordinator.log(f"error: {error}; the server keeps the credentials it had")
+                coordinator.log.error(f"{error}; the server keeps the credentials it had")
                 continue
             if changed is not None:
                 coordinator.credentials_changed(*changed, credentials.fingerprint)
@@ -273,23 +289,25 @@ def _group_by_names(named: dict[int, list[str]]) -> list[tuple[list[int], list[s
     return [(ids, list(names)) for names, ids in groups.items()]
 
 
-def serve(config: RunConfig, address: str, out_dir: str | Path, security: ServerSecurity | None = None,
+def serve(config: RunConfig, experiment: Experiment, address: str, out_dir: str | Path,
+          security: ServerSecurity | None = None,
           resume: bool = False, overwrite: bool = False, progress: str = "auto",
           health_port: int | None = None, metrics_port: int | None = None,
           resume_command: Callable[[str], str] | None = None, new_credentials: bool = False) -> int:
     """Run a whole federated experiment as the coordinator; returns the exit code
-    (:class:`~fedpart.common.exit_codes.ExitCode`). With ``resume``, continue the run in
+    (:class:`~fedpart.common.process.exit_codes.ExitCode`). ``experiment``: what the config derives, as
+    :func:`~fedpart.common.config.experiment.check_experiment` built it. With ``resume``, continue the run in
     ``out_dir`` after its last completed round; with ``overwrite``, replace the run in
     ``out_dir`` once the server listens. ``progress``: ``auto`` (a live view on a terminal, plain
     lines otherwise), ``plain`` or ``json`` (progress lines for ``fedpart run``). ``health_port``:
-    also answer health checks in plaintext there (:mod:`fedpart.server.health`);
-    ``metrics_port``: serve Prometheus metrics there (:mod:`fedpart.server.metrics`); both on
+    also answer health checks in plaintext there (:mod:`fedpart.server.transport.health`);
+    ``metrics_port``: serve Prometheus metrics there (:mod:`fedpart.server.output.metrics`); both on
     the host of ``address``. ``resume_command``: the exact command that continues this run, made
     from the address the server listens on; a stop prints it and the run state keeps it. A resume
     must keep the run's transport and credentials file
-    (:func:`~fedpart.server.run_state.check_resume_security`), unless ``new_credentials``. Called
+    (:func:`~fedpart.server.engine.run_state.check_resume_security`), unless ``new_credentials``. Called
     in the main thread, SIGINT and SIGTERM end the run at the round loop's next wait
-    (:func:`~fedpart.common.exit_codes.signals_to`)."""
+    (:func:`~fedpart.common.process.exit_codes.signals_to`)."""
     security = security or ServerSecurity()
     started = time.monotonic()
     # checked before anything is bound or written
@@ -305,12 +323,12 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
         check_new_run_dir(out_dir, overwrite)
     display = Display(logger="fedpart.server")
     engine = BufferedCoordinator if config.server.engine == "buffered" else Coordinator
-    coordinator = engine(config, log=display.log)  # builds model and algorithm: bad settings fail here
+    coordinator = engine(config, log=Log(display), experiment=experiment)
     if progress == "auto":
         display.view = lambda: render_run(coordinator.progress())
     evaluator = None
-    if config.evaluate.global_test and has_global_model(coordinator.algorithm):
-        evaluator = GlobalEvaluator(config)
+    if config.evaluate.global_test and has_global_model(experiment.algorithm):
+        evaluator = GlobalEvaluator(config, experiment)
     if saved is not None:
         coordinator.restore(saved)
     raise_open_file_limit()
@@ -344,7 +362,7 @@ def serve(config: RunConfig, address: str, out_dir: str | Path, security: Server
         # printed whatever the log level: launchers and scripts read the address from it
         display.print(stamp(f"fedpart server listening on {server.address} (run {coordinator.run_id}, "
                             f"out {run_dir.path})"))
-        display.log(f"{'warning: ' if not security.tls else ''}transport: {security.describe()}")
+        display.log(f"transport: {security.describe()}", level=logging.INFO if security.tls else logging.WARNING)
         if server.health_address is not None:
             display.log(f"health checks (grpc.health.v1 Check, plaintext) on {server.health_address}")
         if metrics_port is not None:
@@ -393,7 +411,7 @@ class ServerRun:
                                                          f"{self.config.rounds}; continue with: "
                                                          f"{self.coordinator.security['command']}")
         except TimeoutError as error:
-            self.display.log(f"error: {error}")
+            self.display.error(str(error))
             code, ended_early = ExitCode.UNREACHABLE, (FAILED, f"gave up: {error}")
         except Exception as error:  # noqa: BLE001 - a bug: say so, keep what is known, exit 1
             self.display.print(traceback.format_exc().rstrip())
@@ -428,7 +446,7 @@ class ServerRun:
         failures = self._failures()
         if missing:
             failures.append(f"{missing} of {config.clients} clients did not report an evaluation")
-            self.display.log(f"error: {failures[-1]}")
+            self.display.error(failures[-1])
         code = ExitCode.FAILURES if failures else ExitCode.COMPLETED
         summary = build_summary(config, coordinator.model, self.records, evaluations, global_metrics,
                                 coordinator.ledger, failures, self.seconds(), note=coordinator.stop_note(),

@@ -21,6 +21,10 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+# The lab (lab/: the fault relay, the load generator, the components page's writer) is outside the
+# package: importable from the repository's root, here and in the processes the tests start.
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
 SHARED_DATA = REPO.parent / "shared" / "data"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # The bound of every wait of the end-to-end tests for a process, a line or a file: generous for a
@@ -98,16 +102,16 @@ def write_config(path: Path, config: dict[str, Any]) -> Path:
     return path
 
 
-# The client processes of each test worker share cores only among themselves (common/limits.py,
+# The client processes of each test worker share cores only among themselves (common/process/limits.py,
 # HostShare): how many other tests run at once does not change what a test's processes choose.
 os.environ.setdefault("FEDPART_HOST_SHARE_DIR", os.path.join(
     tempfile.gettempdir(), f"fedpart-test-cores-{os.getuid()}-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"))
 
 
 def child_env() -> dict[str, str]:
-    """Environment for child processes: unbuffered, with the test fixtures importable."""
+    """Environment for child processes: unbuffered, with the test fixtures and the lab importable."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FIXTURES), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FIXTURES), str(REPO), env.get("PYTHONPATH")]))
     return env
 
 
@@ -231,7 +235,7 @@ def check_records(run_dir: Path) -> None:
     """The records a run directory holds read into their types, read back from what they write
     (``from_json(to_json(r)) == r``) and write the same text the server wrote (a last line of
     metrics.jsonl cut short by a stopped server is left out, as readers leave it)."""
-    from fedpart.common.records import RoundRecord, RunSummary
+    from fedpart.common.process.records import RoundRecord, RunSummary
 
     metrics = run_dir / "metrics.jsonl"
     lines = metrics.read_text().splitlines() if metrics.is_file() else []

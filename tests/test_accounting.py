@@ -2,7 +2,7 @@
 
 import threading
 
-from fedpart.server.accounting import PARTS, PROCESS, ByteLedger
+from fedpart.server.output.accounting import PARTS, PROCESS, ByteLedger
 
 
 def _filled() -> ByteLedger:

@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from conftest import read_metrics, read_summary, run_fedpart, small_config
-from fedpart.common.config import ConfigError, config_from_dict
-from fedpart.common.experiment import build_run_model
-from fedpart.common.privacy import joint_norm
-from fedpart.server.privacy import AdaptiveClip, ClippedDeltas, DifferentialPrivacy, NoisedSum, PrivacyBudget
-from fedpart.server.coordinator import Coordinator
-from fedpart.server.insiders import InsiderMonitor
+from fedpart.common.config.run_config import ConfigError, config_from_dict
+from fedpart.common.config.experiment import build_run_model
+from fedpart.common.privacy.clipping import joint_norm
+from fedpart.server.policy.privacy import AdaptiveClip, ClippedDeltas, DifferentialPrivacy, NoisedSum, PrivacyBudget
+from fedpart.server.engine.coordinator import Coordinator
+from fedpart.server.policy.insiders import InsiderMonitor
 from fedpart.server.policy import build_policy
 from fedpart.server.policy.dp import DPFedAvg
-from fedpart.server.run_state import read_run_state, write_run_state
-from fedpart.server.sampling import expected_clients
+from fedpart.server.engine.run_state import read_run_state, write_run_state
+from fedpart.server.engine.sampling import expected_clients
 from test_robust import InProcessServer, RawClient
 
 QUIET = {"log": lambda _: None}

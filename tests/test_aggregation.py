@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedpart.server import aggregation
-from fedpart.server.aggregation import (
+from fedpart.server.policy import aggregation
+from fedpart.server.policy.aggregation import (
     FOLD_BLOCK_ELEMENTS,
     CompensatedSum,
     CoordinateMedian,
@@ -26,7 +26,7 @@ from fedpart.server.aggregation import (
     HeadDictionary,
     WeightedMean,
 )
-from fedpart.server.optimizers import apply_deltas
+from fedpart.server.policy.optimizers import apply_deltas
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -305,7 +305,7 @@ def test_non_contiguous_tensors_and_parameters_fold_like_their_contiguous_values
 
 READ_ONLY_CACHE_CHECK = """
 import numba.core.caching, torch
-from fedpart.server.aggregation import WeightedMean, _fold_elements
+from fedpart.server.policy.aggregation import WeightedMean, _fold_elements
 mean = WeightedMean()
 mean.add({"x": torch.tensor([1.0, 2.0])}, 3)
 mean.add({"x": torch.tensor([2.0, 4.0])}, 1)
@@ -558,7 +558,7 @@ WITHOUT_NUMBA = """
 import sys
 sys.modules["numba"] = None  # as on a machine without the server extra: import numba raises ImportError
 import torch
-from fedpart.server import aggregation
+from fedpart.server.policy import aggregation
 assert aggregation._fold_elements is aggregation._torch_two_sum_fold
 assert aggregation._first_fold_elements is aggregation._torch_two_sum_first
 mean = aggregation.WeightedMean(32_000)

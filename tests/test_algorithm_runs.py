@@ -24,7 +24,7 @@ from conftest import (
     start_server,
     write_config,
 )
-from fedpart.common.checkpoint import load_tensors
+from fedpart.common.process.checkpoint import load_tensors
 
 HIDDEN = 32
 SIZES = {"fc1": (64 * HIDDEN + HIDDEN) * 4, "fc2": (HIDDEN * HIDDEN + HIDDEN) * 4, "head": (HIDDEN * 10 + 10) * 4}

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from fedpart.common.algorithms import (
+from fedpart.common.ml.algorithms import (
     ALGORITHMS,
     Role,
     RoundContext,
@@ -15,8 +15,8 @@ from fedpart.common.algorithms import (
     learning_rate,
     unfrozen_units,
 )
-from fedpart.common.plans import Phase
-from fedpart.common.split_model import HEAD
+from fedpart.common.wire.plans import Phase
+from fedpart.common.ml.split_model import HEAD
 
 UNITS = ("conv1", "conv2", "fc1")
 CONV1 = ["body.conv1.0.weight", "body.conv1.0.bias"]

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from conftest import small_config
 from fedpart.client.local_data import ClientData
 from fedpart.client.training import train_local
-from fedpart.common.config import ConfigError, config_from_dict, load_config
+from fedpart.common.config.run_config import ConfigError, config_from_dict, load_config
 from fedpart.common.data.augment import PADDING, CropFlip, build_augment, crop_flip
 from fedpart.common.models.zoo import build_model, unit_forward_flops
-from fedpart.common.plans import Phase, TrainPlan
+from fedpart.common.wire.plans import Phase, TrainPlan
 from fedpart.cli.main import resolve_config_path
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -16,17 +16,17 @@ import torch
 from conftest import poll_task, small_config
 from fedpart.client.mods.heterogeneity import EmulatedDevices
 from fedpart.client.mods import Reply
-from fedpart.common.config import BufferedConfig, ConfigError, HeterogeneityConfig, config_from_dict
-from fedpart.common.heterogeneity import Device, Devices
-from fedpart.common.plans import HostedClient, JoinInfo, Phase, ResultInfo, TaskInfo, TaskKind, TrainPlan
-from fedpart.common.protocol import PROTOCOL_VERSION, Rejected
-from fedpart.server.accounting import ByteLedger
-from fedpart.server.buffered import BufferedCoordinator, LedgerTotals, Schedule, VersionTraffic, stale_scaled, \
+from fedpart.common.config.run_config import BufferedConfig, ConfigError, HeterogeneityConfig, config_from_dict
+from fedpart.common.config.heterogeneity import Device, Devices
+from fedpart.common.wire.plans import HostedClient, JoinInfo, Phase, ResultInfo, TaskInfo, TaskKind, TrainPlan
+from fedpart.common.wire.protocol import PROTOCOL_VERSION, Rejected
+from fedpart.server.output.accounting import ByteLedger
+from fedpart.server.engine.buffered import BufferedCoordinator, LedgerTotals, Schedule, VersionTraffic, stale_scaled, \
     staleness_weight
-from fedpart.server.robust import MeasuredDeltas
-from fedpart.server.run_state import is_operational
-from fedpart.server.sampling import sample_clients
-from fedpart.server.virtual_clock import VirtualClock
+from fedpart.server.policy.robust import MeasuredDeltas
+from fedpart.server.engine.run_state import is_operational
+from fedpart.server.engine.sampling import sample_clients
+from fedpart.server.engine.virtual_clock import VirtualClock
 
 BOUND = 60.0  # seconds: every wait here is bounded
 
@@ -401,8 +401,8 @@ def test_compare_runs_each_algorithm_once_per_engine(tmp_path) -> None:
 
 
 def test_the_virtual_clock_says_what_to_fix_when_the_server_cannot_compute_the_partition(tmp_path) -> None:
-    from fedpart.server.coordinator import Coordinator
-    from fedpart.server.virtual_clock import VirtualClockError
+    from fedpart.server.engine.coordinator import Coordinator
+    from fedpart.server.engine.virtual_clock import VirtualClockError
 
     config = config_from_dict(small_config(data={"dataset": "mnist", "root": str(tmp_path)},
                                            heterogeneity={"clock": "virtual"}))

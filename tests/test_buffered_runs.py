@@ -16,9 +16,9 @@ import pytest
 
 from conftest import (WAIT, LineReader, fedpart_command, read_metrics, read_summary, run_fedpart, small_config,
                       start_server, write_config)
-from fedpart.common.config import config_from_dict
-from fedpart.server.buffered import Schedule
-from fedpart.server.coordinator import Coordinator
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.server.engine.buffered import Schedule
+from fedpart.server.engine.coordinator import Coordinator
 
 pytestmark = pytest.mark.slow
 

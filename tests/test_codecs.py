@@ -1,4 +1,4 @@
-"""Codecs (fedpart.common.codecs): exact payload bytes on hand-computed cases, unbiased
+"""Codecs (fedpart.common.wire.codecs): exact payload bytes on hand-computed cases, unbiased
 quantization, error feedback's invariant, rejection of every malformed payload; encoded tensors on
 the wire, encoded downloads, and the client's residuals across a restart."""
 
@@ -12,7 +12,7 @@ import torch
 
 from conftest import FIXTURES, small_config
 from fedpart.client.store import ClientStore
-from fedpart.common.codecs import (
+from fedpart.common.wire.codecs import (
     CodecError,
     Encoded,
     TopK,
@@ -22,8 +22,8 @@ from fedpart.common.codecs import (
     encode_with_feedback,
     seeded_generator,
 )
-from fedpart.common.config import ConfigError, config_from_dict
-from fedpart.common.wire import (
+from fedpart.common.config.run_config import ConfigError, config_from_dict
+from fedpart.common.wire.tensors import (
     TensorAssembler,
     WireError,
     chunk_pieces,
@@ -36,7 +36,7 @@ from fedpart.common.wire import (
     wire_form,
 )
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.server.transfers import TaskPayloads
+from fedpart.server.transport.transfers import TaskPayloads
 
 SENTINEL = 12345.0
 
@@ -278,7 +278,7 @@ def test_a_codec_option_without_a_default_is_refused_where_the_codec_is_made(tmp
     """The receiver builds a decoder from the codec's defaults (CODECS[encoding]()), so a codec
     option without one would fail decoding with a TypeError: the registry refuses such a codec when
     it is made by CODECS.component, and a Component made otherwise when a run config names it."""
-    from fedpart.common.registry import CODECS, Option, OptionError
+    from fedpart.common.components.registry import CODECS, Option, OptionError
 
     class Scaled:
         def __init__(self, scale: float) -> None:
@@ -300,8 +300,8 @@ def test_a_codec_option_without_a_default_is_refused_where_the_codec_is_made(tmp
 def test_a_decoder_that_cannot_be_built_from_the_defaults_is_a_codec_error(monkeypatch) -> None:
     """Whatever a codec's builder raises when the receiver builds its decoder is a CodecError (a
     refused payload), never a TypeError out of the receiver."""
-    from fedpart.common import codecs
-    from fedpart.common.registry import CODECS
+    from fedpart.common.wire import codecs
+    from fedpart.common.components.registry import CODECS
 
     def broken() -> None:
         raise TypeError("broken() missing 1 required positional argument: 'scale'")

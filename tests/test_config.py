@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from fedpart.common.config import (
+from fedpart.common.config.run_config import (
     ConfigError,
     RunConfig,
     apply_overrides,
@@ -301,7 +302,7 @@ def test_scientific_notation_with_dot_is_a_number(tmp_path):
 
 
 def test_an_unknown_algorithm_is_refused_with_the_known_names():
-    from fedpart.common.registry import ALGORITHMS
+    from fedpart.common.components.registry import ALGORITHMS
 
     known = ", ".join(ALGORITHMS.selectable())
     with pytest.raises(ConfigError) as error:
@@ -359,7 +360,7 @@ def test_a_server_optimizer_that_needs_result_norms_is_refused_by_secure_aggrega
 
 CAPABLE_PLUGINS = '''
 from fedpart.api import CODECS, ROBUST_AGGREGATORS
-from fedpart.server.aggregation import WeightedMean
+from fedpart.server.policy.aggregation import WeightedMean
 
 
 class Exact:
@@ -401,3 +402,55 @@ def test_privacy_refusals_ask_capabilities_not_names(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="compression.up capable_plugins:remembering with error feedback"):
         config_from_dict(small_config(train=uniform, privacy=private,
                                       compression={"up": {"codec": "capable_plugins:remembering"}}))
+
+
+def test_each_feature_check_lives_in_its_module_and_is_asked_only_when_on(monkeypatch):
+    """Every registered feature check names its key, finds nothing wrong with the defaults, is
+    asked for its refusals only where its feature is on, and its first refusal is the error,
+    prefixed by its key: a new feature's check is its module and its name in FEATURE_CHECKS."""
+    from conftest import small_config
+
+    from fedpart.common.config import run_config as config_module
+
+    assert {feature.KEY for feature in config_module.FEATURE_CHECKS} == {
+        "privacy.dp", "privacy.dp_sgd", "privacy.secure_aggregation"}
+    defaults = config_from_dict(small_config())
+    for feature in config_module.FEATURE_CHECKS:
+        assert not feature.enabled(defaults) and feature.value_errors(defaults) == []
+
+    asked = []
+
+    class Refusing:
+        KEY = "privacy.example"
+
+        @staticmethod
+        def enabled(config) -> bool:
+            return config.rounds > 1
+
+        @staticmethod
+        def value_errors(config) -> list[str]:
+            return []
+
+        @staticmethod
+        def refusals(config, algorithm, server_parts: bool = True) -> list[str]:
+            assert algorithm.name == config.algorithm.name
+            asked.append(server_parts)
+            return ["train.epochs 2 is refused", "a second reason"]
+
+    monkeypatch.setattr(config_module, "FEATURE_CHECKS", (*config_module.FEATURE_CHECKS, Refusing))
+    config_from_dict(small_config(rounds=1))
+    assert asked == []
+    with pytest.raises(ConfigError, match=r"^privacy\.example: train\.epochs 2 is refused$"):
+        config_from_dict(small_config(rounds=2), server_parts=False)
+    assert asked == [False]
+
+
+def test_clients_are_not_sent_the_dp_noise_seed():
+    """Whoever knows the seed of the server's noise can take it out of the model again."""
+    from conftest import small_config
+
+    config = config_from_dict(small_config(train={**small_config()["train"], "weighting": "uniform"},
+                                           privacy={"dp": {"enabled": True, "noise_seed": 7}}))
+    sent = config_from_dict(config.for_clients().to_dict(), server_parts=False)
+    assert config.privacy.dp.noise_seed == 7 and sent.privacy.dp.noise_seed is None
+    assert sent.privacy.dp == dataclasses.replace(config.privacy.dp, noise_seed=None)

@@ -17,15 +17,15 @@ import pytest
 import torch
 
 from conftest import poll_task, small_config
-from fedpart.common.config import config_from_dict
-from fedpart.common.plans import HostedClient, JoinInfo, ResultInfo, TaskKind
-from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.wire.plans import HostedClient, JoinInfo, ResultInfo, TaskKind
+from fedpart.common.wire.protocol import PROTOCOL_VERSION
+from fedpart.common.wire.tensors import decode_chunks, encode_chunks, make_spec
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
-from fedpart.server.coordinator import Coordinator
+from fedpart.server.engine.coordinator import Coordinator
 from fedpart.server.main import start_grpc
-from fedpart.server.task_board import Task
+from fedpart.server.engine.task_board import Task
 
 BOUND = 60.0  # seconds: every wait here is bounded
 

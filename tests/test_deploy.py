@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import yaml
 
-from fedpart.common.config import load_config
-from fedpart.common.limits import CpuBudget, client_threads
+from fedpart.common.config.run_config import load_config
+from fedpart.common.process.limits import CpuBudget, client_threads
 from fedpart.cli.main import build_parser, resolve_config_path
-from fedpart.common.client_ids import split_clients
-from fedpart.common.security import ClientSecurity
-from fedpart.server.health import RUN_SERVICE
+from fedpart.common.wire.client_ids import split_clients
+from fedpart.common.wire.security import ClientSecurity
+from fedpart.server.transport.health import RUN_SERVICE
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -626,9 +626,9 @@ def test_k8s_server_resumes_an_interrupted_run_and_never_reruns_a_completed_one(
     leaves: a new run without one, --resume after a crash or an interrupt (whose summary.json is
     marked interrupted), nothing once the run completed."""
     from conftest import small_config
-    from fedpart.common.config import config_from_dict
-    from fedpart.server.coordinator import Coordinator
-    from fedpart.server.run_state import mark_finished, write_run_state
+    from fedpart.common.config.run_config import config_from_dict
+    from fedpart.server.engine.coordinator import Coordinator
+    from fedpart.server.engine.run_state import mark_finished, write_run_state
 
     (script,) = pod_spec(k8s_objects(K8S_BASE), "Deployment")["containers"][0]["args"]
     run_dir = tmp_path / "quickstart"

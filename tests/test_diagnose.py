@@ -24,13 +24,13 @@ import pytest
 from conftest import child_env, small_config
 from fedpart.client import diagnose
 from fedpart.client.diagnose import permanent_problem
-from fedpart.common.config import config_from_dict
-from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.common.security import ClientSecurity, ServerSecurity, load_credentials
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.wire.protocol import PROTOCOL_VERSION
+from fedpart.common.wire.security import ClientSecurity, ServerSecurity, load_credentials
 from fedpart.deploy.certs import KeyPair, _issue, write_run_credentials
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
-from fedpart.server.coordinator import Coordinator
+from fedpart.server.engine.coordinator import Coordinator
 from fedpart.server.main import start_grpc
 
 FAST = 2.0  # seconds: a diagnosis on loopback takes milliseconds; the bound allows a busy machine

@@ -60,16 +60,16 @@ def test_every_bundled_config_is_listed():
 
 
 def test_the_components_page_matches_the_registries():
-    from fedpart.common.reference import reference
+    from lab.reference import reference
 
     assert (DOCS / "components.md").read_text() == reference(), \
-        "regenerate it: python -m fedpart.common.reference --markdown > docs/components.md"
+        "regenerate it: python -m lab.reference --markdown > docs/components.md"
 
 
 def test_the_components_page_lists_every_option_and_capability_of_every_component():
     """Every kind declares its options (algorithms, objective terms and step rules included, e.g.
     FedBug's gu_ratio) and the page shows each in its component's section, with its capabilities."""
-    from fedpart.common.registry import KINDS
+    from fedpart.common.components.registry import KINDS
 
     page = (DOCS / "components.md").read_text()
     listed = 0
@@ -88,7 +88,7 @@ def test_the_components_page_lists_every_option_and_capability_of_every_componen
 
 ROBUST_PLUGIN = '''
 from fedpart.api import ROBUST_AGGREGATORS
-from fedpart.server.aggregation import WeightedMean
+from fedpart.server.policy.aggregation import WeightedMean
 
 mean_again = ROBUST_AGGREGATORS.component("docs_mean_again", "The weighted mean, from outside.", WeightedMean)
 '''
@@ -114,8 +114,8 @@ def test_what_the_components_page_says_each_kind_takes_is_what_a_run_config_take
     or nothing; a run config naming a path at each kind's setting is accepted or refused
     accordingly (step rules have no setting: an algorithm brings its own)."""
     from conftest import FIXTURES
-    from fedpart.common.config import ConfigError, config_from_dict
-    from fedpart.common.registry import BY_COMPONENT, BY_FUNCTION, BY_NAME, KINDS
+    from fedpart.common.config.run_config import ConfigError, config_from_dict
+    from fedpart.common.components.registry import BY_COMPONENT, BY_FUNCTION, BY_NAME, KINDS
 
     (tmp_path / "docs_robust_plugin.py").write_text(ROBUST_PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -20,11 +20,11 @@ from torch import nn
 from fedpart.client import dp_sgd as dpsgd
 from fedpart.client.local_data import ClientData
 from fedpart.client.training import train_local
-from fedpart.common.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
-from fedpart.common.config import ConfigError, DPSGDConfig, config_from_dict
+from fedpart.common.ml.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
+from fedpart.common.config.run_config import ConfigError, DPSGDConfig, config_from_dict
 from fedpart.common.models.zoo import build_model, unit_forward_flops
-from fedpart.common.plans import Phase, TrainPlan
-from fedpart.common.split_model import SplitModel
+from fedpart.common.wire.plans import Phase, TrainPlan
+from fedpart.common.ml.split_model import SplitModel
 
 from conftest import read_metrics, run_fedpart, small_config
 

@@ -19,7 +19,7 @@ from conftest import (
     start_server,
     write_config,
 )
-from fedpart.common.checkpoint import load_tensors
+from fedpart.common.process.checkpoint import load_tensors
 
 CNN2_PARAMETERS = 582_026
 CNN2_HEAD = 5_130

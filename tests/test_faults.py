@@ -1,5 +1,5 @@
 """Faults cost time, never a result (docs/architecture.md, Faults): the quickstart with TLS and tokens, its
-two client processes behind a relay (``fedpart.deploy.relay``) that resets connections at random
+two client processes behind a relay (``lab.relay``) that resets connections at random
 byte offsets, black-holes one, or delays every byte while a client process is SIGKILLed in the
 middle of an upload and started again. Every round folds every sampled client, the final
 evaluation covers every client, and the last checkpoint is bit-identical to the same run without
@@ -19,10 +19,10 @@ import pytest
 import yaml
 
 from conftest import REPO, WAIT, LineReader, read_metrics, read_summary, write_config
-from fedpart.common.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
+from fedpart.common.wire.protocol import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from fedpart.deploy.certs import write_run_credentials
-from fedpart.common.client_ids import split_clients
-from fedpart.deploy.relay import FaultPlan, RelayCounts, RelayThread
+from fedpart.common.wire.client_ids import split_clients
+from lab.relay import FaultPlan, RelayCounts, RelayThread
 
 ROUNDS = 8
 CLI = [sys.executable, "-m", "fedpart"]

@@ -20,14 +20,14 @@ from fedpart.client.local_data import ClientData
 from fedpart.client.placement import Transfers, resolve_device, resolve_devices
 from fedpart.client.speed import TrainingSpeed
 from fedpart.client.training import train_local
-from fedpart.common.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
-from fedpart.common.checkpoint import load_tensors
-from fedpart.common.config import config_from_dict
+from fedpart.common.ml.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
+from fedpart.common.process.checkpoint import load_tensors
+from fedpart.common.config.run_config import config_from_dict
 from fedpart.common.data.augment import build_augment
-from fedpart.common.experiment import build_run_model
+from fedpart.common.config.experiment import build_run_model
 from fedpart.common.models.zoo import build_model, unit_forward_flops
-from fedpart.common.plans import Phase, TrainPlan
-from fedpart.common.wire import make_spec
+from fedpart.common.wire.plans import Phase, TrainPlan
+from fedpart.common.wire.tensors import make_spec
 from test_speed import IMAGE, make_data
 
 pytestmark = pytest.mark.gpu

@@ -16,14 +16,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import WAIT, LineReader, fedpart_command, small_config, write_config
-from fedpart.common.config import config_from_dict
-from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.common.security import ClientSecurity, ServerSecurity, load_credentials
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.wire.protocol import PROTOCOL_VERSION
+from fedpart.common.wire.security import ClientSecurity, ServerSecurity, load_credentials
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
-from fedpart.server.coordinator import Coordinator
-from fedpart.server.health import RUN_SERVICE
+from fedpart.server.engine.coordinator import Coordinator
+from fedpart.server.transport.health import RUN_SERVICE
 from fedpart.server.main import start_grpc
 
 BOUND = 60.0

@@ -35,18 +35,18 @@ from conftest import (
     small_config,
     write_config,
 )
-from fedpart.common.config import ConfigError, config_from_dict
-from fedpart.common.records import Insiders, Outlier, RoundRecord, SumCheck
-from fedpart.common.wire import decode_chunks
+from fedpart.common.config.run_config import ConfigError, config_from_dict
+from fedpart.common.process.records import Insiders, Outlier, RoundRecord, SumCheck
+from fedpart.common.wire.tensors import decode_chunks
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.server.coordinator import Coordinator
-from fedpart.server.insiders import MIN_RESULTS, SKETCH_BUCKETS, CountSketch, InsiderMonitor, Observation
+from fedpart.server.engine.coordinator import Coordinator
+from fedpart.server.policy.insiders import MIN_RESULTS, SKETCH_BUCKETS, CountSketch, InsiderMonitor, Observation
 from fedpart.server.policy import build_policy
 from fedpart.server.policy.combine import Combine
 from fedpart.server.policy.screening import RobustScreening
-from fedpart.server.console_text import format_table
-from fedpart.server.robust import ResultRefused, partition_sizes
-from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
+from fedpart.server.output.console_text import format_table
+from fedpart.server.policy.robust import ResultRefused, partition_sizes
+from fedpart.server.engine.run_state import ResumeError, read_run_state, write_run_state
 
 INSIDER = 9
 BENCHMARK = REPO / "benchmarks" / "insider_attacks.py"
@@ -143,7 +143,7 @@ def test_a_tensors_part_of_a_sketch_is_fixed_by_its_name(tmp_path):
     deltas = {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
     sketch = CountSketch().sketch(deltas)
     torch.save(deltas, tmp_path / "deltas.pt")
-    program = ("import sys, torch; from fedpart.server.insiders import CountSketch; "
+    program = ("import sys, torch; from fedpart.server.policy.insiders import CountSketch; "
                "sys.stdout.buffer.write(CountSketch().sketch(torch.load(sys.argv[1])).numpy().tobytes())")
     elsewhere = subprocess.run([sys.executable, "-c", program, str(tmp_path / "deltas.pt")], capture_output=True,
                                timeout=300, check=True).stdout
@@ -170,7 +170,7 @@ WITHOUT_NUMBA = """
 import sys
 sys.modules["numba"] = None  # as on a machine without the server extra: import numba raises ImportError
 import torch
-from fedpart.server import insiders
+from fedpart.server.policy import insiders
 assert insiders._sketch_elements is insiders._torch_sketch_tensor
 torch.set_num_threads(2)
 sys.stdout.buffer.write(insiders.CountSketch().sketch(torch.load(sys.argv[1])).numpy().tobytes())
@@ -275,15 +275,15 @@ def test_the_revealed_sum_is_watched_under_secure_aggregation():
 
 
 def test_under_secure_aggregation_the_policy_gives_the_monitor_the_revealed_sum():
-    from fedpart.common.experiment import build_run_model
-    from fedpart.server.aggregation import WeightedMean
+    from fedpart.common.config.experiment import build_run_model
+    from fedpart.server.policy.aggregation import WeightedMean
     from fedpart.server.policy import RoundAggregate
 
     config = config_from_dict(small_config(clients=4, privacy={"secure_aggregation": True}))
     lines: list[str] = []
-    policy = RobustScreening(Combine(config), config, lines.append)  # the layer inside secure aggregation's
-    assert policy.monitor is not None and not policy.quarantine and policy.adaptive_bound is None
     state = build_run_model(config).state_dict()
+    policy = RobustScreening(Combine(config, None), config, lines.append, state)  # the layer inside secure aggregation's
+    assert policy.monitor is not None and not policy.quarantine and policy.adaptive_bound is None
     name = next(iter(state))
     entries = []
     for round_number, value in enumerate([1e-3, 1e-3, 1.0, 1.0], start=1):
@@ -392,9 +392,9 @@ def test_an_evaluation_reports_sample_counts_are_capped_like_training_weights():
 
 
 def test_the_summary_shows_capped_reports_and_named_insiders_beside_both_means():
-    from fedpart.common.experiment import build_run_model
-    from fedpart.server.accounting import ByteLedger
-    from fedpart.server.run_directory import build_summary
+    from fedpart.common.config.experiment import build_run_model
+    from fedpart.server.output.accounting import ByteLedger
+    from fedpart.server.output.run_directory import build_summary
 
     config = config_from_dict(small_config(clients=3, rounds=4))
     rounds = [RoundRecord(round=r, insiders=Insiders(median_norm=1.0, outliers={
@@ -415,9 +415,9 @@ def test_the_summary_shows_capped_reports_and_named_insiders_beside_both_means()
 
 
 def test_a_client_may_not_send_the_keys_the_server_sets():
-    from fedpart.common.plans import EvalPlan
-    from fedpart.common.protocol import InvalidResult
-    from fedpart.server.validation import check_evaluation
+    from fedpart.common.wire.plans import EvalPlan
+    from fedpart.common.wire.protocol import InvalidResult
+    from fedpart.server.policy.validation import check_evaluation
 
     report = {"train_samples": 5.0, "test_samples": 5.0, "initial_loss": 1.0, "reported_test_samples": 1.0}
     with pytest.raises(InvalidResult, match=r"carries \['reported_test_samples'\], which only the server sets"):

@@ -3,7 +3,10 @@ at module level or inside a function, goes down the layers (proto < common < ser
 api < deploy, report < cli < the package root), two folders of one layer never import each other
 (server and client, deploy and report), no two modules import each other through any chain
 (no cycle), and nothing goes up at run time either (``common`` names no server module to import
-by name, and validating a config with the server's parts loads none)."""
+by name, and validating a config with the server's parts loads none). Inside ``common`` the rooms
+are layers too (process, privacy, components < wire < ml < data, models < config); every module
+of ``server`` but its entry point lives in a room; the lab (``lab/``, the instruments of the tests
+and measurements) stays outside the package, and the product never imports it."""
 
 from __future__ import annotations
 
@@ -30,11 +33,26 @@ def _module_name(path: Path) -> str:
     return ".".join([PACKAGE, *parts])
 
 
+def _run_time_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:``: imports there name types for
+    annotations and never run, so they are no arrow of the import graph."""
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                pending.extend(child.orelse)
+            else:
+                pending.append(child)
+
+
 def _imports(path: Path) -> set[str]:
     """The fedpart modules ``path`` imports, resolved to modules of the repository where they are
-    names inside a module (``from fedpart.common.config import RunConfig`` -> fedpart.common.config)."""
+    names inside a module (``from fedpart.common.config.run_config import RunConfig`` ->
+    fedpart.common.config.run_config)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _run_time_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE + "."):
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
@@ -63,6 +81,66 @@ def test_imports_go_down_the_layers():
     assert not wrong, "imports that go up or across the layers:\n" + "\n".join(sorted(wrong))
 
 
+# the rooms of common and their layers: a module imports its own room and lower layers (the
+# registries of components, the process's basics and the privacy primitives stand on nothing;
+# the wire carries what the learning declares; data and models use both; a run's config reads and
+# checks them all); the modules at common's root (a deprecated alias) stand on any room
+COMMON_ROOMS = {"process": 0, "privacy": 0, "components": 0, "wire": 1, "ml": 2, "data": 3, "models": 3, "config": 4}
+# the rooms of server; their imports cross in both directions (the engine runs the policy, whose
+# layers dispatch the engine's tasks), so they are no layers, but no module stands outside them
+SERVER_ROOMS = ("transport", "engine", "policy", "output")
+SERVER_ENTRY = f"{PACKAGE}.server.main"
+
+
+def _room(module: str) -> str:
+    """The room of a module of common or server (``fedpart.common.wire.tensors`` -> wire, and the
+    room's package itself, fedpart.common.wire -> wire); "" for a module at the folder's root."""
+    parts = module.split(".")
+    if len(parts) == 3 and parts[2] in (*COMMON_ROOMS, *SERVER_ROOMS):
+        return parts[2]
+    return parts[2] if len(parts) > 3 else ""
+
+
+def test_imports_go_down_the_rooms_of_common():
+    top = max(COMMON_ROOMS.values()) + 1
+    wrong = []
+    for module, imported in _graph().items():
+        if _folder(module) != "common":
+            continue
+        for target in imported:
+            if _folder(target) != "common" or _room(target) == _room(module):
+                continue
+            if COMMON_ROOMS.get(_room(target), top) >= COMMON_ROOMS.get(_room(module), top):
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports that go up or across the rooms of common:\n" + "\n".join(sorted(wrong))
+
+
+def test_every_module_lives_in_a_room():
+    graph = _graph()
+    common = {_room(m) for m in graph if _folder(m) == "common"} - {""}
+    assert common == set(COMMON_ROOMS)
+    loose = [m for m in graph if _folder(m) == "server" and m not in {f"{PACKAGE}.server", SERVER_ENTRY}
+             and _room(m) not in SERVER_ROOMS]
+    assert not loose, "server modules outside the rooms:\n" + "\n".join(sorted(loose))
+    assert not [m for m, imported in graph.items() if SERVER_ENTRY in imported and _folder(m) == "server"]
+
+
+def test_the_product_never_imports_the_lab():
+    """The lab's tools (fault relay, load generator, reference writer) import the product; no
+    module of the package imports them, and the package does not ship them."""
+    found = []
+    for folder in FOLDERS:
+        for path in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                found += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] == "lab"]
+    assert not found, "the product imports the lab:\n" + "\n".join(found)
+    packaging = (REPO / "pyproject.toml").read_text()
+    assert '"lab' not in packaging and "lab" not in FOLDERS
+    assert (REPO / "lab" / "relay.py").is_file()
+
+
 def test_no_import_cycle():
     graph = _graph()
     state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -86,8 +164,8 @@ def test_no_import_cycle():
 CLIENT_SIDE = """
 import json, sys
 import fedpart.client.runtime
-from fedpart.common.config import RunConfig, config_from_dict
-from fedpart.common.experiment import build_run_model
+from fedpart.common.config.run_config import RunConfig, config_from_dict
+from fedpart.common.config.experiment import build_run_model
 raw = json.loads(RunConfig().to_json())
 raw["privacy"]["secure_aggregation"] = True
 build_run_model(config_from_dict(raw, server_parts=False))
@@ -119,8 +197,8 @@ import importlib, json, pkgutil, sys
 import fedpart.common
 for module in pkgutil.walk_packages(fedpart.common.__path__, "fedpart.common."):
     importlib.import_module(module.name)
-from fedpart.common.config import ConfigError, RunConfig, config_from_dict
-from fedpart.common.experiment import check_experiment
+from fedpart.common.config.run_config import ConfigError, RunConfig, config_from_dict
+from fedpart.common.config.experiment import check_experiment
 raw = json.loads(RunConfig().to_json())
 raw.update(server_optimizer={"name": "fedadam", "lr": 0.1}, robust={**raw["robust"], "aggregator": "trimmed_mean"})
 check_experiment(config_from_dict(raw), server_data=True)
@@ -165,15 +243,15 @@ def _reachable(graph: dict[str, set[str]], module: str) -> set[str]:
 
 
 def test_the_records_and_their_readers_need_no_server():
-    """The run's records (common/records.py) import the standard library only, and the report
+    """The run's records (common/process/records.py) import the standard library only, and the report
     (report/) reads run directories through those types with no module of the server, directly
     or through others: a report runs on any machine. One module of the server writes a run
     directory's records (run_directory.py)."""
     graph = _graph()
-    assert graph[f"{PACKAGE}.common.records"] == set()
+    assert graph[f"{PACKAGE}.common.process.records"] == set()
     server = {m: sorted(r for r in _reachable(graph, m) if _folder(r) == "server")
               for m in graph if _folder(m) == "report"}
     assert not {m: found for m, found in server.items() if found}
     writers = [p.relative_to(REPO).as_posix() for p in sorted((REPO / "server").rglob("*.py"))
                if "def append_round" in p.read_text() or "def write_summary" in p.read_text()]
-    assert writers == ["server/run_directory.py"]
+    assert writers == ["server/output/run_directory.py"]

@@ -1,4 +1,4 @@
-"""The cores a client process may use (common/limits.py): CPU affinity, the cgroup v2 and v1 CPU
+"""The cores a client process may use (common/process/limits.py): CPU affinity, the cgroup v2 and v1 CPU
 quotas read from fake /proc and cgroup trees, the even share among the client processes of a host,
 and how ``fedpart client`` and ``fedpart run`` use it; and the threads beside training, which yield
 to it (``SCHED_BATCH``) in client processes and in ``fedpart run``'s server."""
@@ -16,7 +16,7 @@ import pytest
 
 from conftest import WAIT, child_env, fedpart_command, small_config, write_config
 from fedpart.client.session import SessionThread
-from fedpart.common.limits import (
+from fedpart.common.process.limits import (
     HOST_SHARE_ENV,
     CpuBudget,
     HostShare,

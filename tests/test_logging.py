@@ -1,6 +1,6 @@
-"""fedpart's log lines are stdlib logging records (common/console.py): levels from the line's
-text, the display as the default handler, handlers of an embedding program, and ``--quiet`` /
-``--verbose`` for a command and the processes it starts."""
+"""fedpart's log lines are stdlib logging records (common/process/console.py): levels given as
+arguments and shown in the line's text, the display as the default handler, handlers of an
+embedding program, and ``--quiet`` / ``--verbose`` for a command and the processes it starts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import subprocess
 import pytest
 
 from conftest import WAIT, child_env, fedpart_command, run_fedpart, small_config, write_config
-from fedpart.common.console import DISPLAY_HANDLER, LOG_LEVEL_ENV, LOGGER, Display, level_of, set_log_level
+from fedpart.common.process.console import (DISPLAY_HANDLER, LOG_LEVEL_ENV, LOGGER, Display, Log, set_log_level,
+                                            with_level)
 
 
 @pytest.fixture
@@ -23,11 +24,22 @@ def restore_level(monkeypatch):
     logging.getLogger(LOGGER).setLevel(level)
 
 
-def test_a_line_s_level_is_what_its_text_says() -> None:
-    assert level_of("error: the aggregated 'w' is not finite") == logging.ERROR
-    assert level_of("warning: round 2 client 1 dropped") == logging.WARNING
-    assert level_of("round 1/3 clients 10/10") == logging.INFO
-    assert level_of("the error: is not at the start") == logging.INFO
+def test_a_line_says_its_level() -> None:
+    assert with_level("the aggregated 'w' is not finite", logging.ERROR) == "error: the aggregated 'w' is not finite"
+    assert with_level("round 2 client 1 dropped", logging.WARNING) == "warning: round 2 client 1 dropped"
+    assert with_level("round 1/3 clients 10/10") == "round 1/3 clients 10/10"
+    assert with_level("error: in the text is not a level") == "error: in the text is not a level"
+
+
+def test_a_component_s_log_writes_a_plain_callable_the_line_the_display_prints() -> None:
+    lines: list[str] = []
+    log = Log.of(lines.append)
+    log("round 1/3")
+    log.warning("slow")
+    log.error("gave up")
+    log("dropped", logging.WARNING)
+    assert Log.of(log) is log
+    assert lines == ["round 1/3", "warning: slow", "error: gave up", "warning: dropped"]
 
 
 def test_the_display_prints_stamped_lines_at_the_level_set(restore_level) -> None:
@@ -35,10 +47,10 @@ def test_the_display_prints_stamped_lines_at_the_level_set(restore_level) -> Non
     display = Display(stream=stream, logger="fedpart.server")
     set_log_level("normal")
     display.log("round 1/3")
-    display.log("warning: slow", source="[client a] ")
+    display.log("slow", source="[client a] ", level=logging.WARNING)
     set_log_level("quiet")
     display.log("round 2/3")
-    display.log("error: gave up")
+    Log(display).error("gave up")
     lines = stream.getvalue().splitlines()
     assert [line[20:] for line in lines] == ["round 1/3", "[client a] warning: slow", "error: gave up"]
     assert all(line[4] == "-" and line[19] == " " for line in lines)  # "2026-11-25 18:00:00 " stamps
@@ -58,7 +70,7 @@ def test_an_embedding_program_takes_the_records_with_their_levels(restore_level)
     logger.removeHandler(DISPLAY_HANDLER)
     try:
         set_log_level("normal")
-        Display(stream=stream, logger="fedpart.client").log("warning: data missing", source="[client b] ")
+        Log(Display(stream=stream, logger="fedpart.client"), source="[client b] ").warning("data missing")
     finally:
         logger.removeHandler(collect)
         logger.addHandler(DISPLAY_HANDLER)

@@ -13,18 +13,18 @@ import yaml
 
 from conftest import REPO, read_metrics, read_summary, run_fedpart, small_config
 from test_protocol import BOUND, Harness
-from fedpart.common.config import config_from_dict
-from fedpart.common.experiment import build_run_model
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.config.experiment import build_run_model
 from fedpart.common.models.zoo import build_model
-from fedpart.common.records import RoundRecord
-from fedpart.common.plans import Phase, TaskInfo, TaskKind, TrainPlan
-from fedpart.common.serde import task_header
-from fedpart.common.split_model import tensor_unit
-from fedpart.common.wire import encode_chunks, measure_chunk, named_specs
+from fedpart.common.process.records import RoundRecord
+from fedpart.common.wire.plans import Phase, TaskInfo, TaskKind, TrainPlan
+from fedpart.common.wire.serde import task_header
+from fedpart.common.ml.split_model import tensor_unit
+from fedpart.common.wire.tensors import encode_chunks, measure_chunk, named_specs
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.server.accounting import PARTS, ByteLedger
-from fedpart.server.run_directory import build_summary
-from fedpart.server.transfers import LogicalTensors, logical_header_bytes, stream_tensor_bytes
+from fedpart.server.output.accounting import PARTS, ByteLedger
+from fedpart.server.output.run_directory import build_summary
+from fedpart.server.transport.transfers import LogicalTensors, logical_header_bytes, stream_tensor_bytes
 
 DIRECTIONS = ("down", "up")
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fedpart.common.models.zoo import MODEL_NAMES, build_model, unit_forward_flops
-from fedpart.common.split_model import HEAD, SplitModel, count_parameters
+from fedpart.common.ml.split_model import HEAD, SplitModel, count_parameters
 
 MNIST = (1, 28, 28)
 CIFAR = (3, 32, 32)
@@ -237,7 +237,7 @@ def test_bad_input_shapes_and_classes() -> None:
 FACTORY_SOURCE = '''
 from collections import OrderedDict
 from torch import nn
-from fedpart.common.split_model import SplitModel
+from fedpart.common.ml.split_model import SplitModel
 
 def tiny(num_classes, input_shape, width=4):
     units = OrderedDict(fc=nn.Sequential(nn.Flatten(), nn.Linear(input_shape[-1], width)))

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import WAIT, LineReader, read_metrics, read_summary, small_config, write_config
 from fedpart.deploy.certs import write_run_credentials
-from fedpart.common.client_ids import split_clients
+from fedpart.common.wire.client_ids import split_clients
 
 
 def _ip(*args: str) -> None:

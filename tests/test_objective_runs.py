@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from fedpart.common.checkpoint import load_tensors
+from fedpart.common.process.checkpoint import load_tensors
 from test_algorithm_runs import CLIENTS, SIZES, _about, _run, _tensor_bytes
 
 BODY = SIZES["fc1"] + SIZES["fc2"]

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from fedpart.client.local_data import ClientData
 from fedpart.client.training import train_local
-from fedpart.common.algorithms import build_algorithm
-from fedpart.common.config import ConfigError, config_from_dict
+from fedpart.common.ml.algorithms import build_algorithm
+from fedpart.common.config.run_config import ConfigError, config_from_dict
 from fedpart.common.models.zoo import build_model
-from fedpart.common.objectives import ObjectiveContext, ObjectiveSpec, decorrelation_penalty
-from fedpart.common.plans import Phase, TrainPlan
-from fedpart.common.split_model import ModelOutput
+from fedpart.common.ml.objectives import ObjectiveContext, ObjectiveSpec, decorrelation_penalty
+from fedpart.common.wire.plans import Phase, TrainPlan
+from fedpart.common.ml.split_model import ModelOutput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

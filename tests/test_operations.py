@@ -36,17 +36,17 @@ from conftest import (
     start_server,
     write_config,
 )
-from fedpart.common.config import CheckpointConfig, ConfigError, config_from_dict
-from fedpart.common.console import RunProgress, stamp
-from fedpart.common.exit_codes import ExitCode, Stopped, stop_on_signals
-from fedpart.common.records import RoundRecord, RoundRobust
-from fedpart.common.experiment import LocalData, check_experiment
-from fedpart.common.limits import client_threads
-from fedpart.common.client_ids import parse_id_ranges
-from fedpart.common.security import Principal, SecurityError
+from fedpart.common.config.run_config import CheckpointConfig, ConfigError, config_from_dict
+from fedpart.common.process.console import RunProgress, stamp
+from fedpart.common.process.exit_codes import ExitCode, Stopped, stop_on_signals
+from fedpart.common.process.records import RoundRecord, RoundRobust
+from fedpart.common.config.experiment import LocalData, check_experiment
+from fedpart.common.process.limits import client_threads
+from fedpart.common.wire.client_ids import parse_id_ranges
+from fedpart.common.wire.security import Principal, SecurityError
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.server.main import check_credentials_host_run, short_rounds
-from fedpart.server.run_directory import RunDirectory, check_new_run_dir
+from fedpart.server.output.run_directory import RunDirectory, check_new_run_dir
 
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "  # the start of every log line
 ESCAPE = "\x1b["
@@ -609,7 +609,7 @@ def test_version_python_m_and_defaults_in_help() -> None:
 
 
 def test_the_bundled_configs_and_the_algorithms_are_listed_from_the_code() -> None:
-    from fedpart.common.algorithms import ALGORITHMS
+    from fedpart.common.ml.algorithms import ALGORITHMS
 
     configs = subprocess.run([sys.executable, "-m", "fedpart", "configs"], capture_output=True, text=True, timeout=60)
     assert configs.returncode == 0, configs.stderr

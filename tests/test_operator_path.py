@@ -36,17 +36,17 @@ from conftest import (
     start_server,
     write_config,
 )
-from fedpart.common.config import config_from_dict
-from fedpart.common.plans import HostedClient, JoinInfo
-from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.common.security import ClientSecurity
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.wire.plans import HostedClient, JoinInfo
+from fedpart.common.wire.protocol import PROTOCOL_VERSION
+from fedpart.common.wire.security import ClientSecurity
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
-from fedpart.server import task_board
-from fedpart.server.admission import ALERT_AT
-from fedpart.server.coordinator import Coordinator
-from fedpart.server.health import RUN_SERVICE, check_health
+from fedpart.server.engine import task_board
+from fedpart.server.transport.admission import ALERT_AT
+from fedpart.server.engine.coordinator import Coordinator
+from fedpart.server.transport.health import RUN_SERVICE, check_health
 from fedpart.server.main import start_grpc
 
 CALL_SECONDS = 60.0  # a unary call's deadline (the server refuses deadlines past 120 s)

@@ -1,4 +1,4 @@
-"""Server optimizers (``fedpart.server.optimizers``): each step against a hand-computed case over
+"""Server optimizers (``fedpart.server.policy.optimizers``): each step against a hand-computed case over
 two rounds, FedExp's step size, FedDyn's ``h``, the state round trip, the ``server_optimizer``
 config section and FedDyn's automatic selection."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conftest import FIXTURES, small_config
-from fedpart.common.config import ConfigError, config_from_dict
-from fedpart.common.records import RoundRecord
-from fedpart.server.aggregation import CoordinateMedian, WeightedMean
-from fedpart.server.coordinator import Coordinator
-from fedpart.server.optimizers import (
+from fedpart.common.config.run_config import ConfigError, config_from_dict
+from fedpart.common.process.records import RoundRecord
+from fedpart.server.policy.aggregation import CoordinateMedian, WeightedMean
+from fedpart.server.engine.coordinator import Coordinator
+from fedpart.server.policy.optimizers import (
     OPTIMIZERS,
     FedAdam,
     FedAvgM,
@@ -27,7 +27,7 @@ from fedpart.server.optimizers import (
 )
 from fedpart.server.policy import RoundAggregate, build_policy
 from fedpart.server.policy.combine import Combine
-from fedpart.server.run_state import read_run_state, write_run_state
+from fedpart.server.engine.run_state import read_run_state, write_run_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from conftest import REPO, load_script
-from fedpart.common.config import config_from_dict
+from fedpart.common.config.run_config import config_from_dict
 from fedpart.common.data.datasets import load_dataset
 from fedpart.common.data.partition import make_partition
 from fedpart.common.models.zoo import build_model

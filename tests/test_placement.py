@@ -13,11 +13,11 @@ import torch
 
 from conftest import WAIT, child_env, fedpart_command, read_metrics, read_summary, small_config, write_config
 from fedpart.client.placement import DeviceError, PeakMemory, Transfers, resolve_device, resolve_devices
-from fedpart.common.config import config_from_dict
-from fedpart.common.wire import make_spec
-from fedpart.common.client_ids import split_clients
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.wire.tensors import make_spec
+from fedpart.common.wire.client_ids import split_clients
 from fedpart.deploy.launcher import client_processes
-from fedpart.server.run_directory import build_summary
+from fedpart.server.output.run_directory import build_summary
 from test_robust import RawClient, InProcessServer
 
 

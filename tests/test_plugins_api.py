@@ -17,8 +17,8 @@ import torch
 import fedpart.api
 from conftest import FIXTURES, WAIT, child_env, read_summary, run_fedpart, small_config
 from fedpart.cli.export import MANIFEST
-from fedpart.common.checkpoint import load_tensors
-from fedpart.common.config import ConfigError, config_from_dict
+from fedpart.common.process.checkpoint import load_tensors
+from fedpart.common.config.run_config import ConfigError, config_from_dict
 
 FEATURES, CLASSES, HIDDEN = 6, 3, 12
 
@@ -139,8 +139,8 @@ def test_a_plug_in_algorithm_with_a_schedule_parameter_of_its_own_runs_through_f
 def test_a_plug_in_algorithm_is_checked_like_a_built_in_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its declared option is typed and checked by name when the config is validated, and the
     listing of fedpart's algorithms (``fedpart algorithms``) stays the built-in ones."""
-    from fedpart.common.algorithms import build_algorithm
-    from fedpart.common.registry import ALGORITHMS
+    from fedpart.common.ml.algorithms import build_algorithm
+    from fedpart.common.components.registry import ALGORITHMS
 
     monkeypatch.syspath_prepend(str(FIXTURES))
     path = "plugin_algorithm:head_warmup"
@@ -199,8 +199,8 @@ def test_every_public_name_resolves() -> None:
 def test_every_registry_and_the_aggregator_protocol_are_exported_and_documented() -> None:
     """fedpart.api exports every kind's registry and names each in its docstring, and exports the
     Aggregator protocol a robust aggregator implements."""
-    from fedpart.common.registry import KINDS, Registry
-    from fedpart.server.aggregation import Aggregator
+    from fedpart.common.components.registry import KINDS, Registry
+    from fedpart.server.policy.aggregation import Aggregator
 
     exported = {name: getattr(fedpart.api, name) for name in fedpart.api.__all__}
     registries = {name for name, value in exported.items() if isinstance(value, Registry)} - {"OPTIMIZERS"}

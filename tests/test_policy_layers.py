@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from conftest import small_config
-from fedpart.common.config import config_from_dict
+from fedpart.common.config.run_config import config_from_dict
 from fedpart.server import policy as policy_package
 from fedpart.server.policy import build_policy
 from fedpart.server.policy.combine import Combine
 from fedpart.server.policy.dp import DPFedAvg
 from fedpart.server.policy.screening import RobustScreening
 from fedpart.server.policy.secure_aggregation import SecureAggregation
-from fedpart.server.robust import delta_norm
+from fedpart.server.policy.robust import delta_norm
 from fixtures.policy_layer import Halving
 from test_privacy import _dp_config
 from test_robust import serve  # noqa: F401 (a fixture)

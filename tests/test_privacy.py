@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from conftest import read_metrics, read_summary, run_fedpart, small_config
-from fedpart.common.checkpoint import load_tensors
-from fedpart.common.config import ConfigError, check_dp_accounting, config_from_dict
-from fedpart.common.privacy import clip_deltas, joint_norm
-from fedpart.common.records import RoundPrivacy
-from fedpart.server.privacy import DifferentialPrivacy, NoisedSum, PrivacyBudget
+from fedpart.common.process.checkpoint import load_tensors
+from fedpart.common.config.run_config import ConfigError, check_dp_accounting, config_from_dict
+from fedpart.common.privacy.clipping import clip_deltas, joint_norm
+from fedpart.common.process.records import RoundPrivacy
+from fedpart.server.policy.privacy import DifferentialPrivacy, NoisedSum, PrivacyBudget
 from fedpart.server.policy import build_policy
 from fedpart.server.policy.screening import RobustScreening
-from fedpart.server.sampling import expected_clients, sample_clients
+from fedpart.server.engine.sampling import expected_clients, sample_clients
 from test_robust import InProcessServer, RawClient, _filled
 
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from conftest import FIXTURES, small_config
-from fedpart.common.config import config_from_dict
-from fedpart.common.plans import RunOutcome
-from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.common.wire import ReceivedChunk, decode_chunks, encode_chunks, make_spec
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.wire.plans import RunOutcome
+from fedpart.common.wire.protocol import PROTOCOL_VERSION
+from fedpart.common.wire.tensors import ReceivedChunk, decode_chunks, encode_chunks, make_spec
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
-from fedpart.server.coordinator import Coordinator
-from fedpart.server import service as service_module
+from fedpart.server.engine.coordinator import Coordinator
+from fedpart.server.transport import service as service_module
 from fedpart.server.main import start_grpc
 
 BOUND = 60.0  # seconds: every wait in these tests is bounded
@@ -354,7 +354,7 @@ def test_no_heartbeats_while_a_long_poll_waits(harness_factory, tmp_path, monkey
     DEADLINE_EXCEEDED in one run) and that held up the round. The server counts a waiting poll as
     a sign of life, so the client now beats only while no poll waits; with a 2 s heartbeat timeout
     (a beat every 0.5 s otherwise) the waiting client sends none and is not taken for gone."""
-    from fedpart.server.service import CoordinatorService
+    from fedpart.server.transport.service import CoordinatorService
 
     beat, poll = CoordinatorService.Heartbeat, CoordinatorService.GetTask
     beats: list[float] = []
@@ -389,7 +389,7 @@ def test_no_heartbeats_while_a_long_poll_waits(harness_factory, tmp_path, monkey
 
 def _record_result_streams(monkeypatch) -> list[list[ReceivedChunk]]:
     """The chunks of every result stream the server reads from now on, one list per stream."""
-    from fedpart.server.service import CoordinatorService
+    from fedpart.server.transport.service import CoordinatorService
 
     serve = CoordinatorService.SubmitResult
     streams: list[list[ReceivedChunk]] = []
@@ -466,7 +466,7 @@ def test_a_result_the_server_did_not_take_is_sent_again(harness_factory, tmp_pat
     client now sends such a result again; here the server answers the first stream of each
     task's result CANCELLED without reading it, and the round and the evaluation still complete
     with the client."""
-    from fedpart.server.service import CoordinatorService
+    from fedpart.server.transport.service import CoordinatorService
 
     serve = CoordinatorService.SubmitResult
     calls: list[bool] = []
@@ -496,7 +496,7 @@ def test_a_burst_of_calls_the_busy_server_has_not_taken_is_not_cancelled(harness
     CANCELLED before the server read them, because gRPC cancels calls that wait to be taken by
     the event loop beyond its default backlog. Here the loop is held up while 3,500 heartbeats
     arrive (more than gRPC's default hard limit of 3,000); every one is answered."""
-    from fedpart.server.service import CoordinatorService
+    from fedpart.server.transport.service import CoordinatorService
 
     beat = CoordinatorService.Heartbeat
     holding = threading.Event()

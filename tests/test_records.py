@@ -1,4 +1,4 @@
-"""The typed run records (fedpart.common.records): a line of metrics.jsonl and summary.json read
+"""The typed run records (fedpart.common.process.records): a line of metrics.jsonl and summary.json read
 into RoundRecord and RunSummary and written back give the same JSON, key for key and in the same
 order, for records a real run wrote and for older files that lack keys."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import check_records, run_fedpart, small_config
-from fedpart.common.records import (
+from fedpart.common.process.records import (
     Accuracy,
     BufferedVersion,
     ByteCounts,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedpart.common.registry import (
+from fedpart.common.components.registry import (
     KINDS,
     REQUIRED,
     Option,
@@ -16,7 +16,8 @@ from fedpart.common.registry import (
 
 
 def _registry(**capabilities: str) -> Registry:
-    registry = Registry("test part", "fedpart.common.registry", "Parts of a test.", capabilities=capabilities)
+    registry = Registry("test part", "fedpart.common.components.registry", "Parts of a test.",
+                        capabilities=capabilities)
     KINDS.pop("test part")  # a scratch kind: not one of fedpart's
     return registry
 
@@ -95,8 +96,8 @@ def test_an_implementation_that_disagrees_with_its_declaration_is_refused(declar
 def test_the_server_parts_are_implemented_as_declared() -> None:
     """Importing the server's implementations passes every implement() check, and what the
     configuration reads (options, capabilities) is the implementations'."""
-    from fedpart.common.registry import ROBUST_AGGREGATORS, SERVER_OPTIMIZERS
-    from fedpart.server import optimizers, robust  # noqa: F401  (their implement() calls)
+    from fedpart.common.components.registry import ROBUST_AGGREGATORS, SERVER_OPTIMIZERS
+    from fedpart.server.policy import optimizers, robust  # noqa: F401  (their implement() calls)
 
     for registry in (SERVER_OPTIMIZERS, ROBUST_AGGREGATORS):
         assert all(component.build is not None for component in registry.builtin().values())

@@ -1,4 +1,4 @@
-"""The fault-injection relay (fedpart.deploy.relay): real TCP between real sockets on 127.0.0.1."""
+"""The fault-injection relay (lab.relay): real TCP between real sockets on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from conftest import WAIT, LineReader, child_env
-from fedpart.deploy.relay import FaultPlan, RelayThread, main
+from lab.relay import FaultPlan, RelayThread, main
 
 TIMEOUT = 30.0  # bound of a single socket wait; a wait ends as soon as its event happens
 SILENCE = 1.5  # how long a black-holed peer must see neither data nor a close
@@ -271,7 +271,7 @@ def test_bad_plans_are_refused() -> None:
 
 def test_the_command_prints_its_address_relays_and_reports_counts_on_sigterm(echo) -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "fedpart.deploy.relay", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "lab.relay", "--listen", "127.0.0.1:0",
          "--target", f"127.0.0.1:{echo.address[1]}", "--reset-bytes", "1000-2000", "--cuts", "1", "--seed", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
     try:

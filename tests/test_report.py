@@ -21,7 +21,7 @@ from conftest import WAIT, child_env, fedpart_command, read_metrics, read_summar
     small_config, start_server, write_config
 from fedpart.cli import main as cli
 from fedpart.cli.compare import parse_seeds, plan_runs, split_overrides
-from fedpart.common.records import RoundRecord
+from fedpart.common.process.records import RoundRecord
 from fedpart.report.link import (ClientRound, Link, cumulative_seconds, default_target, parse_duration,
                                         parse_rate, round_time, round_times, time_to_accuracy)
 from fedpart.report.runs import read_runs

@@ -29,17 +29,17 @@ from conftest import (
     write_config,
 )
 from fedpart.client.session import Backoff
-from fedpart.common.config import ConfigError, config_from_dict
-from fedpart.common.plans import HostedClient, JoinInfo, ResultInfo, TaskKind
-from fedpart.common.records import RoundRecord
-from fedpart.common.protocol import PROTOCOL_VERSION
+from fedpart.common.config.run_config import ConfigError, config_from_dict
+from fedpart.common.wire.plans import HostedClient, JoinInfo, ResultInfo, TaskKind
+from fedpart.common.process.records import RoundRecord
+from fedpart.common.wire.protocol import PROTOCOL_VERSION
 from fedpart.cli.main import build_parser, resume_config
 from fedpart.cli.main import main as cli_main
-from fedpart.server.coordinator import Coordinator
-from fedpart.server.aggregation import WeightedMean
-from fedpart.server.run_directory import RunDirectory
-from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
-from fedpart.server.task_board import Task
+from fedpart.server.engine.coordinator import Coordinator
+from fedpart.server.policy.aggregation import WeightedMean
+from fedpart.server.output.run_directory import RunDirectory
+from fedpart.server.engine.run_state import ResumeError, read_run_state, write_run_state
+from fedpart.server.engine.task_board import Task
 
 CLIENT_IDS = ("0-1", "2-3")
 

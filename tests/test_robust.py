@@ -20,7 +20,6 @@ import grpc
 import pytest
 import torch
 import yaml
-
 from conftest import (
     REPO,
     WAIT,
@@ -34,15 +33,26 @@ from conftest import (
     write_config,
 )
 from fedpart.client.local_data import load_client_data
-from fedpart.common.checkpoint import load_tensors
-from fedpart.common.config import ConfigError, RunConfig, config_from_dict
-from fedpart.common.experiment import build_run_model
-from fedpart.common.records import RoundRecord, RoundRobust
+from fedpart.common.config.experiment import build_run_model
+from fedpart.common.config.run_config import (
+    ConfigError,
+    RunConfig,
+    ServerConfig,
+    config_from_dict,
+)
+from fedpart.common.process.checkpoint import load_tensors
+from fedpart.common.process.records import RoundRecord, RoundRobust
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.server.aggregation import CoordinateMedian, CoordinateTrimmedMean, WeightedMean
-from fedpart.server.coordinator import Coordinator
+from fedpart.server.engine.coordinator import Coordinator
+from fedpart.server.engine.run_state import ResumeError, read_run_state, write_run_state
 from fedpart.server.main import start_grpc
-from fedpart.server.robust import (
+from fedpart.server.policy import build_policy
+from fedpart.server.policy.aggregation import (
+    CoordinateMedian,
+    CoordinateTrimmedMean,
+    WeightedMean,
+)
+from fedpart.server.policy.robust import (
     AdaptiveBound,
     ResultRefused,
     delta_norm,
@@ -50,9 +60,7 @@ from fedpart.server.robust import (
     screening_norm,
     upload_key,
 )
-from fedpart.server.policy import build_policy
 from fedpart.server.policy.screening import RobustScreening
-from fedpart.server.run_state import ResumeError, read_run_state, write_run_state
 
 BOUND = 60.0  # seconds: every wait in these tests is bounded
 HUGE_SAMPLES = 2**62
@@ -425,6 +433,23 @@ def _filled(header: pb.TaskHeader, state: dict[str, torch.Tensor], value: float)
 
 
 # ----------------------------------------------------------------------------------- protocol cases
+
+
+def test_a_client_is_sent_the_experiment_but_not_the_bounds_it_is_judged_by(serve):
+    """A process joining with raw stubs reads the run's config from its JoinReply: the experiment
+    is there (what it must train), the server's screening, its insider monitor's thresholds, its
+    optimizer, checkpoints and timeouts are not (they read as the defaults)."""
+    from fedpart.common.config.run_config import RobustConfig, ServerOptimizerConfig
+
+    robust = {"norm_bound": 2.0, "norm_action": "clip", "adaptive_bound": 3.0, "monitor_norm_ratio": 4.0,
+              "monitor_cosine": -0.5}
+    server, client = serve(2, rounds=1, robust=robust, server_optimizer={"name": "fedadam", "lr": 0.05},
+                           train={"lr": 0.07}, checkpoint={"every": 1})
+    sent = client.config
+    assert sent.train.lr == 0.07 and sent.clients == 2 and sent.rounds == 1
+    assert sent.robust == RobustConfig() and sent.server_optimizer == ServerOptimizerConfig()
+    assert sent.checkpoint.every != 1 and sent.server.round_timeout == ServerConfig().round_timeout
+    assert sent.server.heartbeat_timeout == server.config.server.heartbeat_timeout
 
 
 def test_a_1e30_delta_is_clipped_to_the_norm_bound(serve):

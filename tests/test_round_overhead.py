@@ -16,7 +16,7 @@ from pathlib import Path
 from torch.nn.utils import parameters_to_vector
 
 from conftest import REPO, load_script
-from fedpart.common.records import ByteCounts, RoundRecord
+from fedpart.common.process.records import ByteCounts, RoundRecord
 
 round_overhead = load_script(REPO / "benchmarks" / "round_overhead.py")
 Usage = round_overhead.Usage

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from fedpart.server.sampling import sample_clients
+from fedpart.server.engine.sampling import sample_clients
 
 
 @pytest.mark.parametrize("num_clients, fraction, expected", [

@@ -1,7 +1,7 @@
 """The load generator of ``benchmarks/server_scale.py`` through the fault relay (issue 20):
 connections reset at seeded random bytes of the rounds' and of the final evaluation's traffic cost
 streams sent again, never a result, an evaluation, or a wait on a timeout. Real processes on
-127.0.0.1: a ``fedpart server``, the relay (``python -m fedpart.deploy.relay``) and one load
+127.0.0.1: a ``fedpart server``, the relay (``python -m lab.relay``) and one load
 generator with 40 virtual client processes."""
 
 from __future__ import annotations

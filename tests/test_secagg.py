@@ -1,4 +1,4 @@
-"""The cryptography of secure aggregation (fedpart.common.secagg): Shamir, sealing, the SecAgg+
+"""The cryptography of secure aggregation (fedpart.common.privacy.secagg): Shamir, sealing, the SecAgg+
 graph, quantization, commitments and the CHECK step, and whole simulated rounds with and without
 dropouts and with one lying client (random sealed shares, altered revealed shares, a dealer of
 wrong shares, a false input)."""
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from fedpart.common.secagg import (
+from fedpart.common.privacy.secagg import (
     ClientParty,
     Commitments,
     Dealt,

@@ -31,9 +31,9 @@ from conftest import (
     start_server,
     write_config,
 )
-from fedpart.common.checkpoint import load_tensors
-from fedpart.common.config import config_from_dict
-from fedpart.common.experiment import build_run_model
+from fedpart.common.process.checkpoint import load_tensors
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.config.experiment import build_run_model
 
 HOSTILE = FIXTURES / "hostile_secagg.py"
 LIAR = 0

@@ -3,7 +3,7 @@ masked updates, never one client's update, and moves the model by their weighted
 quantization bound; clients that drop out after sharing or after masking do not stop the round;
 too few survivors fail the round clearly and keep the model; the config check refuses what a sum
 cannot serve. The in-process cases drive the coordinator with clients written against
-``fedpart.common.secagg`` (not our client runtime); the end-to-end case runs real processes."""
+``fedpart.common.privacy.secagg`` (not our client runtime); the end-to-end case runs real processes."""
 
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ from conftest import (
     start_server,
     write_config,
 )
-from fedpart.common.checkpoint import load_tensors
-from fedpart.common.config import ConfigError, config_from_dict
-from fedpart.common.plans import HostedClient, JoinInfo, ResultInfo, SecAggAnswer, SecAggStage, TaskKind
-from fedpart.common.protocol import PROTOCOL_VERSION, Rejected
-from fedpart.common.secagg import ClientParty, quantize, round_tag
-from fedpart.server.coordinator import Coordinator
-from fedpart.server.task_board import Task
+from fedpart.common.process.checkpoint import load_tensors
+from fedpart.common.config.run_config import ConfigError, config_from_dict
+from fedpart.common.wire.plans import HostedClient, JoinInfo, ResultInfo, SecAggAnswer, SecAggStage, TaskKind
+from fedpart.common.wire.protocol import PROTOCOL_VERSION, Rejected
+from fedpart.common.privacy.secagg import ClientParty, quantize, round_tag
+from fedpart.server.engine.coordinator import Coordinator
+from fedpart.server.engine.task_board import Task
 
 BOUND = 60.0
 CLIENTS = 6

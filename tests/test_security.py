@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from conftest import fedpart_command, small_config, write_config
-from fedpart.common.config import config_from_dict
-from fedpart.common.protocol import PROTOCOL_VERSION, method_path
-from fedpart.common.security import ClientSecurity, ServerSecurity, hash_token, load_credentials
-from fedpart.common.wire import decode_chunks, encode_chunks, make_spec
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.wire.protocol import PROTOCOL_VERSION, method_path
+from fedpart.common.wire.security import ClientSecurity, ServerSecurity, hash_token, load_credentials
+from fedpart.common.wire.tensors import decode_chunks, encode_chunks, make_spec
 from fedpart.deploy.certs import write_run_credentials
 from fedpart.proto import fedpart_pb2 as pb
 from fedpart.proto import fedpart_pb2_grpc as pb_grpc
-from fedpart.server.coordinator import Coordinator
+from fedpart.server.engine.coordinator import Coordinator
 from fedpart.server.main import start_grpc
 
 BOUND = 60.0

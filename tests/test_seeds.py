@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from fedpart.common.config import RunConfig, SeedsConfig, load_config
+from fedpart.common.config.run_config import RunConfig, SeedsConfig, load_config
 from fedpart.common.data.datasets import load_dataset
 from fedpart.common.data.partition import make_partition
-from fedpart.common.experiment import build_run_model
-from fedpart.server.sampling import sample_clients
+from fedpart.common.config.experiment import build_run_model
+from fedpart.server.engine.sampling import sample_clients
 
 from conftest import read_metrics, read_summary, run_fedpart, small_config
 

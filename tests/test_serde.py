@@ -1,4 +1,4 @@
-"""The protobuf edge (``fedpart.common.serde``): plain plans, task and result headers survive the
+"""The protobuf edge (``fedpart.common.wire.serde``): plain plans, task and result headers survive the
 wire unchanged, and the messages carry exactly the fields the plain values hold."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedpart.common.plans import EvalPlan, HostedClient, Phase, ResultInfo, TaskInfo, TaskKind, TrainPlan
-from fedpart.common.serde import (
+from fedpart.common.wire.plans import EvalPlan, HostedClient, Phase, ResultInfo, TaskInfo, TaskKind, TrainPlan
+from fedpart.common.wire.serde import (
     eval_plan,
     eval_plan_message,
     join_info,
@@ -18,7 +18,7 @@ from fedpart.common.serde import (
     train_plan,
     train_plan_message,
 )
-from fedpart.common.wire import WireError, make_spec
+from fedpart.common.wire.tensors import WireError, make_spec
 from fedpart.proto import fedpart_pb2 as pb
 
 TRAIN = TrainPlan(phases=(Phase(2, ("conv1", "head"), {"unfreeze_fraction": 0.25, "warmup": 3.0}),

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedpart.common.checkpoint import load_tensors
-from fedpart.server.insiders import InsiderMonitor
-from fedpart.server.robust import AdaptiveBound
+from fedpart.common.process.checkpoint import load_tensors
+from fedpart.server.policy.insiders import InsiderMonitor
+from fedpart.server.policy.robust import AdaptiveBound
 from test_algorithm_runs import CLIENTS, _run
 
 NON_IID = {"dataset": "digits", "partition": {"scheme": "shards", "shards_per_client": 5}}

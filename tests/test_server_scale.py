@@ -1,4 +1,4 @@
-"""Virtual client processes (``fedpart.client.virtual``) answer as the server expects, and the
+"""Virtual client processes (``lab.virtual``) answer as the server expects, and the
 coordinator serves more client processes than the 512 worker threads it once had: a real
 ``fedpart server`` against 640 virtual client processes multiplexed in one OS process on 127.0.0.1."""
 
@@ -13,16 +13,16 @@ import pytest
 
 from conftest import (WAIT, LineReader, Processes, read_metrics, read_summary, small_config,
                       start_server, write_config)
-from fedpart.client.virtual import Payloads, evaluation_metrics, slice_clients, train_sample_count
-from fedpart.common.config import config_from_dict
-from fedpart.common.plans import EvalPlan, TaskKind
-from fedpart.common.serde import result_info
-from fedpart.common.wire import decode_chunks
-from fedpart.common.client_ids import split_clients
+from lab.virtual import Payloads, evaluation_metrics, slice_clients, train_sample_count
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.wire.plans import EvalPlan, TaskKind
+from fedpart.common.wire.serde import result_info
+from fedpart.common.wire.tensors import decode_chunks
+from fedpart.common.wire.client_ids import split_clients
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.server.coordinator import Coordinator
-from fedpart.server.task_board import Task
-from fedpart.server.validation import check_evaluation, check_header
+from fedpart.server.engine.coordinator import Coordinator
+from fedpart.server.engine.task_board import Task
+from fedpart.server.policy.validation import check_evaluation, check_header
 
 VIRTUAL_PROCESSES = 640  # above the old limit of 512 worker threads, one per waiting poll
 CLIENTS = 1280
@@ -90,7 +90,7 @@ def test_rounds_complete_with_more_client_processes_than_the_old_thread_limit(pr
     out = tmp_path / "run"
     server, server_output, address = start_server(processes, write_config(tmp_path / "scale.yaml", scale_config()), out)
     stats_path = tmp_path / "load.json"
-    load = processes.start([sys.executable, "-m", "fedpart.client.virtual", "--insecure", "--server", address,
+    load = processes.start([sys.executable, "-m", "lab.virtual", "--insecure", "--server", address,
                             "--clients", f"0-{CLIENTS - 1}", "--processes", str(VIRTUAL_PROCESSES),
                             "--reconnect-timeout", str(RECONNECT_SECONDS), "--stats", str(stats_path)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

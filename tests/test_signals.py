@@ -1,4 +1,4 @@
-"""SIGINT / SIGTERM handed to the program instead of raised anywhere (common/exit_codes.py):
+"""SIGINT / SIGTERM handed to the program instead of raised anywhere (common/process/exit_codes.py):
 :func:`signals_to` and :class:`StoppableCondition`, the server's orderly stop."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fedpart.common.exit_codes import StoppableCondition, Stopped
+from fedpart.common.process.exit_codes import StoppableCondition, Stopped
 
 WAIT = 60.0
 
@@ -66,7 +66,7 @@ def test_a_settled_condition_ignores_a_stop() -> None:
 # and the handlers of before are back after the block.
 SIGNALLED_PROGRAM = """
 import os, signal, sys, threading
-from fedpart.common.exit_codes import StoppableCondition, signals_to
+from fedpart.common.process.exit_codes import StoppableCondition, signals_to
 
 cond = StoppableCondition()
 stops = []

@@ -15,13 +15,13 @@ from conftest import small_config
 from fedpart.client.local_data import ClientData
 from fedpart.client.speed import LossScaledOptimizer, TrainingSpeed
 from fedpart.client.training import train_local
-from fedpart.common.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
-from fedpart.common.config import ConfigError, config_from_dict, load_config
+from fedpart.common.ml.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
+from fedpart.common.config.run_config import ConfigError, config_from_dict, load_config
 from fedpart.common.data.augment import build_augment
 from fedpart.common.models.zoo import build_model, unit_forward_flops
-from fedpart.common.objectives import ObjectiveSpec
-from fedpart.common.plans import Phase, TrainPlan
-from fedpart.common.split_model import SplitModel
+from fedpart.common.ml.objectives import ObjectiveSpec
+from fedpart.common.wire.plans import Phase, TrainPlan
+from fedpart.common.ml.split_model import SplitModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

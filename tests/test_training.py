@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 from fedpart.client.local_data import ClientData
 from fedpart.client.training import step_flops, train_local
-from fedpart.common.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
+from fedpart.common.ml.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
 from fedpart.common.models.zoo import build_model, unit_forward_flops
-from fedpart.common.objectives import ObjectiveSpec
-from fedpart.common.plans import Phase, TrainPlan
-from fedpart.common.split_model import SplitModel
+from fedpart.common.ml.objectives import ObjectiveSpec
+from fedpart.common.wire.plans import Phase, TrainPlan
+from fedpart.common.ml.split_model import SplitModel
 
 INPUT_SHAPE = (1, 4, 4)
 UNITS = ("fc1", "fc2", "head")

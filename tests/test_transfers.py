@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from conftest import small_config
-from fedpart.common.config import config_from_dict
-from fedpart.common.plans import HostedClient, JoinInfo, TaskKind
-from fedpart.common.protocol import PROTOCOL_VERSION
-from fedpart.common.wire import decode_chunks, make_spec
+from fedpart.common.config.run_config import config_from_dict
+from fedpart.common.wire.plans import HostedClient, JoinInfo, TaskKind
+from fedpart.common.wire.protocol import PROTOCOL_VERSION
+from fedpart.common.wire.tensors import decode_chunks, make_spec
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.server.coordinator import Coordinator
-from fedpart.server.task_board import Task
-from fedpart.server.transfers import (MAX_RECEIVE_WINDOW, MIN_RECEIVE_WINDOW, MIN_RESULT_CHUNK_BYTES,
+from fedpart.server.engine.coordinator import Coordinator
+from fedpart.server.engine.task_board import Task
+from fedpart.server.transport.transfers import (MAX_RECEIVE_WINDOW, MIN_RECEIVE_WINDOW, MIN_RESULT_CHUNK_BYTES,
                                      RECEIVE_WINDOWS_BYTES, TaskPayloads, UploadSlots, receive_window,
                                      result_chunk_bytes)
 

@@ -1,4 +1,4 @@
-"""The rules a result must follow (``fedpart.server.validation``), one by one; the gRPC tests
+"""The rules a result must follow (``fedpart.server.policy.validation``), one by one; the gRPC tests
 (test_protocol.py, test_security.py) check that the service applies them to real streams."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedpart.common.plans import EvalPlan, Phase, ResultInfo, TaskInfo, TaskKind, TrainPlan
-from fedpart.common.protocol import RESULT_REJECTED, InvalidResult
-from fedpart.common.wire import ReceivedChunk, encode_chunks, make_spec, read_chunk
+from fedpart.common.wire.plans import EvalPlan, Phase, ResultInfo, TaskInfo, TaskKind, TrainPlan
+from fedpart.common.wire.protocol import RESULT_REJECTED, InvalidResult
+from fedpart.common.wire.tensors import ReceivedChunk, encode_chunks, make_spec, read_chunk
 from fedpart.proto import fedpart_pb2 as pb
-from fedpart.server.validation import (
+from fedpart.server.policy.validation import (
     MAX_METRICS,
     all_finite,
     check_evaluation,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedpart.common import wire
-from fedpart.common.wire import (
+from fedpart.common.wire import tensors as wire
+from fedpart.common.wire.tensors import (
     TensorAssembler,
     WireError,
     chunk_pieces,

@@ -29,10 +29,10 @@ import torch
 
 from fedpart.client.session import Answer
 from fedpart.client.store import ClientStore
-from fedpart.common.codecs import Encoded
-from fedpart.common.config import RunConfig
-from fedpart.common.plans import SecAggAnswer, TaskInfo
-from fedpart.common.wire import serialized_pieces, wire_form
+from fedpart.common.wire.codecs import Encoded
+from fedpart.common.config.run_config import RunConfig
+from fedpart.common.wire.plans import SecAggAnswer, TaskInfo
+from fedpart.common.wire.tensors import serialized_pieces, wire_form
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Compression of what a client uploads (``compression.up``, ``fedpart.common.codecs``): a
+"""Compression of what a client uploads (``compression.up``, ``fedpart.common.wire.codecs``): a
 training reply's deltas go through the codec, and its whole values too where the codec keeps
 every element; a codec with error feedback (top-k) adds the residual the client's last upload left
 before encoding and keeps the new one once the server has taken the result (Stich et al.,
@@ -11,8 +11,8 @@ import torch
 
 from fedpart.client.mods import Execute, Reply, WorkerContext
 from fedpart.client.store import ClientStore
-from fedpart.common.codecs import Codec, build_codec, encode, encode_with_feedback, seeded_generator
-from fedpart.common.plans import TaskInfo
+from fedpart.common.wire.codecs import Codec, build_codec, encode, encode_with_feedback, seeded_generator
+from fedpart.common.wire.plans import TaskInfo
 
 
 def build(context: WorkerContext) -> Compress | None:

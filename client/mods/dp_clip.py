@@ -1,14 +1,14 @@
 """User-level differential privacy on the client (DP-FedAvg: McMahan et al., "Learning
 Differentially Private Recurrent Language Models", ICLR 2018): a training reply's deltas are
 clipped together to ``privacy.dp.clip_norm`` before any codec rounds them. The server clips what it
-decoded again and adds the noise (``fedpart.server.privacy``); under adaptive clipping
+decoded again and adds the noise (``fedpart.server.policy.privacy``); under adaptive clipping
 (``privacy.dp.adaptive_clip``) the clip moves from round to round, and only the server clips."""
 
 from __future__ import annotations
 
 from fedpart.client.mods import Execute, Reply, WorkerContext
-from fedpart.common.plans import TaskInfo
-from fedpart.common.privacy import clip_deltas
+from fedpart.common.wire.plans import TaskInfo
+from fedpart.common.privacy.clipping import clip_deltas
 
 
 def build(context: WorkerContext) -> ClipDeltas | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fedpart.client import dp_sgd
 from fedpart.client.mods import Execute, Reply, WorkerContext
-from fedpart.common.plans import TaskInfo, TaskKind
+from fedpart.common.wire.plans import TaskInfo, TaskKind
 
 
 def build(context: WorkerContext) -> Ledger | None:

@@ -1,5 +1,5 @@
 """A slower or intermittent device, emulated in wall time (``heterogeneity.clock: wall``,
-:mod:`fedpart.common.heterogeneity`): a training task lasts as long as the client's device would
+:mod:`fedpart.common.config.heterogeneity`): a training task lasts as long as the client's device would
 take, counted from when the process starts it: the process trains, then waits out the rest of its
 device's time, its offline windows included (counted from the process's start). Where the
 training itself takes longer than the device would, nothing is added. The same run config gives
@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 
 from fedpart.client.mods import Execute, Reply, WorkerContext
-from fedpart.common.heterogeneity import Devices
-from fedpart.common.plans import TaskInfo
+from fedpart.common.config.heterogeneity import Devices
+from fedpart.common.wire.plans import TaskInfo
 
 
 def build(context: WorkerContext) -> EmulatedDevices | None:

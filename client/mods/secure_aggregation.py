@@ -8,7 +8,7 @@ neighbour and a commitment to every share, CHECK answers the neighbours whose sh
 do not open or do not match their commitments, MASK answers the update clipped, quantized and
 masked with the peers the step names (int32 tensors of the uploaded tensors' shapes), UNMASK
 answers the shares the server needs to remove the masks of the sum. The steps themselves are
-:class:`fedpart.common.secagg.ClientParty`'s; this module keeps one party per client and round.
+:class:`fedpart.common.privacy.secagg.ClientParty`'s; this module keeps one party per client and round.
 A process that restarts loses its parties: its clients count as dropped out of that round.
 """
 
@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from fedpart.client.mods import Execute, Reply, WorkerContext
-from fedpart.common.plans import SecAggAnswer, SecAggStage, SecAggStep, TaskInfo, TaskKind
-from fedpart.common.secagg import ClientParty, SecAggError, quantize, round_tag
+from fedpart.common.process.console import Log
+from fedpart.common.wire.plans import SecAggAnswer, SecAggStage, SecAggStep, TaskInfo, TaskKind
+from fedpart.common.privacy.secagg import ClientParty, SecAggError, quantize, round_tag
 
 
 class SecureStepError(RuntimeError):
@@ -44,7 +45,7 @@ class SecureUpdates:
 
     def __init__(self, run_id: str, log: Callable[[str], None] = print, buffered: bool = False) -> None:
         self.run_id = run_id
-        self.log = log
+        self.log = Log.of(log)
         self.buffered = buffered
         self._kept: dict[tuple[int, int], _Kept] = {}
 
@@ -99,7 +100,7 @@ class SecureUpdates:
     def _check(self, party: ClientParty, step: SecAggStep) -> SecAggAnswer:
         disputed = party.check(step.sealed, step.commitments)
         for sender, why in sorted(disputed.items()):
-            self.log(f"warning: client {party.client_id}: the shares from client {sender} do not hold ({why}); "
+            self.log.warning(f"client {party.client_id}: the shares from client {sender} do not hold ({why}); "
                      "told the server")
         return SecAggAnswer(disputed=tuple(sorted(disputed)))
 
@@ -151,7 +152,7 @@ class SecureAggregation:
 
     def __init__(self, updates: SecureUpdates, log: Callable[[str], None]) -> None:
         self.updates = updates
-        self.log = log
+        self.log = Log.of(log)
 
     def __call__(self, task: TaskInfo, call_next: Execute) -> Reply:
         if task.kind == TaskKind.SECAGG:
@@ -172,5 +173,5 @@ class SecureAggregation:
                 return Reply(step_answer=self.updates.answer(client, task.round, step))
             return Reply(uploads=self.updates.mask(client, task.round, step))
         except SecureStepError as error:
-            self.log(f"warning: {error}")
+            self.log.warning(str(error))
             return Reply()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from fedpart.common.codecs import seeded_generator
+from fedpart.common.wire.codecs import seeded_generator
 
 AUGMENTATIONS = ("none", "crop_flip")
 PADDING = 4

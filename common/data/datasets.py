@@ -5,7 +5,7 @@ stored dtype (``uint8`` stays ``uint8``); scaling and per-channel normalisation 
 ``ArrayDataset.features`` when a client slices its partition.
 
 Each built-in dataset is one :class:`DatasetSpec` (files, input shape, samples per class,
-normalisation, reader) registered in :data:`fedpart.common.registry.DATASETS`: a new dataset is one
+normalisation, reader) registered in :data:`fedpart.common.components.registry.DATASETS`: a new dataset is one
 spec. The names (:data:`DATASET_NAMES`) and the files read under the data root (``data.root``):
 
 - ``digits``: the 8x8 digits scikit-learn bundles, shipped in this package (no root needed).
@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from fedpart.common.importing import import_callable
-from fedpart.common.registry import DATASETS, Option, at_least_one
+from fedpart.common.components.importing import import_callable
+from fedpart.common.components.registry import DATASETS, Option, at_least_one
 from fedpart.common.data.types import ArrayDataset
 
 try:
@@ -105,7 +105,7 @@ class DatasetSpec:
 
 
 def register_dataset(spec: DatasetSpec) -> DatasetSpec:
-    """Register ``spec`` in :data:`~fedpart.common.registry.DATASETS` with its loader options."""
+    """Register ``spec`` in :data:`~fedpart.common.components.registry.DATASETS` with its loader options."""
     options = tuple(Option(key, int, f"keep a class-stratified subset of this many {split} samples", at_least_one,
                            "must be a positive integer", None)
                     for key, split in zip(SUBSET_OPTIONS, ("training", "test")))

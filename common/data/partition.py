@@ -2,7 +2,7 @@
 
 :func:`make_partition` returns one :class:`~fedpart.common.data.types.ClientSplit` per client:
 sorted int64 indices into ``y_train`` / ``y_test``, disjoint across clients, identical for the same
-seed. Each scheme is a component of :data:`fedpart.common.registry.PARTITIONS` that declares its
+seed. Each scheme is a component of :data:`fedpart.common.components.registry.PARTITIONS` that declares its
 options (:data:`PARTITION_SCHEMES`: their names):
 
 - ``iid``: a seeded permutation cut into equal parts.
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from fedpart.common.data.types import ClientSplit
-from fedpart.common.registry import PARTITIONS, REQUIRED, Option, at_least_one, finite_positive, non_negative
+from fedpart.common.components.registry import PARTITIONS, REQUIRED, Option, at_least_one, finite_positive, non_negative
 
 
 

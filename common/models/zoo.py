@@ -1,7 +1,7 @@
 """Built-in models, each cut into body units and a head (see :class:`SplitModel`).
 
 Every builder takes ``num_classes``, ``input_shape`` (one sample, e.g. ``(3, 32, 32)``) and its own
-keyword options; each registers in :data:`fedpart.common.registry.MODELS` with those options.
+keyword options; each registers in :data:`fedpart.common.components.registry.MODELS` with those options.
 :func:`build_model` seeds the initialisation, so the same seed always gives
 bit-identical weights, and also loads custom models from ``package.module:function`` import paths.
 The head is always the final ``nn.Linear`` with its bias and PyTorch's default initialisation.
@@ -17,9 +17,9 @@ from typing import TypeAlias
 import torch
 from torch import nn
 
-from fedpart.common.importing import import_callable
-from fedpart.common.registry import MODELS, Option, at_least_one
-from fedpart.common.split_model import SplitModel
+from fedpart.common.components.importing import import_callable
+from fedpart.common.components.registry import MODELS, Option, at_least_one
+from fedpart.common.ml.split_model import SplitModel
 
 Units: TypeAlias = "OrderedDict[str, nn.Module]"
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedpart.common.records import Insiders, RoundRobust
-from fedpart.server.aggregation import Aggregator
-from fedpart.server.insiders import InsiderMonitor, Observation
-from fedpart.server.optimizers import RoundDelta
-from fedpart.server.privacy import ClippedDeltas
-from fedpart.server.robust import MeasuredDeltas, delta_norm, screening_norm, upload_key
+from fedpart.common.process.records import Insiders, RoundRobust
+from fedpart.server.policy.aggregation import Aggregator
+from fedpart.server.policy.insiders import InsiderMonitor, Observation
+from fedpart.server.policy.optimizers import RoundDelta
+from fedpart.server.policy.privacy import ClippedDeltas
+from fedpart.server.policy.robust import MeasuredDeltas, delta_norm, screening_norm, upload_key
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Screened:
 def _sent_norm(tensors: Mapping[str, torch.Tensor], measured: float) -> float:
     """The L2 norm of a result's deltas as the client sent them: before a clip to
     ``robust.norm_bound`` (:class:`MeasuredDeltas`) or ``privacy.dp.clip_norm``
-    (:class:`~fedpart.server.privacy.ClippedDeltas`); else ``measured``."""
+    (:class:`~fedpart.server.policy.privacy.ClippedDeltas`); else ``measured``."""
     if isinstance(tensors, MeasuredDeltas):
         return tensors.sent_norm
     if isinstance(tensors, ClippedDeltas):
@@ -49,7 +49,7 @@ class RoundAggregate:
     one a layer puts in its place), and each result's norm as it is folded, when the server
     optimizer asks for the norms (``record_norms``: FedExp) or a layer takes the round's median
     norms (``record_medians``: the adaptive bound), and what the insider ``monitor`` keeps of each
-    client's result (:class:`~fedpart.server.insiders.Observation`). Otherwise ``add`` only hands
+    client's result (:class:`~fedpart.server.policy.insiders.Observation`). Otherwise ``add`` only hands
     the result to the combiner. ``delta`` is what the server optimizer saw of the round, once taken."""
 
     def __init__(self, combiner: Aggregator, record_norms: bool, round_number: int = 0) -> None:

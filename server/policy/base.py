@@ -3,7 +3,7 @@ what the round engine asks of a round's results, and what a layer may ask of the
 
 A :class:`Policy` answers the engine; a layer is a policy around another (``inner``) that changes
 some of the answers and forwards the rest, as Flower wraps a strategy in a DP strategy. The
-engine (:mod:`fedpart.server.coordinator`, :mod:`fedpart.server.buffered`) calls only these
+engine (:mod:`fedpart.server.engine.coordinator`, :mod:`fedpart.server.engine.buffered`) calls only these
 methods and knows no layer. A layer that needs tasks of its own (secure aggregation's steps) runs
 them through the :class:`RoundSteps` the engine hands it; a layer that takes results of its own
 (:meth:`Policy.owns`) folds them through the :class:`Folding` the engine hands it.
@@ -16,11 +16,11 @@ from typing import Any, Protocol
 
 import torch
 
-from fedpart.common.plans import ResultInfo
-from fedpart.common.records import RoundRecord
-from fedpart.server.aggregation import HeadDictionary
+from fedpart.common.wire.plans import ResultInfo
+from fedpart.common.process.records import RoundRecord
+from fedpart.server.policy.aggregation import HeadDictionary
 from fedpart.server.policy.aggregate import RoundAggregate, RoundResults, Screened
-from fedpart.server.task_board import Task
+from fedpart.server.engine.task_board import Task
 
 
 
@@ -60,7 +60,7 @@ class Policy:
 
     def screen(self, client: int, deltas: dict[str, torch.Tensor], samples: int) -> Screened:
         """Decide what a training result with ``deltas`` and ``samples`` counts for; raises
-        :class:`~fedpart.server.robust.ResultRefused` (nothing changed) for one refused."""
+        :class:`~fedpart.server.policy.robust.ResultRefused` (nothing changed) for one refused."""
         return self.inner.screen(client, deltas, samples)
 
     def screen_evaluation(self, client: int, metrics: Mapping[str, float]) -> tuple[dict[str, float], tuple[str, ...]]:

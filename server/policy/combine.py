@@ -1,7 +1,7 @@
 """The core of the server's policy, with no defence and no privacy in it: a result counts for its
 samples (``train.weighting``), the round's results are combined by the configured aggregator
 (``robust.aggregator``: the streaming weighted mean by default), and the combined delta goes
-through the run's server optimizer (:mod:`fedpart.server.optimizers`: the ``server_optimizer``
+through the run's server optimizer (:mod:`fedpart.server.policy.optimizers`: the ``server_optimizer``
 section, or the step an objective term brings, FedDyn's); FedHA's collected heads are combined by
 the same kind of aggregator. The layers of :mod:`fedpart.server.policy` wrap it.
 """
@@ -12,28 +12,27 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-
-from fedpart.common.config import RunConfig, robust_aggregator_options
-from fedpart.common.experiment import run_algorithm
-from fedpart.common.records import RoundRecord
-from fedpart.common.registry import ROBUST_AGGREGATORS
-from fedpart.server.aggregation import Aggregator, HeadDictionary
-from fedpart.server.optimizers import ServerOptimizer, build_server_optimizer
+from fedpart.common.components.registry import ROBUST_AGGREGATORS
+from fedpart.common.config.run_config import RunConfig, robust_aggregator_options
+from fedpart.common.process.records import RoundRecord
 from fedpart.server.policy.aggregate import RoundAggregate, Screened
+from fedpart.server.policy.aggregation import Aggregator, HeadDictionary
 from fedpart.server.policy.base import Policy, RoundSteps
+from fedpart.server.policy.optimizers import ServerOptimizer, build_server_optimizer
 
 
 class Combine(Policy):
     """Counts each result for its samples, combines a round's results with the configured
     aggregator and moves the global model with the run's server optimizer."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, server_step: tuple[str, dict[str, Any]] | None) -> None:
+        """``server_step``: the step the algorithm's objective brings (FedDyn's), if any."""
         super().__init__(None)
         self.robust = config.robust
         self.weighting = config.train.weighting
         section = config.server_optimizer
         self.optimizer: ServerOptimizer = build_server_optimizer(
-            section.name, section.options, run_algorithm(config).server_step, config.clients)
+            section.name, section.options, server_step, config.clients)
 
     def combiner(self) -> Aggregator:
         """A fresh aggregator of the configured kind, its options read from the ``robust`` section."""

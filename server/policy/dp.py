@@ -5,7 +5,7 @@ is clipped here, and a lossy codec's rounding of a clipped delta too; under adap
 clip moves from round to round), every result weighs 1, and a round's deltas are combined into
 their noised sum over the expected number of clients; the budget comes from Google's
 dp-accounting and may end the run early (``privacy.dp.target_epsilon``). The mechanism is
-:mod:`fedpart.server.privacy`'s."""
+:mod:`fedpart.server.policy.privacy`'s."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
-
-from fedpart.common.config import RunConfig
-from fedpart.common.records import RoundRecord
-from fedpart.server.policy.base import Policy
+from fedpart.common.config.experiment import Experiment
+from fedpart.common.config.run_config import ConfigError, RunConfig
+from fedpart.common.ml.algorithms import Role
+from fedpart.common.process.records import RoundRecord
 from fedpart.server.policy.aggregate import RoundAggregate, Screened
-from fedpart.server.privacy import DifferentialPrivacy
-from fedpart.server.robust import ResultRefused
+from fedpart.server.policy.base import Policy
+from fedpart.server.policy.privacy import DifferentialPrivacy
+from fedpart.server.policy.robust import ResultRefused
 
 
 def applies(config: RunConfig) -> bool:
@@ -27,8 +28,15 @@ def applies(config: RunConfig) -> bool:
     return config.privacy.dp.enabled
 
 
-def wrap(inner: Policy, config: RunConfig, log: Callable[[str], None]) -> Policy:
-    """The DP-FedAvg layer around ``inner``."""
+def wrap(inner: Policy, config: RunConfig, log: Callable[[str], None], experiment: Experiment) -> Policy:
+    """The DP-FedAvg layer around ``inner``; raises ConfigError where the model aggregates a
+    tensor that is not floating point (Gaussian noise cannot be added to it)."""
+    algorithm = experiment.algorithm
+    integers = sorted(name for name, tensor in experiment.model.state_dict().items()
+                      if algorithm.role(name) is Role.GLOBAL and not tensor.is_floating_point())
+    if integers:
+        raise ConfigError(f"privacy.dp: the model aggregates tensors that are not floating point "
+                          f"({', '.join(integers[:3])}), which Gaussian noise cannot be added to")
     return DPFedAvg(inner, config, log)
 
 
@@ -43,7 +51,7 @@ class DPFedAvg(Policy):
         """The inner screening (sample caps), then the deltas clipped to the clip norm (counted as
         clipped where the result was over it by more than a codec's rounding; under adaptive
         clipping, over the round's clip at all), weight 1. The clipped deltas keep their norm
-        before clipping (:class:`~fedpart.server.privacy.ClippedDeltas`), which adaptive clipping
+        before clipping (:class:`~fedpart.server.policy.privacy.ClippedDeltas`), which adaptive clipping
         counts when they are folded."""
         screened = self.inner.screen(client, deltas, samples)
         if not screened.deltas:

@@ -5,9 +5,9 @@ result may weigh, and which results do not count.
   weighted means), are capped at the client's partition split where the server can compute the
   seeded partition itself, and at ``robust.max_samples``; a capped evaluation count keeps what the
   client reported as ``reported_train_samples`` / ``reported_test_samples``.
-- Norm bounds (:mod:`fedpart.server.robust`): the adaptive bound by default, ``robust.norm_bound``
+- Norm bounds (:mod:`fedpart.server.policy.robust`): the adaptive bound by default, ``robust.norm_bound``
   where set, to clip or refuse.
-- The insider monitor (:mod:`fedpart.server.insiders`) judges each folded (and each refused)
+- The insider monitor (:mod:`fedpart.server.policy.insiders`) judges each folded (and each refused)
   result by its norm and direction, names a client that is an outlier round after round, and with
   ``robust.monitor_action: refuse`` refuses its results until one is not.
 
@@ -24,14 +24,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
-
-from fedpart.common.config import RunConfig
-from fedpart.common.experiment import build_run_model
-from fedpart.server.aggregation import HeadDictionary
-from fedpart.server.insiders import InsiderMonitor, Observation
-from fedpart.server.policy.base import Policy
+from fedpart.common.config.experiment import Experiment
+from fedpart.common.config.run_config import RunConfig
+from fedpart.common.process.console import Log
 from fedpart.server.policy.aggregate import RoundAggregate, Screened
-from fedpart.server.robust import (
+from fedpart.server.policy.aggregation import HeadDictionary
+from fedpart.server.policy.base import Policy
+from fedpart.server.policy.insiders import InsiderMonitor, Observation
+from fedpart.server.policy.robust import (
     AdaptiveBound,
     MeasuredDeltas,
     PartitionSizes,
@@ -41,7 +41,7 @@ from fedpart.server.robust import (
     scaled,
     screening_norm,
 )
-from fedpart.server.validation import SAMPLE_COUNTS, reported
+from fedpart.server.policy.validation import SAMPLE_COUNTS, reported
 
 
 def applies(config: RunConfig) -> bool:
@@ -49,15 +49,18 @@ def applies(config: RunConfig) -> bool:
     return True
 
 
-def wrap(inner: Policy, config: RunConfig, log: Callable[[str], None]) -> Policy:
+def wrap(inner: Policy, config: RunConfig, log: Callable[[str], None], experiment: Experiment) -> Policy:
     """The screening layer around ``inner``."""
-    return RobustScreening(inner, config, log)
+    return RobustScreening(inner, config, log, experiment.model.state_dict())
 
 
 class RobustScreening(Policy):
     """Caps sample counts, bounds single results, watches for insiders (see the module)."""
 
-    def __init__(self, inner: Policy, config: RunConfig, log: Callable[[str], None]) -> None:
+    def __init__(self, inner: Policy, config: RunConfig, log: Callable[[str], None],
+                 initial: Mapping[str, torch.Tensor]) -> None:
+        """``initial``: the run's initial model tensors (the first round's adaptive bound scales
+        with their norms)."""
         super().__init__(inner)
         self.robust = config.robust
         private, secure = config.privacy.dp.enabled, config.privacy.secure_aggregation
@@ -65,7 +68,6 @@ class RobustScreening(Policy):
         bounds = not private and not secure
         self.adaptive_bound: AdaptiveBound | None = None
         if self.robust.adaptive_bound and bounds:
-            initial = build_run_model(config).state_dict()
             self.adaptive_bound = AdaptiveBound(self.robust.adaptive_bound, self.robust.first_round_bound, initial)
         self.norm_bound = self.robust.norm_bound if bounds else 0.0
         self.monitor: InsiderMonitor | None = None
@@ -79,7 +81,7 @@ class RobustScreening(Policy):
                 self.partition_sizes = partition_sizes(config)
             except (OSError, ValueError, ImportError) as error:
                 cap = self.robust.max_samples or "none"
-                log(f"warning: the server cannot compute the partition ({error}); reported sample counts "
+                Log.of(log).warning(f"the server cannot compute the partition ({error}); reported sample counts "
                     f"(training results and evaluation reports) are capped only by robust.max_samples ({cap})")
 
     def sample_cap(self, client_id: int, split: str = "train") -> int | None:

@@ -1,6 +1,6 @@
 """Secure aggregation, a layer of the server's policy (``privacy.secure_aggregation``; Bonawitz
 et al., CCS 2017, with SecAgg+'s neighbourhoods): the server sees no single update, only the
-round's sum. The mechanism and its steps are :mod:`fedpart.server.secure_aggregation`'s; this
+round's sum. The mechanism and its steps are :mod:`fedpart.server.policy.secagg_protocol`'s; this
 layer runs them in the round:
 
 - every training task carries the ADVERTISE step: the client keeps its update and answers its
@@ -24,14 +24,14 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from fedpart.common.config import RunConfig
-from fedpart.common.plans import ResultInfo, SecAggStage, SecAggStep, TaskKind
-from fedpart.common.protocol import Rejected
+from fedpart.common.config.run_config import RunConfig
+from fedpart.common.wire.plans import ResultInfo, SecAggStage, SecAggStep, TaskKind
+from fedpart.common.wire.protocol import Rejected
 from fedpart.server.policy.base import Folding, Policy, RoundSteps
 from fedpart.server.policy.aggregate import RoundAggregate
-from fedpart.server.robust import ResultRefused
-from fedpart.server.secure_aggregation import SecureRound, SecureRoundFailed, SecureSum
-from fedpart.server.task_board import Task
+from fedpart.server.policy.robust import ResultRefused
+from fedpart.server.policy.secagg_protocol import SecureRound, SecureRoundFailed, SecureSum
+from fedpart.server.engine.task_board import Task
 
 
 def applies(config: RunConfig) -> bool:
