@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -71,6 +72,144 @@ def test_sketches_estimate_the_cosine_of_the_deltas_and_do_not_depend_on_order()
     reordered = CountSketch().sketch({"b": a["b"], "w": a["w"]})
     assert torch.equal(reordered, sketches.sketch(a)), "the same in another process, in any tensor order"
     assert sketches.sketch(a).dtype == torch.float64 and sketches.sketch(a).shape == (SKETCH_BUCKETS,)
+
+
+SHAPES = {"conv.weight": (64, 32, 5, 5), "conv.bias": (64,), "fc.weight": (96, 1024), "fc.bias": (96,),
+          "head.bias": (10,)}
+
+
+def _exact_cosine(a: dict, b: dict) -> float:
+    dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
+    return dot / math.sqrt(sum(float(a[n].double().square().sum()) for n in a)
+                           * sum(float(b[n].double().square().sum()) for n in b))
+
+
+def _pair(kind: str, generator: torch.Generator) -> tuple[dict, dict]:
+    """Two sets of deltas shaped like :data:`SHAPES`, random or structured by ``kind``."""
+    def randn(shape):
+        return torch.randn(shape, generator=generator)
+
+    zeros = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    if kind == "random":
+        x = {name: randn(shape) for name, shape in SHAPES.items()}
+        return x, {name: x[name] + 2 * randn(shape) for name, shape in SHAPES.items()}
+    if kind == "constant":  # one value everywhere, the other a noisy copy
+        x = {name: torch.full(shape, 0.01) for name, shape in SHAPES.items()}
+        return x, {name: x[name] + 0.01 * randn(shape) for name, shape in SHAPES.items()}
+    if kind == "few elements":  # 20 scattered elements, half of them flipped in the other
+        x, y = zeros, {name: tensor.clone() for name, tensor in zeros.items()}
+        places = torch.randperm(x["fc.weight"].numel(), generator=generator)[:20]
+        x["fc.weight"].view(-1)[places] = randn(20)
+        y["fc.weight"].view(-1)[places] = x["fc.weight"].view(-1)[places] * torch.tensor([1.0, -1.0]).repeat(10)
+        return x, y
+    if kind == "columns":  # three input columns of a weight matrix: elements 1,024 apart
+        x = {name: tensor.clone() for name, tensor in zeros.items()}
+        x["fc.weight"][:, [3, 100, 700]] = randn((96, 3))
+        y = {name: tensor.clone() for name, tensor in x.items()}
+        y["fc.weight"][:, 3] += 2 * randn(96)
+        return x, y
+    assert kind == "biases"
+    x = {name: randn(shape) if name.endswith("bias") else zeros[name] for name, shape in SHAPES.items()}
+    return x, {name: x[name] + randn(shape) if name.endswith("bias") else x[name] for name, shape in SHAPES.items()}
+
+
+@pytest.mark.parametrize("kind", ["random", "constant", "few elements", "columns", "biases"])
+def test_sketches_estimate_inner_products_without_bias_and_cosines_within_about_one_over_root_buckets(kind):
+    """Over 40 draws of the signs and offsets (tensor names with another prefix each), the error of
+    the sketches' inner product averages to nothing, and their cosine is off by less than
+    1.5/sqrt(buckets) in root mean square, on random deltas and on structured ones (with 1,024
+    buckets each column of a 1,024-wide matrix would fall into one bucket)."""
+    x, y = _pair(kind, torch.Generator().manual_seed(17))
+    scale = math.sqrt(sum(float(t.double().square().sum()) for t in x.values())
+                      * sum(float(t.double().square().sum()) for t in y.values()))
+    exact = _exact_cosine(x, y)
+    products, cosines = [], []
+    for draw in range(40):
+        sketches = CountSketch()
+        sx = sketches.sketch({f"draw{draw}/{name}": tensor for name, tensor in x.items()})
+        sy = sketches.sketch({f"draw{draw}/{name}": tensor for name, tensor in y.items()})
+        products.append(float(sx @ sy) / scale - exact)
+        cosines.append(float(sx @ sy / (sx.norm() * sy.norm())) - exact)
+    products, cosines = torch.tensor(products, dtype=torch.float64), torch.tensor(cosines, dtype=torch.float64)
+    spread = float(products.std())
+    assert abs(float(products.mean())) <= 4 * spread / math.sqrt(len(products)) + 1e-6, (kind, products)
+    assert float(cosines.square().mean().sqrt()) < 1.5 / math.sqrt(SKETCH_BUCKETS), (kind, exact, cosines)
+
+
+def test_a_tensors_part_of_a_sketch_is_fixed_by_its_name(tmp_path):
+    """The same bits in another process and with any number of torch threads; a tensor's part does
+    not depend on the result's other tensors; another name, other signs and buckets."""
+    generator = torch.Generator().manual_seed(3)
+    deltas = {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+    sketch = CountSketch().sketch(deltas)
+    torch.save(deltas, tmp_path / "deltas.pt")
+    program = ("import sys, torch; from fedpart.server.policy.insiders import CountSketch; "
+               "sys.stdout.buffer.write(CountSketch().sketch(torch.load(sys.argv[1])).numpy().tobytes())")
+    elsewhere = subprocess.run([sys.executable, "-c", program, str(tmp_path / "deltas.pt")], capture_output=True,
+                               timeout=300, check=True).stdout
+    assert elsewhere == sketch.numpy().tobytes(), "the same sketch in another process"
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 4):
+            torch.set_num_threads(count)
+            assert torch.equal(CountSketch().sketch(deltas), sketch), count
+    finally:
+        torch.set_num_threads(threads)
+    sketches = CountSketch()
+    parts = sum(sketches.sketch({name: tensor}) for name, tensor in deltas.items())
+    assert torch.allclose(parts, sketch, rtol=0, atol=1e-3), "a tensor's part is the same in any result"
+    one = CountSketch().sketch({"fc.weight": torch.arange(1.0, 6.0)})
+    assert one.nonzero().flatten().tolist() == [845, 846, 847, 848, 849]  # the offset, pinned
+    assert one[845:850].tolist() == [-1.0, 2.0, 3.0, -4.0, 5.0]           # the signs, pinned
+    renamed = CountSketch().sketch({"fc.weight2": torch.arange(1.0, 6.0)})
+    assert not torch.equal(renamed, one)
+    assert torch.equal(CountSketch().sketch({}), torch.zeros(SKETCH_BUCKETS, dtype=torch.float64))
+
+
+WITHOUT_NUMBA = """
+import sys
+sys.modules["numba"] = None  # as on a machine without the server extra: import numba raises ImportError
+import torch
+from fedpart.server.policy import insiders
+assert insiders._sketch_elements is insiders._torch_sketch_tensor
+torch.set_num_threads(2)
+sys.stdout.buffer.write(insiders.CountSketch().sketch(torch.load(sys.argv[1])).numpy().tobytes())
+"""
+
+
+def test_without_numba_the_server_sketches_the_same_bits(tmp_path):
+    """Elements of very different sizes, so that another order of the additions would round
+    otherwise; tensors shorter than a run of buckets, and ones of whole rows and more."""
+    generator = torch.Generator().manual_seed(8)
+    deltas = {name: torch.randn(shape, generator=generator) * torch.rand(shape, generator=generator).pow(12) * 1e4
+              for name, shape in SHAPES.items()}
+    deltas |= {"one": torch.tensor([0.5]), "rows": torch.randn(3 * SKETCH_BUCKETS, generator=generator),
+               "empty": torch.zeros(0), "float64": torch.randn(2500, dtype=torch.float64, generator=generator)}
+    torch.save(deltas, tmp_path / "deltas.pt")
+    run = subprocess.run([sys.executable, "-c", WITHOUT_NUMBA, str(tmp_path / "deltas.pt")], capture_output=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr.decode()
+    assert run.stdout == CountSketch().sketch(deltas).numpy().tobytes()
+
+
+def test_a_rounds_sketches_and_figures_do_not_depend_on_the_order_its_results_arrived_in():
+    generator = torch.Generator().manual_seed(11)
+    common = {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+    results = [{name: tensor + torch.randn(tensor.shape, generator=generator) for name, tensor in common.items()}
+               for _ in range(6)]
+    results[5] = {name: -4 * tensor for name, tensor in results[5].items()}
+    ahead, behind = CountSketch(), CountSketch()
+    forward = [ahead.sketch(result) for result in results]
+    backward = [behind.sketch(result) for result in reversed(results)][::-1]
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(CountSketch().sketch, results))
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(forward, backward, together))
+    norms = [math.sqrt(sum(float(t.double().square().sum()) for t in result.values())) for result in results]
+    entries = []
+    for order in (range(6), reversed(range(6))):
+        monitor = InsiderMonitor(6, 3.0, -0.3, 3, lambda line: None)
+        entries.append(monitor.close_round(1, {c: monitor.observe(results[c], norms[c]) for c in order}, {}))
+    assert entries[0] == entries[1] and list(entries[0].outliers) == ["5"]
 
 
 # ------------------------------------------------------------------------------------ the monitor

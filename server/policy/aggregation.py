@@ -79,7 +79,7 @@ def _two_sum_first(value: np.ndarray, total: np.ndarray, error: np.ndarray, sour
 
 _FOLD_SIGNATURES = ["void(float64[::1], float64[::1], float64[::1], float32[::1], float64)",
                     "void(float64[::1], float64[::1], float64[::1], float64[::1], float64)"]
-_FOLD_OPTIONS = {"nogil": True, "error_model": "numpy", "boundscheck": False}
+_KERNEL_OPTIONS = {"nogil": True, "error_model": "numpy", "boundscheck": False}
 
 
 def _torch_two_sum_fold(value: np.ndarray, total: np.ndarray, error: np.ndarray, source: np.ndarray,
@@ -103,24 +103,26 @@ def _torch_two_sum_first(value: np.ndarray, total: np.ndarray, error: np.ndarray
     _torch_two_sum_fold(value, total, error, source, weight)
 
 
-def _compile(kernel: Callable[..., None], fallback: Callable[..., None]) -> Callable[..., None]:
-    """``kernel`` (:func:`_two_sum_fold` or :func:`_two_sum_first`) compiled by Numba (the
-    ``server`` extra) for float32 and float64 sources: one pass instead of torch's nine. Compiled
-    code is cached beside this file, or in the user's cache directory; where neither can be
-    written each kernel is compiled in each process, once, at its start. Without Numba, ``fallback``
-    gives the same bits, slower."""
+def compile_kernel(kernel: Callable[..., None], fallback: Callable[..., None],
+                   signatures: list[str]) -> Callable[..., None]:
+    """``kernel`` compiled by Numba (the ``server`` extra) for ``signatures``, without fast-math
+    and releasing the GIL: :func:`_two_sum_fold` and :func:`_two_sum_first` for float32 and float64
+    sources (one pass instead of torch's nine), and the insider monitor's sketch. Compiled code is
+    cached beside the kernel's file, or in the user's cache directory; where neither can be written
+    each kernel is compiled in each process, once, at its start. Without Numba, ``fallback`` gives
+    the same bits, slower."""
     try:
         import numba
     except ImportError:
         return fallback
     try:
-        return numba.njit(_FOLD_SIGNATURES, cache=True, **_FOLD_OPTIONS)(kernel)
+        return numba.njit(signatures, cache=True, **_KERNEL_OPTIONS)(kernel)
     except RuntimeError:  # Numba found no writable cache directory
-        return numba.njit(_FOLD_SIGNATURES, **_FOLD_OPTIONS)(kernel)
+        return numba.njit(signatures, **_KERNEL_OPTIONS)(kernel)
 
 
-_fold_elements = _compile(_two_sum_fold, _torch_two_sum_fold)
-_first_fold_elements = _compile(_two_sum_first, _torch_two_sum_first)
+_fold_elements = compile_kernel(_two_sum_fold, _torch_two_sum_fold, _FOLD_SIGNATURES)
+_first_fold_elements = compile_kernel(_two_sum_first, _torch_two_sum_first, _FOLD_SIGNATURES)
 
 FOLD_BLOCK_ELEMENTS = 131_072
 """Elements per block of a running sum: the unit that one thread folds under a block's lock, so

@@ -19,14 +19,29 @@ known; they never move the median or the centre). A round with fewer than
 :data:`MIN_RESULTS` results judges nobody: too few to tell an outlier from the rest.
 
 Memory is O(model) plus a little per client: the server never holds a copy of every result.
-Each folded result leaves its norm and a count sketch of :data:`SKETCH_BUCKETS` numbers (Charikar,
-Chen and Farach-Colton, "Finding frequent items in data streams", ICALP 2002): every element of
-the delta is added, with a sign, into one of the buckets, both drawn from a hash of the tensor's
-name. The inner product of two sketches estimates that of the deltas without bias, so a cosine of
-sketches estimates the deltas' cosine within about 1/sqrt(:data:`SKETCH_BUCKETS`) (0.03). The
-hashes are fixed by the tensor names, so a round's figures do not depend on the order its results
-arrived in, and a resumed server (the history is in the run state) gives the same warnings. An
-insider who knows the hashes could shape a delta whose sketch looks ordinary; its norm stays exact.
+Each folded result leaves its norm and a count sketch of B = :data:`SKETCH_BUCKETS` numbers
+(Charikar, Chen and Farach-Colton, "Finding frequent items in data streams", ICALP 2002): every
+element of the delta is multiplied by a sign, +1 or -1, and added, in float32, into one of the
+buckets. The signs, and an offset per tensor, are drawn from SHAKE-256 of the tensor's name;
+element i of a tensor (in its flat order) goes into bucket (offset + i) mod B. The paper draws
+the bucket from a hash as well; here it is fixed, so that a tensor is sketched in one pass over
+its elements in order (a run of B buckets at a time), not by a scatter. B is a prime, so that the
+elements of a weight matrix's column (a stride such as 1,024 or 800 elements) spread over all
+buckets, and the offsets keep small tensors (biases) from sharing the first ones.
+
+Two elements i != j in one bucket add s_i s_j x_i y_j to the inner product of the sketches of
+deltas x and y, nothing on average over the signs: the inner product of two sketches estimates
+that of the deltas without bias, with a variance of at most 2 sum_b |x_b|^2 |y_b|^2 (x_b: the
+elements of x in bucket b), about |x|^2 |y|^2 / B (twice that at most) where neither delta holds
+much of its norm in a few buckets. A cosine of sketches then estimates the deltas' cosine within
+about 1/sqrt(B) (0.03). Within a tensor the buckets follow the elements' places, so a delta whose
+weight lies on elements a multiple of B apart in one tensor falls into one bucket; one of a few
+scattered elements, or of one constant value, spreads as under a hash. A tensor's signs and
+buckets depend on its name and size only, not on the result's other tensors or the order its
+results arrived in, so a round's figures are the same in every process and run, and a resumed
+server (the history is in the run state) gives the same warnings. An insider who knows the signs
+(they follow from the names) could shape a delta whose sketch looks ordinary; its norm stays
+exact.
 
 Under secure aggregation the server sees only the round's sum: the monitor then watches that, one
 figure a round, against the sums of the :data:`SUM_HISTORY` rounds before (a norm ratio to their
@@ -43,45 +58,93 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fedpart.common.process.console import Log
 from fedpart.common.process.records import Insiders, Outlier, SumCheck
+from fedpart.server.policy.aggregation import compile_kernel
 
-SKETCH_BUCKETS = 1024
+SKETCH_BUCKETS = 1021  # a prime: see the module
 MIN_RESULTS = 3   # the fewest results a round judges its results by
 SUM_HISTORY = 5   # rounds of revealed sums the sum of a securely aggregated round is compared with
+_TORCH_SKETCH_ROWS = 128  # rows of buckets per block of the sketch without Numba: a buffer of 0.5 MB
+
+
+def _sketch_tensor(sums: np.ndarray, source: np.ndarray, signs: np.ndarray, offset: int) -> None:
+    """Add ``source[i] * signs[i]`` into ``sums[(offset + i) % len(sums)]`` for i = 0, 1, ... in
+    that order, in float32 (the product by a sign is exact): one pass, a run of buckets at a time.
+    Compiled without fast-math, so each bucket gets exactly these additions in this order."""
+    buckets = sums.shape[0]
+    done = 0
+    place = offset
+    while done < source.shape[0]:
+        count = min(buckets - place, source.shape[0] - done)
+        run, part, sign = sums[place:place + count], source[done:done + count], signs[done:done + count]
+        for index in range(count):
+            run[index] += part[index] * np.float32(sign[index])
+        done += count
+        place = 0
+
+
+def _torch_sketch_tensor(sums: np.ndarray, source: np.ndarray, signs: np.ndarray, offset: int) -> None:
+    """:func:`_sketch_tensor` as torch operations, the same bits: the elements that fill the first
+    run of buckets, then whole rows of ``len(sums)`` elements (:data:`_TORCH_SKETCH_ROWS` at a time,
+    signed into one small buffer and added row after row: ``index_add_`` takes its rows in order),
+    then the rest. Several passes instead of one, and one call per block of rows."""
+    buckets, count = sums.shape[0], source.shape[0]
+    total = torch.from_numpy(sums)
+    source_t, signs_t = torch.from_numpy(source), torch.from_numpy(signs)
+    head = min(count, buckets - offset)
+    total[offset:offset + head] += source_t[:head] * signs_t[:head]
+    rows = (count - head) // buckets
+    block = torch.empty(min(rows, _TORCH_SKETCH_ROWS) * buckets, dtype=torch.float32)
+    for first in range(0, rows, _TORCH_SKETCH_ROWS):
+        taken = min(_TORCH_SKETCH_ROWS, rows - first)
+        start, stop = head + first * buckets, head + (first + taken) * buckets
+        signed = torch.mul(source_t[start:stop], signs_t[start:stop], out=block[:stop - start])
+        total.unsqueeze(0).index_add_(0, torch.zeros(taken, dtype=torch.int64), signed.view(taken, buckets))
+    done = head + rows * buckets
+    total[:count - done] += source_t[done:] * signs_t[done:]
+
+
+_sketch_elements = compile_kernel(_sketch_tensor, _torch_sketch_tensor,
+                                  ["void(float32[::1], float32[::1], int8[::1], int64)"])
 
 
 class CountSketch:
-    """Count sketches of :data:`SKETCH_BUCKETS` numbers of sets of tensors: each element goes, with
-    a sign, into a bucket drawn from the SHA-256 of its tensor's name (the same in every process
-    and run). The hashes of a tensor are drawn once and kept: int64 per element, O(model)."""
+    """Count sketches of ``buckets`` numbers (:data:`SKETCH_BUCKETS`) of sets of tensors: element i
+    of a tensor, times its sign, goes into bucket (offset + i) mod ``buckets``, the offset and the
+    signs drawn from SHAKE-256 of the tensor's name (the same in every process and run). The signs
+    of a tensor are drawn once and kept: int8 per element, O(model)."""
 
     def __init__(self, buckets: int = SKETCH_BUCKETS) -> None:
         self.buckets = buckets
-        self._slots: dict[str, torch.Tensor] = {}  # name -> bucket, plus `buckets` for a negative sign
+        self._drawn: dict[str, tuple[int, np.ndarray]] = {}  # name -> (offset, signs)
         self._lock = threading.Lock()
 
-    def _slots_of(self, name: str, count: int) -> torch.Tensor:
+    def _draw(self, name: str, count: int) -> tuple[int, np.ndarray]:
         with self._lock:
-            slots = self._slots.get(name)
-            if slots is None or slots.numel() != count:
-                seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
-                generator = torch.Generator().manual_seed(seed)
-                slots = torch.randint(0, 2 * self.buckets, (count,), generator=generator, dtype=torch.int64)
-                self._slots[name] = slots
-            return slots
+            drawn = self._drawn.get(name)
+            if drawn is None or drawn[1].shape[0] != count:
+                stream = hashlib.shake_256(name.encode()).digest(8 + (count + 7) // 8)
+                bits = np.unpackbits(np.frombuffer(stream, dtype=np.uint8, offset=8), count=count, bitorder="little")
+                drawn = (int.from_bytes(stream[:8], "little") % self.buckets, bits.astype(np.int8) * 2 - 1)
+                self._drawn[name] = drawn
+            return drawn
 
     def sketch(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The sketch (float64) of ``tensors`` taken together, summed in float32 straight from a
-        float32 tensor: a float64 copy of every result would cost the server as much as the sum."""
-        signed = torch.zeros(2 * self.buckets, dtype=torch.float64)
+        """The sketch (float64) of ``tensors`` taken together: the tensors in the order of their
+        names, each in one pass (:func:`_sketch_tensor`, compiled by Numba where the ``server``
+        extra is installed, else the same bits by torch), summed in float32 straight from a float32
+        tensor: a float64 copy of every result would cost the server as much as the sum."""
+        sums = np.zeros(self.buckets, dtype=np.float32)
         for name in sorted(tensors):  # in one order: the same sketch whatever order the tensors came in
             flat = tensors[name].detach().reshape(-1)
-            part = torch.zeros(2 * self.buckets, dtype=torch.float32)
-            signed += part.index_add_(0, self._slots_of(name, flat.numel()), flat.float())
-        return signed[:self.buckets] - signed[self.buckets:]
+            source = (flat if flat.dtype == torch.float32 else flat.float()).contiguous().numpy()
+            offset, signs = self._draw(name, source.shape[0])
+            _sketch_elements(sums, source, signs, offset)
+        return torch.from_numpy(sums).double()
 
 
 @dataclass(frozen=True)
