@@ -8,6 +8,7 @@ Exit codes: docs/operating-a-run.md, "Exit codes" (``fedpart.common.process.exit
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import shlex
@@ -17,7 +18,7 @@ from functools import partial
 from importlib import resources
 from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 # Nothing heavy at import time (console is standard library only): ``fedpart --help`` and
 # ``fedpart CMD --help`` load neither torch nor grpc; each command imports what it needs when it runs.
@@ -552,5 +553,16 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, error, ExitCode.USAGE)
 
 
+def command() -> NoReturn:
+    """The ``fedpart`` command (console script and ``python -m fedpart``): :func:`main`, then exit
+    with its code. The objects alive by then are frozen first, so the interpreter's teardown does
+    not scan torch's, gRPC's and Numba's hundreds of thousands of objects for cycles: that scan
+    cost about a second at the end of every server and client process. Files are closed and the
+    standard streams flushed as always; only cyclic garbage left at exit is not finalized."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

@@ -1,7 +1,5 @@
 """``python -m fedpart ...``: the ``fedpart`` command."""
 
-import sys
+from fedpart.cli.main import command
 
-from fedpart.cli.main import main
-
-sys.exit(main())
+command()
