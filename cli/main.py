@@ -88,6 +88,7 @@ def _server(args: argparse.Namespace) -> int:
     from fedpart.server.main import serve
 
     torch.set_num_threads(args.threads)
+    _startup_done()
     try:
         return serve(config, experiment, args.address, out, security, resume=bool(args.resume), overwrite=args.overwrite,
                      progress=args.progress, health_port=args.health_port, metrics_port=args.metrics_port,
@@ -181,6 +182,7 @@ def _client(args: argparse.Namespace) -> int:
     from fedpart.client.runtime import ClientProcess
     from fedpart.client.session import SessionError
 
+    _startup_done()
     try:
         process = ClientProcess(args.server, client_ids, device=device, data_root=args.data_root,
                                 state_dir=args.state_dir, threads=threads, security=security,
@@ -210,6 +212,7 @@ def _run(args: argparse.Namespace) -> int:
         path = resolve_config_path(args.config)
         config = load_config(path, args.set)
         out = args.out or default_out_dir(config.name)
+    _startup_done()
     return run_local(path, args.set, config, out, args.overwrite, args.devices, args.metrics_port,
                      resume=bool(args.resume))
 
@@ -323,6 +326,7 @@ def _compare(args: argparse.Namespace) -> int:
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None
     engines = parse_engines(args.engines) if args.engines is not None else None
     out = Path(args.out or default_out_dir(f"compare-{load_config(path).name}"))
+    _startup_done()
     return compare(path, algorithms, args.set, out, _link(args), args.target, seeds, args.vary_partition, engines)
 
 
@@ -555,13 +559,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def command() -> NoReturn:
     """The ``fedpart`` command (console script and ``python -m fedpart``): :func:`main`, then exit
-    with its code. The objects alive by then are frozen first, so the interpreter's teardown does
-    not scan torch's, gRPC's and Numba's hundreds of thousands of objects for cycles: that scan
-    cost about a second at the end of every server and client process. Files are closed and the
+    with its code.
+
+    Importing torch, gRPC and Numba makes hundreds of thousands of objects that live as long as
+    the process, and each full pass of the cyclic garbage collector walks all of them: several
+    passes while they are made, one more in the interpreter's teardown. So the collector is off
+    while the process starts; a command that goes on working turns it on once its imports are
+    done, with what exists by then frozen out of its passes (:func:`_startup_done`); and at exit
+    what is alive is frozen again, so the teardown does not walk it. Files are closed and the
     standard streams flushed as always; only cyclic garbage left at exit is not finalized."""
+    gc.disable()
     code = main()
     gc.freeze()
     sys.exit(code)
+
+
+def _startup_done() -> None:
+    """The process has imported what it works with: freeze those objects out of the collector's
+    passes and turn it on again (see :func:`command`)."""
+    gc.freeze()
+    gc.enable()
 
 
 if __name__ == "__main__":
