@@ -127,6 +127,61 @@ print("heavy:", heavy)
     assert "heavy: []" in result.stdout, result.stdout
 
 
+def test_the_collector_is_off_while_a_process_imports_and_on_while_it_works(tmp_path: Path) -> None:
+    """The ``fedpart`` command starts with the garbage collector off (its full passes over the
+    objects torch, gRPC and Numba make cost every process its startup); the server, the client,
+    ``fedpart run`` and ``fedpart compare`` turn it on before they work, with what they imported
+    frozen out of its passes; a short command ends with what is alive frozen."""
+    script = f"""
+import gc, json, sys
+import fedpart.cli.compare, fedpart.client.runtime, fedpart.deploy.launcher, fedpart.server.main
+from fedpart.cli import main as cli
+
+seen = {{"starting": []}}
+def working(name):
+    def record(*args, **kwargs):
+        seen[name] = [gc.isenabled(), gc.get_freeze_count() > 0]
+        return 0
+    return record
+
+class Process:
+    def __init__(self, *args, **kwargs): pass
+    def log(self, line): pass
+    run = staticmethod(working("client"))
+
+fedpart.server.main.serve = working("server")
+fedpart.client.runtime.ClientProcess = Process
+fedpart.deploy.launcher.run_local = working("run")
+fedpart.cli.compare.compare = working("compare")
+started = cli.main
+def main():
+    seen["starting"].append(gc.isenabled())
+    return started()
+cli.main = main
+out = {str(tmp_path)!r}
+for argv in (["server", "quickstart", "--insecure", "--address", "127.0.0.1:0", "--out", out + "/server"],
+             ["client", "--server", "127.0.0.1:1", "--clients", "0-4", "--insecure", "--threads", "1"],
+             ["run", "quickstart", "--out", out + "/run"],
+             ["compare", "quickstart", "--algorithms", "fedavg,fedbabu", "--out", out + "/compare"],
+             ["configs"]):
+    sys.argv = ["fedpart", *argv]
+    gc.unfreeze()
+    try:
+        cli.command()
+    except SystemExit as done:
+        assert done.code == 0, (argv, done.code)
+seen["configs"] = [gc.isenabled(), gc.get_freeze_count() > 0]
+print(json.dumps(seen))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=WAIT,
+                            env=child_env())
+    assert result.returncode == 0, result.stderr
+    working, ended = [True, True], [False, True]
+    assert json.loads(result.stdout.splitlines()[-1]) == {
+        "starting": [False] * 5, "server": working, "client": working, "run": working, "compare": working,
+        "configs": ended}, result.stdout
+
+
 def _check(**overrides) -> None:
     config = config_from_dict(small_config(**overrides))
     check_experiment(config, clients_data=LocalData(config.data.root), server_data=True)
