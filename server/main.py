@@ -61,6 +61,7 @@ from fedpart.server.output.run_directory import (
     build_summary,
     check_new_run_dir,
 )
+from fedpart.server.policy.aggregation import prepare_kernels
 from fedpart.server.transport.auth import CallGuard, Credentials, TokenGate, fingerprint
 from fedpart.server.transport.health import RunHealth
 from fedpart.server.transport.service import CoordinatorService, add_to_server
@@ -324,6 +325,7 @@ def serve(config: RunConfig, experiment: Experiment, address: str, out_dir: str 
     display = Display(logger="fedpart.server")
     engine = BufferedCoordinator if config.server.engine == "buffered" else Coordinator
     coordinator = engine(config, log=Log(display), experiment=experiment)
+    prepare_kernels(max(tensor.numel() for tensor in experiment.model.state_dict().values()))
     if progress == "auto":
         display.view = lambda: render_run(coordinator.progress())
     evaluator = None

@@ -309,7 +309,7 @@ from fedpart.server.policy.aggregation import WeightedMean, _fold_elements
 mean = WeightedMean()
 mean.add({"x": torch.tensor([1.0, 2.0])}, 3)
 mean.add({"x": torch.tensor([2.0, 4.0])}, 1)
-print("cache:", type(_fold_elements._cache).__name__, "mean:", mean.result()["x"].tolist())
+print("cache:", type(_fold_elements.compiled()._cache).__name__, "mean:", mean.result()["x"].tolist())
 """
 
 
@@ -526,7 +526,7 @@ def test_the_torch_fold_gives_the_compiled_folds_bits():
         error = generator.standard_normal(70_000) * 1e-13
         source = (generator.standard_normal(70_000) * 1e-2).astype(dtype)
         results = []
-        for fold in (aggregation._fold_elements, aggregation._torch_two_sum_fold):
+        for fold in (aggregation._fold_elements.compiled(), aggregation._torch_two_sum_fold):
             total, carried = np.empty_like(value), error.copy()
             fold(value.copy(), total, carried, source, 600.0)
             results.append((total, carried))
@@ -539,11 +539,11 @@ def test_a_first_fold_gives_the_bits_of_a_fold_into_zeros():
         source = (generator.standard_normal(70_000) * 1e-2).astype(dtype)
         source[:4] = [-0.0, 0.0, np.nan, -np.inf]            # signed zeros come out as a fold from +0.0 makes them
         zeroed = []
-        for fold in (aggregation._fold_elements, aggregation._torch_two_sum_fold):
+        for fold in (aggregation._fold_elements.compiled(), aggregation._torch_two_sum_fold):
             total, error = np.empty(70_000), np.zeros(70_000)
             fold(np.zeros(70_000), total, error, source, 600.0)
             zeroed.append((total, error))
-        for first in (aggregation._first_fold_elements, aggregation._torch_two_sum_first):
+        for first in (aggregation._first_fold_elements.compiled(), aggregation._torch_two_sum_first):
             total, error = np.full(70_000, 7.0), np.full(70_000, 3.0)  # whatever the rows held before
             first(np.full(70_000, 5.0), total, error, source, 600.0)
             for expected_total, expected_error in zeroed:
@@ -559,14 +559,36 @@ import sys
 sys.modules["numba"] = None  # as on a machine without the server extra: import numba raises ImportError
 import torch
 from fedpart.server.policy import aggregation
-assert aggregation._fold_elements is aggregation._torch_two_sum_fold
-assert aggregation._first_fold_elements is aggregation._torch_two_sum_first
+assert aggregation._fold_elements.compiled() is aggregation._torch_two_sum_fold
+assert aggregation._first_fold_elements.compiled() is aggregation._torch_two_sum_first
 mean = aggregation.WeightedMean(32_000)
 generator = torch.Generator().manual_seed(9)
 for weight in (3, 600, 17):
     mean.add({"x": torch.randn(70_000, generator=generator)}, weight)
 torch.save(mean.result()["x"], sys.argv[1])
 """
+
+
+SMALL_TENSORS = """
+import sys, torch
+from fedpart.server.policy.aggregation import COMPILED_FROM_ELEMENTS, WeightedMean, _fold_elements, prepare_kernels
+mean = WeightedMean()
+mean.add({"x": torch.ones(COMPILED_FROM_ELEMENTS - 1)}, 2)
+mean.add({"x": torch.ones(COMPILED_FROM_ELEMENTS - 1)}, 3)
+prepare_kernels(COMPILED_FROM_ELEMENTS - 1)
+print("numba" in sys.modules, mean.result()["x"][0].item())
+prepare_kernels(COMPILED_FROM_ELEMENTS)
+print("numba" in sys.modules, _fold_elements.for_elements(1) is _fold_elements.compiled() is not _fold_elements.fallback)
+"""
+
+
+def test_numba_starts_only_for_a_tensor_large_enough_for_it_to_pay():
+    """A server whose tensors are all smaller than COMPILED_FROM_ELEMENTS folds with the torch
+    loops (the same bits) and never starts Numba; a larger tensor, or a server started with
+    one, compiles the loops, which then take every call."""
+    run = subprocess.run([sys.executable, "-c", SMALL_TENSORS], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "1.0", "True", "True"]
 
 
 def test_without_numba_the_server_folds_the_same_bits(tmp_path):

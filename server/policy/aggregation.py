@@ -103,26 +103,71 @@ def _torch_two_sum_first(value: np.ndarray, total: np.ndarray, error: np.ndarray
     _torch_two_sum_fold(value, total, error, source, weight)
 
 
-def compile_kernel(kernel: Callable[..., None], fallback: Callable[..., None],
-                   signatures: list[str]) -> Callable[..., None]:
-    """``kernel`` compiled by Numba (the ``server`` extra) for ``signatures``, without fast-math
-    and releasing the GIL: :func:`_two_sum_fold` and :func:`_two_sum_first` for float32 and float64
-    sources (one pass instead of torch's nine), and the insider monitor's sketch. Compiled code is
-    cached beside the kernel's file, or in the user's cache directory; where neither can be written
-    each kernel is compiled in each process, once, at its start. Without Numba, ``fallback`` gives
-    the same bits, slower."""
-    try:
-        import numba
-    except ImportError:
-        return fallback
-    try:
-        return numba.njit(signatures, cache=True, **_KERNEL_OPTIONS)(kernel)
-    except RuntimeError:  # Numba found no writable cache directory
-        return numba.njit(signatures, **_KERNEL_OPTIONS)(kernel)
+COMPILED_FROM_ELEMENTS = 65_536
+"""The fewest elements a kernel call takes before Numba is started for it. Starting Numba (its
+compiler's registries, its check for BLAS) costs a process more CPU than the compiled pass saves
+over a small model's folds in a whole run, so a server whose tensors are all smaller never starts
+it and folds with the fallback, which gives the same bits."""
 
 
-_fold_elements = compile_kernel(_two_sum_fold, _torch_two_sum_fold, _FOLD_SIGNATURES)
-_first_fold_elements = compile_kernel(_two_sum_first, _torch_two_sum_first, _FOLD_SIGNATURES)
+class Kernel:
+    """A loop compiled by Numba (the ``server`` extra) for ``signatures``, without fast-math and
+    releasing the GIL: :func:`_two_sum_fold` and :func:`_two_sum_first` for float32 and float64
+    sources (one pass instead of torch's nine), and the insider monitor's sketch. It is compiled
+    when a call first takes :data:`COMPILED_FROM_ELEMENTS` elements or more, or when the server
+    starts with such a tensor (:func:`prepare_kernels`); calls before run ``fallback``, the same
+    bits by torch, as every call does without Numba. Compiled code is cached beside the kernel's
+    file, or in the user's cache directory; where neither can be written each kernel is compiled
+    in each process, once."""
+
+    def __init__(self, loop: Callable[..., None], fallback: Callable[..., None], signatures: list[str]) -> None:
+        self.loop = loop
+        self.fallback = fallback
+        self.signatures = signatures
+        self._compiled: Callable[..., None] | None = None
+        _KERNELS.append(self)
+
+    def compiled(self) -> Callable[..., None]:
+        """The compiled loop (compiled, or loaded from the cache, on the first call), or the
+        fallback where Numba is not installed."""
+        if self._compiled is None:
+            with _COMPILING:
+                if self._compiled is None:
+                    self._compiled = self._compile()
+        return self._compiled
+
+    def for_elements(self, count: int) -> Callable[..., None]:
+        """The loop to run on ``count`` elements: the compiled one once there is one or when
+        ``count`` reaches :data:`COMPILED_FROM_ELEMENTS`, else the fallback."""
+        if self._compiled is not None:
+            return self._compiled
+        return self.compiled() if count >= COMPILED_FROM_ELEMENTS else self.fallback
+
+    def _compile(self) -> Callable[..., None]:
+        try:
+            import numba
+        except ImportError:
+            return self.fallback
+        try:
+            return numba.njit(self.signatures, cache=True, **_KERNEL_OPTIONS)(self.loop)
+        except RuntimeError:  # Numba found no writable cache directory
+            return numba.njit(self.signatures, **_KERNEL_OPTIONS)(self.loop)
+
+
+_KERNELS: list[Kernel] = []
+_COMPILING = threading.Lock()
+
+
+def prepare_kernels(largest_elements: int) -> None:
+    """Compile every kernel now if a tensor of ``largest_elements`` would use the compiled loops:
+    the server calls this at its start, so that its first round does not pay for Numba's start."""
+    if largest_elements >= COMPILED_FROM_ELEMENTS:
+        for kernel in _KERNELS:
+            kernel.compiled()
+
+
+_fold_elements = Kernel(_two_sum_fold, _torch_two_sum_fold, _FOLD_SIGNATURES)
+_first_fold_elements = Kernel(_two_sum_first, _torch_two_sum_first, _FOLD_SIGNATURES)
 
 FOLD_BLOCK_ELEMENTS = 131_072
 """Elements per block of a running sum: the unit that one thread folds under a block's lock, so
@@ -158,7 +203,8 @@ class _Block:
         """Add ``weight * source`` (see :func:`_two_sum_fold`); the caller holds the lock."""
         first, second, error = self._arrays
         value, total = (first, second) if self.current == 0 else (second, first)
-        (_first_fold_elements if self.empty else _fold_elements)(value, total, error, source, weight)
+        kernel = _first_fold_elements if self.empty else _fold_elements
+        kernel.for_elements(source.shape[0])(value, total, error, source, weight)
         self.empty = False
         self.current = 1 - self.current
 

@@ -63,7 +63,7 @@ import torch
 
 from fedpart.common.process.console import Log
 from fedpart.common.process.records import Insiders, Outlier, SumCheck
-from fedpart.server.policy.aggregation import compile_kernel
+from fedpart.server.policy.aggregation import Kernel
 
 SKETCH_BUCKETS = 1021  # a prime: see the module
 MIN_RESULTS = 3   # the fewest results a round judges its results by
@@ -108,8 +108,8 @@ def _torch_sketch_tensor(sums: np.ndarray, source: np.ndarray, signs: np.ndarray
     total[:count - done] += source_t[done:] * signs_t[done:]
 
 
-_sketch_elements = compile_kernel(_sketch_tensor, _torch_sketch_tensor,
-                                  ["void(float32[::1], float32[::1], int8[::1], int64)"])
+_sketch_elements = Kernel(_sketch_tensor, _torch_sketch_tensor,
+                          ["void(float32[::1], float32[::1], int8[::1], int64)"])
 
 
 class CountSketch:
@@ -136,14 +136,15 @@ class CountSketch:
     def sketch(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The sketch (float64) of ``tensors`` taken together: the tensors in the order of their
         names, each in one pass (:func:`_sketch_tensor`, compiled by Numba where the ``server``
-        extra is installed, else the same bits by torch), summed in float32 straight from a float32
+        extra is installed and the tensors are large enough for it to pay
+        (:class:`~fedpart.server.policy.aggregation.Kernel`), else the same bits by torch), summed in float32 straight from a float32
         tensor: a float64 copy of every result would cost the server as much as the sum."""
         sums = np.zeros(self.buckets, dtype=np.float32)
         for name in sorted(tensors):  # in one order: the same sketch whatever order the tensors came in
             flat = tensors[name].detach().reshape(-1)
             source = (flat if flat.dtype == torch.float32 else flat.float()).contiguous().numpy()
             offset, signs = self._draw(name, source.shape[0])
-            _sketch_elements(sums, source, signs, offset)
+            _sketch_elements.for_elements(source.shape[0])(sums, source, signs, offset)
         return torch.from_numpy(sums).double()
 
 
