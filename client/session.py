@@ -233,6 +233,7 @@ class Session:
         self._poll_waiting = False  # a long poll waits unanswered: the server counts it as a sign of life
         self._poll_answered = asyncio.Event()  # a waiting poll ended: heartbeats take over at once
         self._rejoining = asyncio.Lock()  # one join again at a time
+        self._another_run: str | None = None  # set once a join again found the server running another run
         self._heartbeats: asyncio.Task | None = None
         self._channel: grpc.aio.Channel | None = None
 
@@ -304,8 +305,11 @@ class Session:
         """The server does not know session ``lost`` (it dropped the process after missed
         heartbeats, or it is a resumed server): join the same run again, keeping the held tensor
         versions, unless another call already did. A server that now runs another run ends the
-        process."""
+        process: every call that finds its session lost after that ends it at once, without joining
+        again (the other run would take this process for one of its own)."""
         async with self._rejoining:
+            if self._another_run is not None:
+                raise SessionError(self._another_run)
             if self.session == lost:
                 await self._join_again()
 
@@ -320,12 +324,23 @@ class Session:
             raise self._refused(error) from error
         self._server_back()
         if reply.run_id != self.run_id:
-            raise SessionError(f"the server at {self.server} now runs another run ({reply.run_id}, this process "
-                               f"served {self.run_id}); stopping")
+            self._another_run = (f"the server at {self.server} now runs another run ({reply.run_id}, this process "
+                                 f"served {self.run_id}); stopping")
+            await self._leave_other_run(reply.session)
+            raise SessionError(self._another_run)
         self.session = reply.session
         self._held.clear()  # tasks of the old session were closed with it
         self.events.joined(again=True)
         self.events.log(f"joined run {reply.run_id} again (the server had dropped this process or was restarted)")
+
+    async def _leave_other_run(self, session: str) -> None:
+        """Leave the other run this process was joined to on the way (the server frees the client
+        ids at once instead of holding them for this process until its heartbeat timeout)."""
+        try:
+            await self._leave_call(pb.LeaveRequest(session=session, reason="this process served another run"),
+                                   timeout=LEAVE_SECONDS)
+        except grpc.aio.AioRpcError as error:
+            self.events.call_failed("Leave", error)
 
     def _refused(self, error: grpc.RpcError) -> SessionError:
         """The error that ends a process whose join (or, once its credential was revoked, whose

@@ -4,6 +4,7 @@ tests start real server and client processes on 127.0.0.1 and stop them with SIG
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -28,11 +30,14 @@ from conftest import (
     start_server,
     write_config,
 )
-from fedpart.client.session import Backoff
+from fedpart.client.session import Backoff, Session, SessionError
 from fedpart.common.config.run_config import ConfigError, config_from_dict
 from fedpart.common.wire.plans import HostedClient, JoinInfo, ResultInfo, TaskKind
 from fedpart.common.process.records import RoundRecord
 from fedpart.common.wire.protocol import PROTOCOL_VERSION
+from fedpart.common.wire.security import ClientSecurity
+from fedpart.proto import fedpart_pb2 as pb
+from fedpart.proto import fedpart_pb2_grpc as pb_grpc
 from fedpart.cli.main import build_parser, resume_config
 from fedpart.cli.main import main as cli_main
 from fedpart.server.engine.coordinator import Coordinator
@@ -252,6 +257,64 @@ def test_clients_reconnect_for_their_timeout_and_only_to_the_same_run(tmp_path: 
     assert clients[0].wait(timeout=WAIT) == 1
     text = logs[0].read_text()
     assert "the server answers again" in text and "now runs another run" in text, text
+
+
+class _AnotherRun(pb_grpc.CoordinatorServicer):
+    """A server on the address a client process served, now running another run: it knows no
+    session of the old run, takes a join (of client ids nobody holds) into its own run, refuses a
+    second join of the same ids while their holder has not left (as the real registry does), and
+    records what it is asked."""
+
+    def __init__(self) -> None:
+        self.joins = 0
+        self.left: list[pb.LeaveRequest] = []
+
+    async def Join(self, request, context):
+        self.joins += 1
+        if self.joins > 1 and not self.left:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "client ids 0-1 are held by a process that has not left")
+        return pb.JoinReply(session=f"other-{self.joins}", run_id="other-run")
+
+    async def GetTask(self, request, context):
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session!r}")
+
+    async def Leave(self, request, context):
+        self.left.append(request)
+        return pb.LeaveReply()
+
+
+def test_a_process_that_finds_another_run_leaves_it_and_every_later_call_ends_at_once() -> None:
+    """The calls of a process whose server was replaced by one running another run (its result
+    upload and its long poll) each find their session lost. The first to join again learns the
+    run changed: it leaves that run at once (its client ids are not held for the heartbeat
+    timeout) and ends the process; every later call ends too, without joining the other run
+    again (before, the poll joined again, was refused while its own first join held the ids, and
+    backed off until the server's heartbeat timeout)."""
+
+    async def scenario() -> tuple[_AnotherRun, list[str]]:
+        server, servicer = grpc.aio.server(), _AnotherRun()
+        pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            session = Session(f"127.0.0.1:{port}", ClientSecurity(insecure=True),
+                              lambda: pb.JoinRequest(), reconnect_timeout=60.0)
+            async with session:
+                session.session, session.run_id = "served-session", "served-run"
+                errors = []
+                for _ in range(2):  # as the upload's call, then the poll's
+                    with pytest.raises(SessionError) as raised:
+                        await asyncio.wait_for(session.next_task(lambda header: None), timeout=WAIT)
+                    errors.append(str(raised.value))
+            return servicer, errors
+        finally:
+            await server.stop(None)
+
+    servicer, errors = asyncio.run(scenario())
+    assert servicer.joins == 1
+    assert [(r.session, r.reason) for r in servicer.left] == [("other-1", "this process served another run")]
+    assert len(errors) == 2 and all(
+        error.endswith("now runs another run (other-run, this process served served-run); stopping") for error in errors)
 
 
 # ------------------------------------------------------------------------- the final evaluation
