@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fedpart.common.config.run_config import DP_SGD_INSTALL, DPSGDConfig
+from fedpart.common.config.dp_sgd import DP_SGD_INSTALL, DPSGDConfig
 
 LEDGER_FILE = "dp_sgd.json"
 CLIENT_DIR_PREFIX = "client_"  # as fedpart.client.store lays the state dir out

@@ -27,7 +27,7 @@ from fedpart.client import dp_sgd as dpsgd
 from fedpart.client.local_data import ClientData
 from fedpart.client.speed import TrainingSpeed
 from fedpart.common.ml.algorithms import UnitSchedule, every_unit
-from fedpart.common.config.run_config import DPSGDConfig
+from fedpart.common.config.dp_sgd import DPSGDConfig
 from fedpart.common.ml.objectives import Objective, ObjectiveContext, ObjectiveSpec
 from fedpart.common.wire.plans import TrainPlan
 from fedpart.common.ml.split_model import SplitModel

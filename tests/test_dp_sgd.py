@@ -21,7 +21,8 @@ from fedpart.client import dp_sgd as dpsgd
 from fedpart.client.local_data import ClientData
 from fedpart.client.training import train_local
 from fedpart.common.ml.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
-from fedpart.common.config.run_config import ConfigError, DPSGDConfig, config_from_dict
+from fedpart.common.config.dp_sgd import DPSGDConfig
+from fedpart.common.config.run_config import ConfigError, config_from_dict
 from fedpart.common.models.zoo import build_model, unit_forward_flops
 from fedpart.common.wire.plans import Phase, TrainPlan
 from fedpart.common.ml.split_model import SplitModel

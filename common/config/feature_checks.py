@@ -1,5 +1,5 @@
-"""What the config checks of the privacy features (:mod:`fedpart.common.config.dp_checks`,
-:mod:`fedpart.common.config.dp_sgd_checks`, :mod:`fedpart.common.config.secure_aggregation_checks`) ask of
+"""What the config checks of the privacy features (:mod:`fedpart.common.config.dp`,
+:mod:`fedpart.common.config.dp_sgd`, :mod:`fedpart.common.config.secure_aggregation_checks`) ask of
 the rest of a run's config: the capabilities of the components it names, never their names, and
 the settings of a feature left behind while the feature is off.
 

@@ -33,13 +33,15 @@ from fedpart.common.components.registry import (
     Registry,
     coerce,
 )
-from fedpart.common.config import dp_checks, dp_sgd_checks, secure_aggregation_checks
+from fedpart.common.config import dp, dp_sgd, secure_aggregation_checks
+from fedpart.common.config.dp import DP_ACCOUNTING_INSTALL, DPConfig
+from fedpart.common.config.dp_sgd import DPSGDConfig
 from fedpart.common.wire.sizes import DEFAULT_CHUNK_BYTES, GRPC_LARGEST_MESSAGE
 
 if TYPE_CHECKING:
     from fedpart.common.ml.algorithms import Algorithm
 
-FEATURE_CHECKS = (dp_checks, dp_sgd_checks, secure_aggregation_checks)
+FEATURE_CHECKS = (dp, dp_sgd, secure_aggregation_checks)
 """The features whose config checks live beside them (:mod:`fedpart.common.config.feature_checks`): each
 module's ``value_errors`` runs with the values, its ``refusals`` where it is ``enabled``. A new
 feature of this kind is one module and its name here."""
@@ -250,94 +252,6 @@ class CompressionConfig:
 
     up: CodecConfig = field(default_factory=CodecConfig)
     down: CodecConfig = field(default_factory=CodecConfig)
-
-
-DP_ACCOUNTING_INSTALL = 'pip install "dp-accounting>=0.4"  (or the privacy extra: pip install -e ".[privacy]")'
-
-
-@dataclass
-class DPConfig:
-    """User-level differential privacy, DP-FedAvg (McMahan et al., "Learning Differentially
-    Private Recurrent Language Models", ICLR 2018): each client's uploaded deltas are clipped to
-    ``clip_norm`` in L2 over all of them, and the server adds Gaussian noise of standard deviation
-    ``noise_multiplier * clip_norm`` to their sum and divides by the expected number of clients.
-    The budget is Google's dp-accounting (``fedpart.server.policy.privacy``).
-
-    ``adaptive_clip``: adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, "Differentially
-    Private Learning with Adaptive Clipping", NeurIPS 2021), the geometric update. ``clip_norm`` is
-    the initial clip C_0; after each round C_{t+1} = C_t * exp(-clip_learning_rate * (b -
-    target_quantile)), b being the noised fraction of the round's results whose delta norm was
-    within C_t. The paper's defaults: ``target_quantile`` 0.5 (the median norm),
-    ``clip_learning_rate`` 0.2, ``count_stddev`` m / 20 for m expected clients a round
-    (TensorFlow Federated's ``gaussian_adaptive`` starts from C_0 = 0.1; ``clip_norm`` keeps its
-    default 1.0, so set it). ``noise_multiplier`` z
-    stays the total that is accounted: the deltas are noised with z_delta = (z**-2 - (2 *
-    count_stddev)**-2)**-0.5, which needs 2 * count_stddev > z."""
-
-    enabled: bool = False
-    clip_norm: float = 1.0
-    noise_multiplier: float = 1.0
-    delta: float | None = None            # None: 1 / clients ** 1.1
-    target_epsilon: float | None = None   # stop before a round that would take epsilon past this
-    accountant: str = "rdp"               # dp-accounting's "rdp" or "pld" (Poisson sampling only)
-    noise_seed: int | None = None         # None: a secret seed per run; set only for experiments (the
-                                          # noise of a known seed can be taken out again: no privacy)
-    adaptive_clip: bool = False           # clip_norm is C_0 and adapts (see above); the server clips
-    target_quantile: float = 0.5          # gamma: the quantile of the delta norms the clip tracks
-    clip_learning_rate: float = 0.2       # eta_C of the geometric update
-    count_stddev: float | None = None     # sigma_b, the noise of the count of unclipped results;
-                                          # None: the expected clients per round / 20
-
-    def resolved_delta(self, clients: int) -> float:
-        """``delta``, or 1 / clients ** 1.1 where it is unset."""
-        return self.delta if self.delta is not None else 1.0 / clients ** 1.1
-
-    def resolved_count_stddev(self, expected_clients: float) -> float:
-        """sigma_b: ``count_stddev``, or ``expected_clients`` / 20 (Andrew et al.) where it is unset."""
-        return self.count_stddev if self.count_stddev is not None else expected_clients / 20
-
-    def delta_noise_multiplier(self, expected_clients: float) -> float:
-        """The noise multiplier of the deltas: ``noise_multiplier`` without adaptive clipping; with it
-        z_delta = (z**-2 - (2 sigma_b)**-2)**-0.5, so that the deltas and the count together are the
-        Gaussian mechanism of multiplier z (Andrew et al., Theorem 1); 0 where z is 0. Raises
-        ValueError where the count's noise leaves none for the deltas (z**-2 <= (2 sigma_b)**-2, i.e.
-        2 sigma_b <= z)."""
-        z = self.noise_multiplier
-        if not self.adaptive_clip or not z:
-            return z
-        sigma_b = self.resolved_count_stddev(expected_clients)
-        rest = z ** -2 - (2 * sigma_b) ** -2 if sigma_b > 0 else -math.inf
-        if not rest > 0:
-            raise ValueError(f"the count noise sigma_b = {sigma_b:g} is too small for noise_multiplier {z:g}: "
-                             f"z_delta = (z**-2 - (2 sigma_b)**-2)**-0.5 needs 2 sigma_b > z; raise "
-                             f"privacy.dp.count_stddev above {z / 2:g}, or lower privacy.dp.noise_multiplier "
-                             f"below {2 * sigma_b:g}")
-        return rest ** -0.5
-
-
-DP_SGD_INSTALL = 'pip install -e ".[dp-sgd]"  (Opacus; or pip install "opacus>=1.5")'
-
-
-@dataclass
-class DPSGDConfig:
-    """Record-level differential privacy on the client, DP-SGD (Abadi et al., "Deep Learning with
-    Differential Privacy", CCS 2016) through Opacus (``fedpart.client.dp_sgd``): every local step
-    takes a Poisson sample of the client's training examples (each with probability batch_size /
-    samples), clips each example's gradient to ``max_grad_norm`` in L2 over the trained parameters,
-    adds Gaussian noise of standard deviation ``noise_multiplier * max_grad_norm`` to their sum and
-    divides by the expected batch size. Each client's epsilon, over every round it trained, comes
-    from Opacus' RDP accountant and goes into its training metrics (``dp_sgd_epsilon``)."""
-
-    enabled: bool = False
-    noise_multiplier: float = 1.0
-    max_grad_norm: float = 1.0
-    delta: float | None = None            # None: 1 / (the client's training samples) ** 1.1
-    noise_seed: int | None = None         # None: a secret seed per local training run (noise and
-                                          # Poisson batches); set only for experiments (no privacy)
-
-    def resolved_delta(self, samples: int) -> float:
-        """``delta``, or 1 / samples ** 1.1 where it is unset."""
-        return self.delta if self.delta is not None else 1.0 / max(samples, 1) ** 1.1
 
 
 @dataclass

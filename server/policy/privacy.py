@@ -32,7 +32,7 @@ b_i at 1/2 makes the count's sensitivity 1/2 under add-or-remove-one (1 under re
 sum's 2C), so the deltas noised with multiplier z_delta and the count with sigma_b are together
 the Gaussian mechanism of z with z^-2 = z_delta^-2 + (2 sigma_b)^-2 (the paper's Theorem 1): the
 budget is accounted with ``noise_multiplier`` z as before, and the deltas get
-z_delta = (z^-2 - (2 sigma_b)^-2)^-1/2 (:meth:`fedpart.common.config.run_config.DPConfig.delta_noise_multiplier`).
+z_delta = (z^-2 - (2 sigma_b)^-2)^-1/2 (:meth:`fedpart.common.config.dp.DPConfig.delta_noise_multiplier`).
 Where every sampled client answers, b is the noised fraction sum(b_i) / m of the paper.
 """
 
@@ -46,11 +46,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from fedpart.common.config.run_config import (
-    DP_ACCOUNTING_INSTALL,
-    ConfigError,
-    RunConfig,
-)
+from fedpart.common.config.dp import DP_ACCOUNTING_INSTALL
+from fedpart.common.config.run_config import ConfigError, RunConfig
 from fedpart.common.privacy.clipping import clip_deltas
 from fedpart.common.process.console import Log
 from fedpart.common.process.records import RoundPrivacy

@@ -1,11 +1,12 @@
-"""The config check of DP-SGD on the client (``privacy.dp_sgd``; Abadi et al., "Deep Learning
-with Differential Privacy", CCS 2016): its values, and what it refuses to run with. The code it
-checks for is :mod:`fedpart.client.dp_sgd` and :mod:`fedpart.client.mods.dp_sgd_ledger`; the
-registration is :data:`fedpart.common.config.run_config.FEATURE_CHECKS`."""
+"""DP-SGD's config on the client (``privacy.dp_sgd``; Abadi et al., "Deep Learning with
+Differential Privacy", CCS 2016): its section, its values' check, and what it refuses to run
+with. The code it checks for is :mod:`fedpart.client.dp_sgd` and
+:mod:`fedpart.client.mods.dp_sgd_ledger`; the registration is :data:`fedpart.common.config.run_config.FEATURE_CHECKS`."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fedpart.common.config.feature_checks import failed, set_while_disabled
@@ -13,6 +14,31 @@ from fedpart.common.config.feature_checks import failed, set_while_disabled
 if TYPE_CHECKING:
     from fedpart.common.config.run_config import RunConfig
     from fedpart.common.ml.algorithms import Algorithm
+
+DP_SGD_INSTALL = 'pip install -e ".[dp-sgd]"  (Opacus; or pip install "opacus>=1.5")'
+
+
+@dataclass
+class DPSGDConfig:
+    """Record-level differential privacy on the client, DP-SGD (Abadi et al., "Deep Learning with
+    Differential Privacy", CCS 2016) through Opacus (``fedpart.client.dp_sgd``): every local step
+    takes a Poisson sample of the client's training examples (each with probability batch_size /
+    samples), clips each example's gradient to ``max_grad_norm`` in L2 over the trained parameters,
+    adds Gaussian noise of standard deviation ``noise_multiplier * max_grad_norm`` to their sum and
+    divides by the expected batch size. Each client's epsilon, over every round it trained, comes
+    from Opacus' RDP accountant and goes into its training metrics (``dp_sgd_epsilon``)."""
+
+    enabled: bool = False
+    noise_multiplier: float = 1.0
+    max_grad_norm: float = 1.0
+    delta: float | None = None            # None: 1 / (the client's training samples) ** 1.1
+    noise_seed: int | None = None         # None: a secret seed per local training run (noise and
+                                          # Poisson batches); set only for experiments (no privacy)
+
+    def resolved_delta(self, samples: int) -> float:
+        """``delta``, or 1 / samples ** 1.1 where it is unset."""
+        return self.delta if self.delta is not None else 1.0 / max(samples, 1) ** 1.1
+
 
 KEY = "privacy.dp_sgd"
 
