@@ -1,8 +1,9 @@
 """benchmarks/reproduce.py: every study runs end to end at its tiny size (digits, a round or two,
 one seed) through real ``fedpart run`` processes, and its tables have every row; the paired
 verdicts follow their rule on hand-made records. No assertion on accuracy values: at this size
-they mean nothing. FedBABU's study runs its two end cells (``--cells``): tau=4 repeats their
-five algorithms with another epoch count, and its trend claim needs only tau=1 and tau=10."""
+they mean nothing. FedBABU's study runs one cell (``--cells tau=1``): the other two repeat its
+five algorithms with another epoch count, and its trend claim across cells is checked on
+hand-made records."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from conftest import REPO, child_env, load_script
 
 SCRIPT = REPO / "benchmarks" / "reproduce.py"
 STUDY_TIMEOUT = 900.0
-CELLS = {"fedbabu": ["tau=1", "tau=10"]}  # the cells a study's test runs (default: all)
+CELLS = {"fedbabu": ["tau=1"]}  # the cells a study's test runs (default: all)
 
 reproduce = load_script(SCRIPT)
 
@@ -106,6 +107,35 @@ def test_verdicts_pair_seeds_and_follow_the_rule() -> None:
     records = [_record("a", 0, 0.9), failed, _record("b", 0, 0.8), _record("b", 1, 0.8)]
     found = reproduce.verdicts(study, records)[0]
     assert found.verdict == "reproduced" and found.measured.endswith("(seeds: +0.10)")
+
+
+def test_a_trend_verdict_pairs_each_seeds_gap_at_both_cells() -> None:
+    """FedBABU's trend claim (its personalized advantage over FedAvg grows with tau), on hand-made
+    records: per seed, the gap at tau=10 minus the gap at tau=1; a cell a run did not train in
+    leaves its seed out."""
+    study = reproduce.select(reproduce.STUDIES["fedbabu"]("tiny"), ["tau=1", "tau=10"], ["FedAvg", "FedBABU"])
+    assert len(study.trend_claims) == 1
+
+    def trend(small_gaps: list[float], large_gaps: list[float]) -> object:
+        records = []
+        for seed, (small, large) in enumerate(zip(small_gaps, large_gaps)):
+            for cell, gap in (("tau=1", small), ("tau=10", large)):
+                records += [_record("FedAvg", seed, 0.5, cell), _record("FedBABU", seed, 0.5 + gap, cell)]
+        for record in records:
+            record.values = {"ft5": record.values["m"]}
+        return records, reproduce.verdicts(study, records)[-1]
+
+    _, grows = trend([0.01, 0.02], [0.05, 0.04])
+    assert (grows.text, grows.cell) == (study.trend_claims[0][0], "tau=1 → tau=10")
+    assert grows.verdict == "reproduced" and grows.measured == "gap at tau=10 - gap at tau=1 = +3.00 points " \
+        "(seeds: +4.00, +2.00)"
+    assert trend([0.05, 0.01], [0.08, 0.00])[1].verdict == "inconclusive"       # the mean grows, one seed shrinks
+    assert trend([0.05], [0.05])[1].verdict == "not reproduced"
+    records, _ = trend([0.01, 0.02], [0.05, 0.04])
+    records[-1].mark = "collapsed: model accuracy 10.0 % (chance 10 %)"       # seed 1's FedBABU at tau=10
+    found = reproduce.verdicts(study, records)[-1]
+    assert found.measured == "gap at tau=10 - gap at tau=1 = +4.00 points (seeds: +4.00); left out: " \
+        "FedBABU seed 1 collapsed"
 
 
 def test_run_settings_precedence(tmp_path: Path) -> None:
