@@ -330,7 +330,7 @@ def serve(config: RunConfig, experiment: Experiment, address: str, out_dir: str 
         display.view = lambda: render_run(coordinator.progress())
     evaluator = None
     if config.evaluate.global_test and has_global_model(experiment.algorithm):
-        evaluator = GlobalEvaluator(config, experiment)
+        evaluator = GlobalEvaluator(config.data, config.train.loss, experiment)
     if saved is not None:
         coordinator.restore(saved)
     raise_open_file_limit()

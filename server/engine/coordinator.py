@@ -103,7 +103,7 @@ class Coordinator:
 
         # the lock of the whole state machine; the round loop waits on it, and a stop ends its waits
         self._cond = StoppableCondition()
-        self.registry = ProcessRegistry(config, self._cond, log)
+        self.registry = ProcessRegistry(config.clients, config.server, self._cond, log)
         self.board = TaskBoard(self.registry, self._cond, log, self._record_failure, config.server.delivery_attempts,
                                dropped=lambda task: self.evaluation.dropped(task))
         self._personal: dict[int, set[str]] = {}  # personal parts each client holds, as the server knows
@@ -112,9 +112,10 @@ class Coordinator:
         self._task_ids = itertools.count(1)
         self._round = 0
         self.clock = VirtualClock(config, self.round_plan) if config.heterogeneity.clock == "virtual" else None
-        self.recorder = RunRecorder(config, self.ledger, self.board, self.policy, self.clock)
+        self.recorder = RunRecorder(config.rounds, config.train, self.ledger, self.board, self.policy, self.clock)
         self._results: RoundResults | None = None
-        self.evaluation = FinalEvaluation(config, self.registry, self.board, self._cond, log, self._evaluation_task)
+        self.evaluation = FinalEvaluation(config.clients, config.server, self.registry, self.board, self._cond, log,
+                                          self._evaluation_task)
         self._failures: list[str] = []
         self._train_samples: dict[int, int] = {}  # last training sample count each client reported
         # how the run is served, for the run state: transport, credentials_sha256, the resume command

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from fedpart.common.config.run_config import RunConfig
+from fedpart.common.config.run_config import ServerConfig
 from fedpart.common.process.console import Log
 from fedpart.common.wire.plans import EvalPlan
 from fedpart.server.engine.registry import REAP_INTERVAL_SECONDS, ProcessRegistry
@@ -28,9 +28,11 @@ NewTask = Callable[[int, str, EvalPlan], Task]  # (client, session of its proces
 class FinalEvaluation:
     """The evaluation after the last round, asked of every client over the task board."""
 
-    def __init__(self, config: RunConfig, registry: ProcessRegistry, board: TaskBoard, cond: threading.Condition,
-                 log: Callable[[str], None], new_task: NewTask) -> None:
-        self.config = config
+    def __init__(self, clients: int, server: ServerConfig, registry: ProcessRegistry, board: TaskBoard,
+                 cond: threading.Condition, log: Callable[[str], None], new_task: NewTask) -> None:
+        """The evaluation of ``clients`` clients under ``server``'s timeouts and delivery attempts."""
+        self.clients = clients
+        self.server = server
         self.registry = registry
         self.board = board
         self.log = Log.of(log)
@@ -57,8 +59,8 @@ class FinalEvaluation:
         if not self.active or self._asked.get(task.client_id) is not task or task.client_id in self.reports:
             return
         tries = self._tries[task.client_id]
-        if tries < self.config.server.delivery_attempts:
-            self._again[task.client_id] = f"asked {tries} of at most {self.config.server.delivery_attempts} times"
+        if tries < self.server.delivery_attempts:
+            self._again[task.client_id] = f"asked {tries} of at most {self.server.delivery_attempts} times"
         else:
             self.log.warning(f"client {task.client_id}: no evaluation report after {tries} tasks "
                              "(server.delivery_attempts); it is not asked again")
@@ -70,7 +72,7 @@ class FinalEvaluation:
         hosts it again, one whose task was dropped (:meth:`dropped`) at once; while no evaluation is
         open, the wait for lost clients to be hosted again is at most ``server.join_timeout``.
         Returns the reports by client."""
-        server, clients = self.config.server, self.config.clients
+        server, clients = self.server, self.clients
         deadline = time.monotonic() + server.evaluation_timeout
         unhosted_since: float | None = None
         with self._cond:

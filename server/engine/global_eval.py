@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 from fedpart.common.config.experiment import Experiment
-from fedpart.common.config.run_config import RunConfig
+from fedpart.common.config.run_config import DataConfig
 from fedpart.common.data.datasets import load_dataset
 from fedpart.common.ml.evaluation import split_metrics
 from fedpart.common.ml.losses import build_loss
@@ -17,8 +17,8 @@ from fedpart.common.process.records import ModelMetrics
 class GlobalEvaluator:
     """Tests global states on the server-held test set."""
 
-    def __init__(self, config: RunConfig, experiment: Experiment) -> None:
-        data = config.data
+    def __init__(self, data: DataConfig, loss: str | None, experiment: Experiment) -> None:
+        """The test split of ``data`` (its whole, read by the server), scored with ``loss``."""
         try:
             dataset = load_dataset(data.dataset, data.root, **data.options)
         except (OSError, ValueError) as error:
@@ -27,7 +27,7 @@ class GlobalEvaluator:
         self.x = dataset.features(dataset.x_test)
         self.y = dataset.targets(dataset.y_test)
         self.classification = experiment.classification
-        self.loss_fn = build_loss(config.train.loss, self.classification)
+        self.loss_fn = build_loss(loss, self.classification)
         self.model = experiment.new_model()
 
     def evaluate(self, state: Mapping[str, torch.Tensor]) -> ModelMetrics:

@@ -45,7 +45,7 @@ from typing import Protocol
 
 from fedpart.common.process.console import Log
 from fedpart.common.wire.client_ids import format_id_ranges
-from fedpart.common.config.run_config import RunConfig
+from fedpart.common.config.run_config import ServerConfig
 from fedpart.common.wire.plans import JoinInfo, RunOutcome
 from fedpart.common.wire.protocol import PROTOCOL_VERSION, BadJoin, Denied, Held, NotYet, Rejected
 from fedpart.common.wire.security import Principal
@@ -98,10 +98,12 @@ class ProcessEvents(Protocol):
 class ProcessRegistry:
     """Client processes, their sessions and the clients they host."""
 
-    def __init__(self, config: RunConfig, cond: threading.Condition, log: Callable[[str], None]) -> None:
-        self.clients = config.clients
-        self.heartbeat_timeout = config.server.heartbeat_timeout
-        self.join_timeout = config.server.join_timeout
+    def __init__(self, clients: int, server: ServerConfig, cond: threading.Condition,
+                 log: Callable[[str], None]) -> None:
+        """The registry of a run of ``clients`` clients, under ``server``'s heartbeat and join timeouts."""
+        self.clients = clients
+        self.heartbeat_timeout = server.heartbeat_timeout
+        self.join_timeout = server.join_timeout
         self.log = Log.of(log)
         self.admission = AdmissionLog(log)
         self.events: ProcessEvents | None = None  # the task board, once it exists

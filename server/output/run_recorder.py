@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fedpart.common.ml.algorithms import learning_rate
-from fedpart.common.config.run_config import RunConfig
+from fedpart.common.config.run_config import TrainConfig
 from fedpart.common.process.records import (
     BufferedVersion,
     BytesByPart,
@@ -61,9 +61,11 @@ class RunRecorder:
     """The records of the run's rounds and their durations (the round engine holds its lock
     while it calls :meth:`start_round`, :meth:`end_round` and :meth:`eta`)."""
 
-    def __init__(self, config: RunConfig, ledger: ByteLedger, board: TaskBoard, policy: Policy,
+    def __init__(self, rounds: int, train: TrainConfig, ledger: ByteLedger, board: TaskBoard, policy: Policy,
                  clock: VirtualClock | None = None) -> None:
-        self.config = config
+        """The records of a run of ``rounds`` rounds whose learning rate follows ``train``."""
+        self.rounds = rounds
+        self.train = train
         self.ledger = ledger
         self.board = board
         self.policy = policy
@@ -92,7 +94,7 @@ class RunRecorder:
             return None
         mean = sum(self.round_seconds) / len(self.round_seconds)
         elapsed = time.monotonic() - self.round_started if running else 0.0
-        return max(0.0, mean * (self.config.rounds - self.completed_rounds) - elapsed)
+        return max(0.0, mean * (self.rounds - self.completed_rounds) - elapsed)
 
     def record(self, round_number: int, sampled: list[int], completed: list[int], results: RoundResults,
                processes: Mapping[int, str], seconds: float, version: VersionNotes | None = None) -> RoundRecord:
@@ -128,8 +130,8 @@ class RunRecorder:
             sampled=sampled,
             completed=completed,
             train_loss=weighted("loss"),
-            lr=learning_rate(self.config.train.lr, round_number - 1, self.config.rounds,
-                             self.config.train.lr_milestones, self.config.train.lr_gamma),
+            lr=learning_rate(self.train.lr, round_number - 1, self.rounds, self.train.lr_milestones,
+                             self.train.lr_gamma),
             seconds=round(seconds, 4),
             train_samples=total,
             client_compute_seconds=summed("compute_seconds"),
