@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from fedpart.common.process.records import DeliveryCounts, RobustCounts, RoundRecord
+from fedpart.server.policy.screening import RobustScreening
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -116,10 +117,6 @@ class RunCollector:
         for action, count in RobustCounts.total(r.robust for r in records if r.robust is not None).to_json().items():
             robust.add_metric([action], count)
         yield robust
-        # imported here: ``fedpart run`` imports this module for its check alone, and the
-        # policy modules compile the fold kernels when they are imported
-        from fedpart.server.policy.screening import RobustScreening
-
         screening = coordinator.policy.find(RobustScreening)
         monitor = screening.monitor if screening is not None else None
         if monitor is not None:

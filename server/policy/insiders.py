@@ -137,8 +137,9 @@ class CountSketch:
         """The sketch (float64) of ``tensors`` taken together: the tensors in the order of their
         names, each in one pass (:func:`_sketch_tensor`, compiled by Numba where the ``server``
         extra is installed and the tensors are large enough for it to pay
-        (:class:`~fedpart.server.policy.aggregation.Kernel`), else the same bits by torch), summed in float32 straight from a float32
-        tensor: a float64 copy of every result would cost the server as much as the sum."""
+        (:class:`~fedpart.server.policy.aggregation.Kernel`), else the same bits by torch),
+        summed in float32 straight from a float32 tensor: a float64 copy of every result would
+        cost the server as much as the sum."""
         sums = np.zeros(self.buckets, dtype=np.float32)
         for name in sorted(tensors):  # in one order: the same sketch whatever order the tensors came in
             flat = tensors[name].detach().reshape(-1)
