@@ -18,7 +18,8 @@ What is measured:
   (:func:`~fedpart.common.process.limits.client_threads` of P, as ``fedpart run`` gives each client
   process: the cores of this process's affinity and cgroup quota divided by P); each worker
   loads its clients' data and pays torch's one-off optimizer import before the first round
-  (not timed; fedpart's clients do both before they report ready). A round's time is wall time
+  (not timed; fedpart's clients load their data before they report ready, and train with an
+  optimizer that needs no such import). A round's time is wall time
   in the parent from sending the global weights to holding the new global model: every worker,
   for each of its clients, loads the global weights into the model, trains the epoch (same model
   builder and seed, same per-client shuffling seeds, same input layout) and returns the delta
@@ -193,7 +194,7 @@ def floor_worker(conn: Connection, clients: list[int], threads: int, raw: str) -
     ``[(client, samples, delta), ...]``."""
     torch.set_num_threads(threads)
     model = build_model(MODEL, NUM_CLASSES, INPUT_SHAPE, SEED)
-    torch.optim.SGD(model.parameters(), lr=0.0)  # torch's one-off optimizer import (~1 s), start-up like in fedpart
+    torch.optim.SGD(model.parameters(), lr=0.0)  # torch's one-off optimizer import, before the rounds are timed
     data = _client_train_data(Path(raw), clients)
     conn.send("ready")
     while (message := _next_message(conn)) is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fedpart.client.local_data import ClientData
+from fedpart.client.speed import TrainingSpeed
 from fedpart.client.training import Augment, LossFn, batches
 from fedpart.common.ml.evaluation import EVAL_BATCH, split_metrics
 from fedpart.common.wire.plans import EvalPlan
@@ -65,7 +66,7 @@ def evaluate_and_personalize(model: SplitModel, data: ClientData, plan: EvalPlan
     units = finetune_units(model, plan.part)
     model.set_trainable(units)
     parameters = [p for u in units for p in model.unit_parameters(u)]
-    optimizer = torch.optim.SGD(parameters, lr=plan.lr, momentum=plan.momentum)
+    optimizer = TrainingSpeed(data.x_train.device).sgd(parameters, plan.lr, plan.momentum, 0.0)
     generator = torch.Generator().manual_seed(int(plan.seed))
     epoch = 0
     for target in checkpoints:

@@ -162,7 +162,7 @@ class ClientProcess:
                                                  train.compile)
         except SpeedError as error:
             raise ClientError(str(error)) from error
-        torch.optim.SGD(self.model.parameters(), lr=0.0)  # pays torch's one-off optimizer import now, not in the first task
+        self.speed.sgd(list(self.model.parameters()), 0.0, 0.0, 0.0)  # torch's optimizer import, where it is used, now
         self.activity.task(f"loading {self.config.data.dataset}")
         self.log(f"loading {self.config.data.dataset} for clients {format_id_ranges(self.client_ids)} "
                  f"onto {self.device}")

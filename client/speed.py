@@ -19,7 +19,8 @@ and ``train.compile`` (docs/gpus.md).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -76,6 +77,52 @@ class LossScaledOptimizer:
         self._unscaled = False
 
 
+class PlainSGD:
+    """SGD with momentum and weight decay, step for step torch's ``torch.optim.SGD`` on a CPU (its
+    single-tensor path, no dampening or Nesterov: the same operations in the same order, so the
+    same numbers), for plain float32 training on a CPU.
+
+    torch's optimizers wrap their methods in its compiler's disable decorator, which imports
+    ``torch._dynamo`` at the first call: about as much CPU as importing torch itself, paid by every
+    client process that trains. Gradient scalers (fp16) and Opacus' DPOptimizer need a torch
+    optimizer and get one (:meth:`TrainingSpeed.sgd`)."""
+
+    def __init__(self, parameters: Iterable[nn.Parameter], lr: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0) -> None:
+        self.param_groups = [{"params": list(parameters), "lr": lr, "momentum": momentum,
+                              "weight_decay": weight_decay}]
+        self.state: defaultdict[torch.Tensor, dict[str, torch.Tensor]] = defaultdict(dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                if set_to_none:
+                    parameter.grad = None
+                elif parameter.grad is not None:
+                    parameter.grad.detach_().zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One step of every parameter that has a gradient (the others, frozen, keep their value
+        and their momentum)."""
+        for group in self.param_groups:
+            lr, momentum, weight_decay = group["lr"], group["momentum"], group["weight_decay"]
+            for parameter in group["params"]:
+                if parameter.grad is None:
+                    continue
+                grad = parameter.grad
+                if weight_decay != 0:
+                    grad = grad.add(parameter, alpha=weight_decay)
+                if momentum != 0:
+                    buffer = self.state[parameter].get("momentum_buffer")
+                    if buffer is None:
+                        buffer = self.state[parameter]["momentum_buffer"] = grad.detach().clone()
+                    else:
+                        buffer.mul_(momentum).add_(grad, alpha=1)
+                    grad = buffer
+                parameter.add_(grad, alpha=-lr)
+
+
 @dataclass
 class TrainingSpeed:
     """How local training runs on ``device``; the defaults are plain float32 eager training."""
@@ -124,13 +171,18 @@ class TrainingSpeed:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
-    def sgd(self, parameters: list[nn.Parameter], lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
-        """The local optimizer: torch's SGD, fused where a gradient scaler drives the step (fp16),
-        so that the scaler's overflow flag is read on the device. The fused kernel needs a momentum
-        buffer for every parameter once any has one (FedBug unfreezes parameters mid-round), so
-        they start at zero, which gives the same first step as torch's missing buffer (no
-        dampening) and a defined one after a skipped step."""
+    def sgd(self, parameters: list[nn.Parameter], lr: float, momentum: float, weight_decay: float,
+            private: bool = False) -> torch.optim.SGD | PlainSGD:
+        """The local optimizer: on a CPU without DP-SGD (``private``: Opacus wraps a torch
+        optimizer), :class:`PlainSGD`; elsewhere torch's SGD (its multi-tensor kernels on a GPU),
+        fused where a gradient scaler drives the step (fp16), so that the scaler's overflow flag is
+        read on the device. The fused kernel needs a momentum buffer for every parameter once any
+        has one (FedBug unfreezes parameters mid-round), so they start at zero, which gives the
+        same first step as torch's missing buffer (no dampening) and a defined one after a skipped
+        step."""
         fused = self.amp_dtype == torch.float16
+        if self.device.type == "cpu" and not private and not fused:
+            return PlainSGD(parameters, lr, momentum, weight_decay)
         optimizer = torch.optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay,
                                     fused=True if fused else None)
         if fused and momentum:

@@ -100,11 +100,12 @@ def train_local(model: SplitModel, data: ClientData, plan: TrainPlan, loss_fn: L
     objective = objective or ObjectiveSpec().build()
     ctx = ObjectiveContext(model, {k: r.to(device) for k, r in reference.items()},
                            {} if state is None else state, data.y_train, plan.lr, loss_fn)
-    optimizer = speed.sgd(parameters, plan.lr, plan.momentum, plan.weight_decay)
+    per_example = dp_sgd is not None and dp_sgd.enabled
+    optimizer = speed.sgd(parameters, plan.lr, plan.momentum, plan.weight_decay, private=per_example)
     scaled = speed.loss_scaled(optimizer)
     backward = scaled.backward if scaled is not None else torch.Tensor.backward
     private = None
-    if dp_sgd is not None and dp_sgd.enabled:
+    if per_example:
         dpsgd.check_model(model)
         rate = dpsgd.sample_rate(n, plan.batch_size)
         seed = dpsgd.run_seed(dp_sgd, plan.seed)

@@ -5,15 +5,17 @@ synchronisation."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from conftest import small_config
+from conftest import REPO, child_env, small_config
 from fedpart.client.local_data import ClientData
-from fedpart.client.speed import LossScaledOptimizer, TrainingSpeed
+from fedpart.client.speed import LossScaledOptimizer, PlainSGD, TrainingSpeed
 from fedpart.client.training import train_local
 from fedpart.common.ml.algorithms import UNFREEZE_FRACTION, gradual_unfreezing
 from fedpart.common.config.run_config import ConfigError, config_from_dict, load_config
@@ -83,6 +85,62 @@ def test_bad_speed_options_name_the_key(train, message):
 def test_defaults_are_plain_float32_eager_training():
     train = config_from_dict(small_config()).train
     assert (train.amp, train.channels_last, train.compile) == ("off", False, False)
+
+
+# ------------------------------------------------------------------ the optimizer on the CPU
+
+
+@pytest.mark.parametrize(("momentum", "weight_decay"), [(0.0, 0.0), (0.9, 0.0), (0.5, 1e-3)])
+def test_plain_sgd_steps_exactly_as_torchs_sgd(momentum, weight_decay):
+    """Bit for bit, through what training does to an optimizer: a parameter whose gradient only
+    appears later (FedBug unfreezes mid-round), one that never gets one, and a new lr set in the
+    group between steps (Per-FedAvg's second batch)."""
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(shape, generator=generator) for shape in ((5, 3), (3,), (2,))]
+    ours, theirs = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
+    optimizers = (PlainSGD(ours, 0.1, momentum, weight_decay),
+                  torch.optim.SGD(theirs, lr=0.1, momentum=momentum, weight_decay=weight_decay))
+    for step in range(6):
+        inputs = torch.randn(4, 5, generator=generator)
+        for parameters, optimizer in zip((ours, theirs), optimizers):
+            optimizer.zero_grad(set_to_none=True)
+            trained = parameters[:2] if step >= 2 else parameters[:1]
+            loss = (inputs @ trained[0]).sin().sum() + (sum(trained[1].cos()) if len(trained) > 1 else 0)
+            loss.backward()
+            if step == 4:
+                for group in optimizer.param_groups:
+                    group["lr"] = 0.03
+            optimizer.step()
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), step
+    assert torch.equal(ours[2], start[2]) and ours[2].grad is None
+
+
+def test_a_cpu_client_trains_and_fine_tunes_without_importing_torchs_compiler():
+    """torch's optimizers import torch._dynamo at their first call (about as much CPU as torch
+    itself, in every client process): local training and personalization on a CPU do not."""
+    script = """
+import sys
+import torch
+from fedpart.client.evaluation import evaluate_and_personalize
+from fedpart.client.local_data import ClientData
+from fedpart.client.training import train_local
+from fedpart.common.models.zoo import build_model, unit_forward_flops
+from fedpart.common.wire.plans import EvalPlan, Phase, TrainPlan
+model = build_model("mlp", num_classes=10, input_shape=(1, 4, 4), seed=0)
+g = torch.Generator().manual_seed(0)
+data = ClientData(torch.randn(20, 1, 4, 4, generator=g), torch.randint(0, 10, (20,), generator=g),
+                  torch.randn(5, 1, 4, 4, generator=g), torch.randint(0, 10, (5,), generator=g))
+plan = TrainPlan(phases=(Phase(1, tuple(model.schedule_units)),), lr=0.1, batch_size=10, momentum=0.9)
+flops = unit_forward_flops(model, (1, 4, 4))
+assert train_local(model, data, plan, torch.nn.functional.cross_entropy, {}, flops).steps == 2
+evaluate_and_personalize(model, data, EvalPlan(finetune_epochs=(1,), lr=0.1, momentum=0.9, batch_size=10),
+                         torch.nn.functional.cross_entropy, True)
+print("torch._dynamo" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False"]
 
 
 # ---------------------------------------------------------------------------- amp on the CPU
