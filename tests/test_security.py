@@ -530,8 +530,15 @@ def test_result_messages_larger_than_the_task_asked_for_are_refused(secure) -> N
 
 def test_an_oversized_message_inside_a_result_always_loses_the_result(secure) -> None:
     for attempt in range(4):
-        harness = secure(server={"round_timeout": 5, "heartbeat_timeout": 30})
-        stub, session, header, uploads = _train_task(harness)
+        harness = secure(server={"round_timeout": 30, "heartbeat_timeout": 30})
+        other = harness.stub(1)
+        other_session = _join(other, [2, 3]).session
+        _ready(other, other_session)
+        stub = harness.stub(0)
+        session = _join(stub, [0, 1]).session
+        harness.start_round()
+        header, _ = _poll(stub, session)
+        uploads = {n: torch.zeros_like(harness.coordinator.global_state[n]) for n in header.train.upload_deltas}
         chunks = list(_result(session, header, uploads, chunk_bytes=4096))
         assert len(chunks) > 2
         oversized = pb.ResultChunk()
@@ -539,7 +546,10 @@ def test_an_oversized_message_inside_a_result_always_loses_the_result(secure) ->
         with pytest.raises(grpc.RpcError) as error:
             stub.SubmitResult(iter(chunks[:-1] + [oversized] + chunks[-1:]), timeout=BOUND)
         assert error.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+        for leaving, left in ((stub, session), (other, other_session)):  # the round ends without its clients
+            leaving.Leave(pb.LeaveRequest(session=left, reason="the test is done"), timeout=BOUND)
         harness._thread.join(timeout=BOUND)
+        assert not harness._thread.is_alive()
         assert all(torch.equal(harness.initial[k], v) for k, v in harness.coordinator.global_state.items()), attempt
         harness.close()
 
