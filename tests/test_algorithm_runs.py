@@ -42,6 +42,13 @@ def _run(tmp_path: Path, algorithm: dict, rounds: int = 3, **overrides):
     return read_metrics(out), read_summary(out), out
 
 
+@pytest.fixture(scope="module")
+def fedavg_two_rounds(tmp_path_factory: pytest.TempPathFactory):
+    """FedAvg for two rounds: the baseline that FedProx, FedBug and LG-FedAvg's warm start are
+    held against (one run read by each, not one run each)."""
+    return _run(tmp_path_factory.mktemp("fedavg"), {"name": "fedavg"}, rounds=2)
+
+
 def _tensor_bytes(record: dict, part: str, direction: str) -> int:
     return record["bytes_by_part"][part][direction]
 
@@ -50,8 +57,8 @@ def _about(value: int, expected: int, pieces: int = 8) -> bool:
     return expected <= value <= expected + FRAMING * pieces
 
 
-def test_fedprox_differs_from_fedavg_only_by_the_proximal_term(tmp_path: Path) -> None:
-    _, fedavg, fedavg_out = _run(tmp_path / "a", {"name": "fedavg"}, rounds=2)
+def test_fedprox_differs_from_fedavg_only_by_the_proximal_term(tmp_path: Path, fedavg_two_rounds) -> None:
+    _, fedavg, fedavg_out = fedavg_two_rounds
     metrics, fedprox, out = _run(tmp_path / "b", {"name": "fedprox", "mu": 1.0}, rounds=2)
     assert all(_tensor_bytes(r, "head", "up") > 0 for r in metrics)
     a = load_tensors(fedavg_out / "checkpoints/round_0002.safetensors")
@@ -72,8 +79,8 @@ def test_fedprox_babu_keeps_the_head_fixed(tmp_path: Path) -> None:
     assert summary["accuracy"]["global"]["acc"] > 0
 
 
-def test_fedbug_unfreezes_bottom_up_and_saves_backward_compute(tmp_path: Path) -> None:
-    fedavg, _, _ = _run(tmp_path / "a", {"name": "fedavg"}, rounds=2)
+def test_fedbug_unfreezes_bottom_up_and_saves_backward_compute(tmp_path: Path, fedavg_two_rounds) -> None:
+    fedavg, _, _ = fedavg_two_rounds
     fedbug, summary, _ = _run(tmp_path / "b", {"name": "fedbug", "gu_ratio": 0.5}, rounds=2,
                               train={"epochs": 1, "batch_size": 20, "lr": 0.05},
                               server_optimizer={"lr": 1.5})
@@ -132,8 +139,8 @@ def test_lg_fedavg_shares_only_heads(tmp_path: Path) -> None:
     assert not torch.equal(first["head.weight"], last["head.weight"])
 
 
-def test_lg_fedavg_warm_starts_from_a_checkpoint(tmp_path: Path) -> None:
-    _, _, fedavg_out = _run(tmp_path / "warm", {"name": "fedavg"}, rounds=2)
+def test_lg_fedavg_warm_starts_from_a_checkpoint(tmp_path: Path, fedavg_two_rounds) -> None:
+    _, _, fedavg_out = fedavg_two_rounds
     checkpoint = fedavg_out / "checkpoints/round_0002.safetensors"
     _, _, out = _run(tmp_path / "lg", {"name": "lg_fedavg"}, rounds=1,
                      model={"name": "mlp", "hidden": HIDDEN, "init_checkpoint": str(checkpoint)})

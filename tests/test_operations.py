@@ -458,12 +458,13 @@ def test_an_interrupted_server_tells_its_clients_writes_what_it_knows_and_resume
     """SIGINT to the server mid-run: its clients hear that the run ended early and exit 5; the
     server exits 130 with summary.json marked interrupted and its run state kept; ``--resume``
     (without checkpoints/: resume reads server_state/) completes the run and replaces the summary."""
-    config = small_config(rounds=20, **SLOW_ROUNDS)
+    rounds = 10  # stopped after round 3: seven rounds of margin for the signal, few left to resume
+    config = small_config(rounds=rounds, **SLOW_ROUNDS)
     config_path = write_config(tmp_path / "config.yaml", config)
     out = tmp_path / "out"
     server, reader, address = start_server(processes, config_path, out)
     clients = [_client(processes, address, ids, tmp_path) for ids in ("0", "1")]
-    reader.wait_for(r"round\s+3/20", timeout=WAIT)
+    reader.wait_for(rf"round\s+3/{rounds}", timeout=WAIT)
     server.send_signal(signal.SIGINT)
     output = reader.rest(timeout=WAIT)
     assert server.wait(timeout=WAIT) == 130, output
@@ -473,7 +474,7 @@ def test_an_interrupted_server_tells_its_clients_writes_what_it_knows_and_resume
         assert client.returncode == 5 and "the server ended the run early" in log, log
     summary = read_summary(out)
     done = len(read_metrics(out))
-    assert summary["status"] == "interrupted" and summary["rounds_completed"] == done and 3 <= done < 20
+    assert summary["status"] == "interrupted" and summary["rounds_completed"] == done and 3 <= done < rounds
     assert summary["exit_code"] == 130
     assert f"fedpart server --resume {out}" in summary["note"]
     assert summary["bytes"]["up"] > 0 and summary["accuracy"]["initial"]["clients"] == 0
@@ -484,21 +485,21 @@ def test_an_interrupted_server_tells_its_clients_writes_what_it_knows_and_resume
     resumed = processes.start(fedpart_command("server", "--resume", str(out), "--address", address, "--insecure"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     reader = LineReader(resumed)
-    reader.wait_for(rf"resuming run \w+ after round {done}/20", timeout=WAIT)
+    reader.wait_for(rf"resuming run \w+ after round {done}/{rounds}", timeout=WAIT)
     clients = [_client(processes, address, ids, tmp_path) for ids in ("0", "1")]
     output = reader.rest(timeout=WAIT)
     assert resumed.wait(timeout=WAIT) == 0, output
     assert all(client.wait(timeout=WAIT) == 0 for client in clients)
     summary = read_summary(out)
-    assert summary["status"] == "completed" and summary["rounds_completed"] == 20 and summary["exit_code"] == 0
-    assert [m["round"] for m in read_metrics(out)] == list(range(1, 21))
+    assert summary["status"] == "completed" and summary["rounds_completed"] == rounds and summary["exit_code"] == 0
+    assert [m["round"] for m in read_metrics(out)] == list(range(1, rounds + 1))
     assert summary["accuracy"]["initial"]["clients"] == 2
 
 
 def test_a_server_that_gives_up_exits_4_and_its_clients_5(tmp_path: Path, processes) -> None:
     """Not every client is hosted within server.join_timeout: the server gives up (exit 4,
     summary.json marked failed) and tells the clients it has (exit 5)."""
-    config = small_config(rounds=2, server={"join_timeout": 20, "round_timeout": 60, "heartbeat_timeout": 30})
+    config = small_config(rounds=2, server={"join_timeout": 10, "round_timeout": 60, "heartbeat_timeout": 30})
     out = tmp_path / "out"
     address = f"127.0.0.1:{_free_port()}"
     client = _client(processes, address, "0-1", tmp_path)  # first, so that it waits for the server; 2-3 never come
@@ -512,7 +513,7 @@ def test_a_server_that_gives_up_exits_4_and_its_clients_5(tmp_path: Path, proces
     assert client.returncode == 5, log
     summary = read_summary(out)
     assert summary["status"] == "failed" and summary["rounds_completed"] == 0 and summary["exit_code"] == 4
-    assert "gave up: after 20 s clients 2-3" in summary["note"]
+    assert "gave up: after 10 s clients 2-3" in summary["note"]
 
 
 # ------------------------------------------------------------------------------ what is printed
