@@ -43,6 +43,7 @@ from fedpart.server.engine.coordinator import Coordinator
 from fedpart.server.policy.insiders import MIN_RESULTS, SKETCH_BUCKETS, CountSketch, InsiderMonitor, Observation
 from fedpart.server.policy import build_policy
 from fedpart.server.policy.combine import Combine
+from fedpart.server.policy.optimizers import build_server_optimizer
 from fedpart.server.policy.screening import RobustScreening
 from fedpart.server.output.console_text import format_table
 from fedpart.server.policy.robust import ResultRefused, partition_sizes
@@ -285,7 +286,8 @@ def test_under_secure_aggregation_the_policy_gives_the_monitor_the_revealed_sum(
     config = config_from_dict(small_config(clients=4, privacy={"secure_aggregation": True}))
     lines: list[str] = []
     state = build_run_model(config).state_dict()
-    policy = RobustScreening(Combine(config, None), config, lines.append, state)  # the layer inside secure aggregation's
+    core = Combine(config.robust, config.train.weighting, build_server_optimizer("plain", {}, None, config.clients))
+    policy = RobustScreening(core, config, lines.append, state)  # the layer inside secure aggregation's
     assert policy.monitor is not None and not policy.quarantine and policy.adaptive_bound is None
     name = next(iter(state))
     entries = []

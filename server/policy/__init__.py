@@ -53,9 +53,12 @@ def build_policy(config: RunConfig, log: Callable[[str], None], experiment: Expe
     each layer's ``wrap`` takes the ones it names, and ``experiment`` where it names it."""
     from fedpart.common.config.experiment import build_experiment
     from fedpart.server.policy.combine import Combine
+    from fedpart.server.policy.optimizers import build_server_optimizer
 
     experiment = experiment or build_experiment(config)
-    policy: Policy = Combine(config, experiment.algorithm.server_step)
+    step = config.server_optimizer
+    optimizer = build_server_optimizer(step.name, step.options, experiment.algorithm.server_step, config.clients)
+    policy: Policy = Combine(config.robust, config.train.weighting, optimizer)
     offered = {**engine, "experiment": experiment}
     for name in LAYERS:
         layer = importlib.import_module(name if "." in name else f"{__name__}.{name}")

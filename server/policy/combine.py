@@ -13,26 +13,25 @@ from typing import Any
 
 import torch
 from fedpart.common.components.registry import ROBUST_AGGREGATORS
-from fedpart.common.config.run_config import RunConfig, robust_aggregator_options
+from fedpart.common.config.run_config import RobustConfig, robust_aggregator_options
 from fedpart.common.process.records import RoundRecord
 from fedpart.server.policy.aggregate import RoundAggregate, Screened
 from fedpart.server.policy.aggregation import Aggregator, HeadDictionary
 from fedpart.server.policy.base import Policy, RoundSteps
-from fedpart.server.policy.optimizers import ServerOptimizer, build_server_optimizer
+from fedpart.server.policy.optimizers import ServerOptimizer
 
 
 class Combine(Policy):
     """Counts each result for its samples, combines a round's results with the configured
     aggregator and moves the global model with the run's server optimizer."""
 
-    def __init__(self, config: RunConfig, server_step: tuple[str, dict[str, Any]] | None) -> None:
-        """``server_step``: the step the algorithm's objective brings (FedDyn's), if any."""
+    def __init__(self, robust: RobustConfig, weighting: str, optimizer: ServerOptimizer) -> None:
+        """``robust``: the section whose aggregator combines; ``weighting``: ``train.weighting``;
+        ``optimizer``: the run's server optimizer (:func:`build_server_optimizer`)."""
         super().__init__(None)
-        self.robust = config.robust
-        self.weighting = config.train.weighting
-        section = config.server_optimizer
-        self.optimizer: ServerOptimizer = build_server_optimizer(
-            section.name, section.options, server_step, config.clients)
+        self.robust = robust
+        self.weighting = weighting
+        self.optimizer = optimizer
 
     def combiner(self) -> Aggregator:
         """A fresh aggregator of the configured kind, its options read from the ``robust`` section."""
