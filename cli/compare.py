@@ -23,10 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedpart.common.config.run_config import ConfigError, RunConfig, load_config
 from fedpart.report.link import Link
 from fedpart.report.runs import ReportError
+
+if TYPE_CHECKING:
+    from fedpart.deploy.forks import Command
 
 REPORT_DIR = "report"
 
@@ -155,10 +159,11 @@ def plan_runs(config_path: Path, algorithms: list[str], sets: list[str], out: Pa
 
 
 def compare(config_path: Path, algorithms: list[str], sets: list[str], out: Path, link: Link | None,
-            target: float | None, seeds: list[int] | None = None, vary_partition: bool = False,
+            target: float | None, command: Command, seeds: list[int] | None = None, vary_partition: bool = False,
             engines: list[str] | None = None) -> int:
-    """Run every algorithm (once per seed with ``seeds``, per round engine with ``engines``), then
-    write the report; 0 only when every run succeeded."""
+    """Run every algorithm (once per seed with ``seeds``, per round engine with ``engines``), each
+    a ``fedpart run`` whose processes run ``command`` (the ``fedpart`` command's entry), then write
+    the report; 0 only when every run succeeded."""
     from fedpart.deploy.launcher import run_local
     from fedpart.report.build import require_plotting, write_report
 
@@ -167,7 +172,7 @@ def compare(config_path: Path, algorithms: list[str], sets: list[str], out: Path
     codes = {}
     for run in planned:
         print(f"fedpart compare: {run.label} -> {run.out}", flush=True)
-        codes[run.label] = run_local(config_path, run.overrides, run.config, str(run.out))
+        codes[run.label] = run_local(config_path, run.overrides, run.config, str(run.out), command)
     failed = [label for label, code in codes.items() if code != 0]
     reportable = [r for r in planned if (r.out / "config.yaml").is_file()]
     for run in planned:

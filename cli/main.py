@@ -213,7 +213,7 @@ def _run(args: argparse.Namespace) -> int:
         config = load_config(path, args.set)
         out = args.out or default_out_dir(config.name)
     _startup_done()
-    return run_local(path, args.set, config, out, args.overwrite, args.devices, args.metrics_port,
+    return run_local(path, args.set, config, out, main, args.overwrite, args.devices, args.metrics_port,
                      resume=bool(args.resume))
 
 
@@ -327,7 +327,8 @@ def _compare(args: argparse.Namespace) -> int:
     engines = parse_engines(args.engines) if args.engines is not None else None
     out = Path(args.out or default_out_dir(f"compare-{load_config(path).name}"))
     _startup_done()
-    return compare(path, algorithms, args.set, out, _link(args), args.target, seeds, args.vary_partition, engines)
+    return compare(path, algorithms, args.set, out, _link(args), args.target, main, seeds, args.vary_partition,
+                   engines)
 
 
 def _add_link_options(parser: argparse.ArgumentParser) -> None:

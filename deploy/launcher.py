@@ -6,9 +6,12 @@ Everything is checked first, in this process, before any process starts: the who
 needs on this machine), the devices of ``--devices``, and the run directory (an earlier run is
 refused unless ``--overwrite``). The launcher then makes throw-away credentials for the run
 (``fedpart certs`` into a private temporary directory, removed afterwards), so the local run uses
-TLS and per-process tokens like a deployed one. The server (whose threads yield to the clients'
-training, ``--yield-to-training``) listens on a free port and announces it on its first output
-line; the launcher reads that line (bounded wait), starts the clients with an even share of the
+TLS and per-process tokens like a deployed one. The server and the client processes are forked
+from a fork server that imported torch once (:mod:`fedpart.deploy.forks`; ``ps -o comm`` names
+them ``fedpart-server`` and ``fedpart-client``) and run the ``fedpart server`` and ``fedpart
+client`` commands. The server (whose threads yield to the clients' training,
+``--yield-to-training``) listens on a free port and announces it on its first output line; the
+launcher reads that line (bounded wait), starts the clients with an even share of the
 client ids and of the CPU cores, each on its device (their output goes to
 ``<out>/logs/client_K.log``), forwards the server's output, and stops every process it started by
 PID. On a terminal it shows the live progress display, rendered from the progress lines the server
@@ -37,6 +40,7 @@ from fedpart.common.wire.client_ids import split_clients
 from fedpart.common.config.run_config import RunConfig
 from fedpart.common.process.console import Display, RunProgress, render_run, stamp
 from fedpart.common.process.exit_codes import ExitCode, Stopped
+from fedpart.deploy.forks import Command, ForkedProcess, ForkServer
 
 STARTUP_SECONDS = 120.0
 STOP_SECONDS = 30.0
@@ -68,17 +72,13 @@ def client_processes(config: RunConfig, devices: str | None) -> tuple[list[tuple
     return list(zip(ranges, chosen)), notes
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fedpart", *args]
-
-
 def _pump(stream, sink: queue.Queue) -> None:
     for line in iter(stream.readline, ""):
         sink.put(line)
     sink.put(None)
 
 
-def stop_processes(processes: list[subprocess.Popen], grace_seconds: float = 10.0) -> None:
+def stop_processes(processes: list[subprocess.Popen] | list[ForkedProcess], grace_seconds: float = 10.0) -> None:
     """Terminate by PID, then kill whatever is still there after ``grace_seconds``."""
     for process in processes:
         if process.poll() is None:
@@ -137,12 +137,13 @@ def _error(message: str) -> None:
     print(stamp(f"fedpart run: {message}"), file=sys.stderr, flush=True)
 
 
-def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_dir: str,
+def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_dir: str, command: Command,
               overwrite: bool = False, devices: str | None = None, metrics_port: int | None = None,
               resume: bool = False) -> int:
     """Run the experiment locally, the client processes on ``devices`` (see
     :func:`client_processes`), the server's Prometheus metrics on ``127.0.0.1:metrics_port``
-    (None: off); returns the exit code (0 when the server and every client succeeded). With
+    (None: off), each process running ``command`` (the ``fedpart`` command's entry) with its
+    arguments; returns the exit code (0 when the server and every client succeeded). With
     ``resume``, continue the stopped run in ``out_dir`` (its server resumed, its client processes
     started again on their state directories). Raises ConfigError (or DeviceError, or ImportError
     without prometheus-client), before anything starts, for a config, device, run directory or
@@ -164,14 +165,15 @@ def run_local(config_path: Path, overrides: list[str], config: RunConfig, out_di
         print(stamp(f"fedpart run: note: {note}"), flush=True)
     with tempfile.TemporaryDirectory(prefix="fedpart-credentials-") as secrets:
         return Launch(config_path, overrides, config, Path(out_dir), Path(secrets), overwrite, placed,
-                      metrics_port, resume).run()
+                      metrics_port, ForkServer(command), resume).run()
 
 
 class Launch:
     """One local run: the server, its clients, and what the launcher prints."""
 
     def __init__(self, config_path: Path, overrides: list[str], config: RunConfig, out: Path, secrets: Path,
-                 overwrite: bool, placed: list[tuple[str, str]], metrics_port: int | None, resume: bool = False) -> None:
+                 overwrite: bool, placed: list[tuple[str, str]], metrics_port: int | None, forks: ForkServer,
+                 resume: bool = False) -> None:
         self.config_path = config_path
         self.overrides = overrides
         self.config = config
@@ -184,7 +186,8 @@ class Launch:
         self.progress: RunProgress | None = None
         self.display = Display(lambda: render_run(self.progress), logger="fedpart.launcher")
         self.lines: queue.Queue = queue.Queue()
-        self.clients: list[subprocess.Popen] = []
+        self.forks = forks
+        self.clients: list[ForkedProcess] = []
         self.client_logs: list[Path] = []
 
     def run(self) -> int:
@@ -196,14 +199,13 @@ class Launch:
         # a fresh run, or the stopped one resumed with this launcher's fresh credentials
         run = (["--resume", str(self.out), "--new-credentials"] if self.resume else
                [str(self.config_path), "--out", str(self.out), *(["--overwrite"] if self.overwrite else [])])
-        server = subprocess.Popen(
-            _cli("server", *run, "--address", "127.0.0.1:0", "--resume-command", resume_command(self.out),
-                 *[a for o in self.overrides for a in ("--set", o)],
-                 "--progress", "json" if self.display.live else "plain", "--yield-to-training",
-                 *(["--metrics-port", str(self.metrics_port)] if self.metrics_port is not None else []),
-                 "--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),
-                 "--credentials", str(secrets / "credentials.yaml")),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        server = self.forks.start(
+            ["server", *run, "--address", "127.0.0.1:0", "--resume-command", resume_command(self.out),
+             *[a for o in self.overrides for a in ("--set", o)],
+             "--progress", "json" if self.display.live else "plain", "--yield-to-training",
+             *(["--metrics-port", str(self.metrics_port)] if self.metrics_port is not None else []),
+             "--tls-cert", str(secrets / "server.pem"), "--tls-key", str(secrets / "server.key"),
+             "--credentials", str(secrets / "credentials.yaml")], env)
         threading.Thread(target=_pump, args=(server.stdout, self.lines), daemon=True).start()
         try:
             with self.display:
@@ -229,13 +231,12 @@ class Launch:
         for index, (ids, device) in enumerate(self.placed):
             log_path = logs / f"client_{index}.log"
             self.client_logs.append(log_path)
-            with log_path.open("a" if self.resume else "w") as log:
-                self.clients.append(subprocess.Popen(
-                    _cli("client", "--server", address, "--clients", ids, "--device", device,
-                         "--state-dir", str(self.out / "state" / f"process_{index}"),
-                         "--ca", str(self.secrets / "ca.pem"),
-                         "--token-file", str(self.secrets / f"process_{index}.token")),
-                    stdout=log, stderr=subprocess.STDOUT, env=env))
+            if not self.resume:
+                log_path.write_text("")
+            self.clients.append(self.forks.start(
+                ["client", "--server", address, "--clients", ids, "--device", device,
+                 "--state-dir", str(self.out / "state" / f"process_{index}"), "--ca", str(self.secrets / "ca.pem"),
+                 "--token-file", str(self.secrets / f"process_{index}.token")], env, log_path))
 
     def _forward(self, line: str) -> None:
         """A line of the server: progress (kept for the live view) or a line to print."""
@@ -260,7 +261,7 @@ class Launch:
                 return match.group(1)
         return None
 
-    def _follow(self, server: subprocess.Popen) -> int:
+    def _follow(self, server: ForkedProcess) -> int:
         """Forward server output until it exits; fail fast when a client process dies."""
         while True:
             try:

@@ -271,9 +271,11 @@ def test_fedpart_run_trains_under_the_usual_policy_beside_threads_that_yield(tmp
     while not (metrics.exists() and '"round"' in metrics.read_text()):  # every process is up and joined
         assert run.poll() is None and time.monotonic() < deadline, "the run ended or stalled before round 1"
         time.sleep(0.1)
-    children = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in _children(run.pid)}
-    (server,) = [pid for pid, argv in children.items() if b"server" in argv]
-    clients = [pid for pid, argv in children.items() if b"client" in argv]
+    # the launcher's processes are forked from its fork server (fedpart/deploy/forks.py), named for what they run
+    started = {pid: Path(f"/proc/{pid}/comm").read_text().strip()
+               for child in _children(run.pid) for pid in _children(child)}
+    (server,) = [pid for pid, name in started.items() if name == "fedpart-server"]
+    clients = [pid for pid, name in started.items() if name == "fedpart-client"]
     assert len(clients) == 2
     server_threads = _policies(server)
     assert len(server_threads) > 3, server_threads
