@@ -672,12 +672,12 @@ def _wait_stopped(pids: list[int]) -> None:
 
 
 def is_client_process(pid: int) -> bool:
-    """Whether process ``pid`` runs ``fedpart client`` (False once it has ended)."""
+    """Whether process ``pid`` is a client process of ``fedpart run`` (named ``fedpart-client``
+    by the launcher's fork server, ``fedpart/deploy/forks.py``; False once it has ended)."""
     try:
-        arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "fedpart-client"
     except OSError:
         return False
-    return arguments[1:4] == [b"-m", b"fedpart", b"client"]
 
 
 def _stop(process: subprocess.Popen) -> None:
