@@ -45,15 +45,13 @@ def run_command(command: Command, args: list[str], output: Connection | str, env
     os.environ.clear()
     os.environ.update(env)
     if isinstance(output, Connection):
-        target = output.fileno()
+        target = os.dup(output.fileno())
+        output.close()
     else:
         target = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(target, 1)
     os.dup2(target, 2)
-    if isinstance(output, Connection):
-        output.close()
-    else:
-        os.close(target)
+    os.close(target)
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
     sys.argv = [sys.argv[0], *args]

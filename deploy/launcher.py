@@ -78,7 +78,8 @@ def _pump(stream, sink: queue.Queue) -> None:
     sink.put(None)
 
 
-def stop_processes(processes: list[subprocess.Popen] | list[ForkedProcess], grace_seconds: float = 10.0) -> None:
+def stop_processes(processes: list[subprocess.Popen] | list[ForkedProcess],
+                   grace_seconds: float = 10.0) -> None:
     """Terminate by PID, then kill whatever is still there after ``grace_seconds``."""
     for process in processes:
         if process.poll() is None:

@@ -57,8 +57,8 @@ def value_errors(config: RunConfig) -> list[str]:
 def refusals(config: RunConfig, algorithm: Algorithm, server_parts: bool = True) -> list[str]:
     """Why ``config`` cannot run with ``privacy.secure_aggregation`` on (empty: it can): the server
     receives only masked updates and learns their sum, so nothing may need one client's update.
-    ``algorithm``: the run's, as the config check built it. Without the server's parts (a client checking its config) the server-side components are not
-    asked."""
+    ``algorithm``: the run's, as the config check built it. Without the server's parts (a client
+    checking its config) the server-side components are not asked."""
     from fedpart.common.wire.codecs import lossless
 
     robust = config.robust
